@@ -1,0 +1,83 @@
+"""Domain errors. Plain Python: domain code raises these, one interceptor maps them to gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldViolation:
+    """One bad field: `field` is a dotted path such as `service.replica_policy.max_replicas`."""
+
+    field: str
+    description: str
+
+
+class ReplicaplaneError(Exception):
+    """Base of every error the API reports on purpose.
+
+    Attributes:
+        reason: UPPER_SNAKE_CASE machine-readable reason (AIP-193 ErrorInfo.reason).
+        metadata: values named in the message, for clients that branch on them.
+    """
+
+    reason = "ERROR"
+
+    def __init__(self, message: str, *, reason: str | None = None, **metadata: object) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason:
+            self.reason = reason
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+
+
+class ValidationError(ReplicaplaneError):
+    """Bad input. Carries every violation found, not just the first."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, violations: list[FieldViolation], *, subject: str = "request") -> None:
+        self.violations = list(violations)
+        lines = "; ".join(f"{v.field}: {v.description}" for v in self.violations)
+        super().__init__(f"invalid {subject}: {lines}")
+
+
+class NotFoundError(ReplicaplaneError):
+    """The named resource does not exist."""
+
+    reason = "NOT_FOUND"
+
+
+class AlreadyExistsError(ReplicaplaneError):
+    """A resource with that name already exists."""
+
+    reason = "ALREADY_EXISTS"
+
+
+class FailedPreconditionError(ReplicaplaneError):
+    """The resource is not in a state that allows the call; wait for it to change."""
+
+    reason = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, subject: str = "", type_: str = "STATE", **metadata: object) -> None:
+        super().__init__(message, **metadata)
+        self.subject = subject
+        self.type_ = type_
+
+
+class AbortedError(ReplicaplaneError):
+    """A concurrent change won; redo the read-modify-write."""
+
+    reason = "ABORTED"
+
+
+class UnavailableError(ReplicaplaneError):
+    """A dependency is down or timed out; retry the call."""
+
+    reason = "UNAVAILABLE"
+
+
+def require(violations: list[FieldViolation], *, subject: str = "request") -> None:
+    """Raise ValidationError if any violation was collected."""
+    if violations:
+        raise ValidationError(violations, subject=subject)

@@ -1,0 +1,144 @@
+"""Maps domain errors to gRPC statuses with google.rpc details, and decodes them on clients."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from services.common import errors
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[errors.ReplicaplaneError], grpc.StatusCode]] = [
+    (errors.ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.AbortedError, grpc.StatusCode.ABORTED),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def _pack(message: Any) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
+    """Build the google.rpc.Status for an exception; unknown exceptions become INTERNAL."""
+    if not isinstance(exc, errors.ReplicaplaneError):
+        return status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
+    code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+    details = [_pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=exc.metadata))]
+    if isinstance(exc, errors.ValidationError):
+        details.append(
+            _pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                        for v in exc.violations
+                    ]
+                )
+            )
+        )
+    elif isinstance(exc, errors.FailedPreconditionError):
+        details.append(
+            _pack(
+                error_details_pb2.PreconditionFailure(
+                    violations=[
+                        error_details_pb2.PreconditionFailure.Violation(
+                            type=exc.type_, subject=exc.subject, description=exc.message
+                        )
+                    ]
+                )
+            )
+        )
+    return status_pb2.Status(code=code.value[0], message=exc.message, details=details)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, domain: str) -> None:
+    if not isinstance(exc, errors.ReplicaplaneError):
+        log.exception("unhandled error in RPC")
+    status = rpc_status.to_status(to_status(exc, domain=domain))
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns domain exceptions raised by servicers into statuses with details (AIP-193)."""
+
+    def __init__(self, domain: str) -> None:
+        self._domain = domain
+
+    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await _abort(context, exc, self._domain)
+
+        return handler
+
+    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await _abort(context, exc, self._domain)
+
+        return handler
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream), **kwargs)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(self._wrap_unary(handler.stream_unary), **kwargs)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(self._wrap_stream(handler.stream_stream), **kwargs)
+        return handler
+
+
+class RpcError(Exception):
+    """A decoded error from a Replicaplane service, with its google.rpc details."""
+
+    def __init__(self, err: grpc.aio.AioRpcError | grpc.RpcError) -> None:
+        self.code: grpc.StatusCode = err.code()
+        self.message: str = err.details() or ""
+        self.reason = ""
+        self.field_violations: list[tuple[str, str]] = []
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        if status is not None:
+            for detail in status.details:
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    detail.Unpack(info)
+                    self.reason = info.reason
+                elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    bad = error_details_pb2.BadRequest()
+                    detail.Unpack(bad)
+                    self.field_violations = [(v.field, v.description) for v in bad.field_violations]
+        super().__init__(f"{self.code.name}: {self.message}")

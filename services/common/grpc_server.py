@@ -1,0 +1,112 @@
+"""gRPC server bootstrap shared by the three services: options, health, reflection, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import grpc_errors
+
+log = logging.getLogger(__name__)
+
+# Client keepalive (clients.py) pings every 30 s; the server must allow at least that often
+# or it answers GOAWAY too_many_pings.
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
+
+@dataclasses.dataclass
+class Built:
+    """A built, not yet started server."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def start(self) -> None:
+        """Start serving and mark every service SERVING."""
+        await self.server.start()
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float | None) -> None:
+        """Mark NOT_SERVING first so balancers drain, then stop with `grace` seconds."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def new_server(*, domain: str) -> grpc.aio.Server:
+    """A grpc.aio server with the error interceptor and the shared options."""
+    return grpc.aio.server(interceptors=[grpc_errors.ErrorInterceptor(domain=domain)], options=SERVER_OPTIONS)
+
+
+def finish(server: grpc.aio.Server, listen_addr: str, service_names: Sequence[str]) -> Built:
+    """Add health checking and reflection, bind `listen_addr`, and return the built server.
+
+    Args:
+        server: a server from new_server() with the service's servicers added.
+        listen_addr: host:port; port 0 picks a free port (tests).
+        service_names: full names of the services, for health and reflection.
+    """
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        *service_names,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(listen_addr)
+    if port == 0:
+        raise RuntimeError(f"could not bind {listen_addr}")
+    return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names))
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write `port` to `path` atomically, so a reader never sees a partial number."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(str(port))
+    os.replace(tmp, path)
+
+
+async def serve_until_signal(
+    built: Built, *, grace: float, port_file: str = "", on_stop: Sequence[object] = ()
+) -> None:
+    """Start `built`, wait for SIGTERM or SIGINT, then shut down gracefully.
+
+    Args:
+        built: the server.
+        grace: seconds in-flight RPCs get to finish.
+        port_file: if set, the bound port is written there (atomically) once serving.
+        on_stop: async callables run after the server stopped (close stores, stop backends).
+    """
+    await built.start()
+    if port_file:
+        write_port_file(port_file, built.port)
+    log.info("serving %s on port %d", ", ".join(built.service_names), built.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await built.stop(grace)
+    for hook in on_stop:
+        await hook()  # type: ignore[operator]
+    log.info("stopped")

@@ -1,0 +1,1 @@
+"""The controller service: the only owner of state and policy."""
