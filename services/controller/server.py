@@ -21,6 +21,12 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    state_dir: str = "~/.replicaplane/controller"
+    """Directory of the SQLite store."""
+    provisioner_addr: str = config.PROVISIONER_ADDR
+    """Where the provisioner listens."""
+    prober_addrs: str = config.PROBER_ADDR
+    """Probers: a comma-separated address list, or `dns:///name:port` resolving to every prober."""
 
 
 def load_settings(**overrides: object) -> Settings:
