@@ -1,0 +1,618 @@
+"""The controller's SQLite store: services, versions, replicas and autoscaler state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.controller.v1 import resources_pb2
+from services.common import errors
+
+DB_FILE = "state.db"
+
+# Columns update_service may change. latest_version and next_replica_id are owned by
+# add_version and allocate_replica_id, so ids and versions only ever move forward.
+_UPDATABLE = frozenset({"status", "status_message", "uptime_start", "update_mode", "deleting", "request_id"})
+
+_SERVICE_COLUMNS = (
+    "name, create_time, status, status_message, uptime_start, update_mode, latest_version, "
+    "next_replica_id, deleting, request_id"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceRow:
+    """One row of the services table.
+
+    Attributes:
+        name: the service name (primary key).
+        create_time: seconds since the epoch when the service was created.
+        status: a `resources_pb2.ServiceStatus` value.
+        status_message: one line saying why the service is in its status.
+        uptime_start: when the first replica became ready, or None.
+        update_mode: a `resources_pb2.UpdateMode` value, of the last update.
+        latest_version: the newest version.
+        next_replica_id: the id the next `allocate_replica_id` returns.
+        deleting: the service is being torn down.
+        request_id: the request id of the create call, for retries.
+    """
+
+    name: str
+    create_time: float
+    status: int
+    status_message: str
+    uptime_start: float | None
+    update_mode: int
+    latest_version: int
+    next_replica_id: int
+    deleting: bool
+    request_id: str
+
+
+def _service_row(row: tuple[Any, ...]) -> ServiceRow:
+    (name, create_time, status, message, uptime, mode, latest, next_id, deleting, request_id) = row
+    return ServiceRow(
+        name=name,
+        create_time=float(create_time),
+        status=int(status),
+        status_message=message,
+        uptime_start=None if uptime is None else float(uptime),
+        update_mode=int(mode),
+        latest_version=int(latest),
+        next_replica_id=int(next_id),
+        deleting=bool(deleting),
+        request_id=request_id,
+    )
+
+
+# ---- schema ------------------------------------------------------------------------------
+# Each migration moves the schema from version i to i+1 (its index + 1) and runs in one
+# transaction together with the PRAGMA user_version bump, so a crash leaves either the old or
+# the new schema. Never edit a shipped migration; append a new one.
+
+
+def _migrate_1(db: sqlite3.Connection) -> None:
+    """Initial schema."""
+    db.execute(
+        """CREATE TABLE services (
+            name TEXT PRIMARY KEY,
+            create_time REAL NOT NULL,
+            status INTEGER NOT NULL DEFAULT 0,
+            status_message TEXT NOT NULL DEFAULT '',
+            uptime_start REAL,
+            update_mode INTEGER NOT NULL DEFAULT 0,
+            latest_version INTEGER NOT NULL DEFAULT 0,
+            next_replica_id INTEGER NOT NULL DEFAULT 1,
+            deleting INTEGER NOT NULL DEFAULT 0
+        ) STRICT"""
+    )
+    db.execute(
+        """CREATE TABLE versions (
+            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+            version INTEGER NOT NULL,
+            spec BLOB NOT NULL,
+            yaml TEXT NOT NULL DEFAULT '',
+            PRIMARY KEY (service, version)
+        ) STRICT"""
+    )
+    db.execute(
+        """CREATE TABLE replicas (
+            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+            replica_id INTEGER NOT NULL,
+            status INTEGER NOT NULL,
+            version INTEGER NOT NULL,
+            data BLOB NOT NULL,
+            PRIMARY KEY (service, replica_id)
+        ) STRICT"""
+    )
+    db.execute("CREATE INDEX replicas_by_version ON replicas (service, version)")
+    db.execute(
+        """CREATE TABLE autoscaler_state (
+            service TEXT PRIMARY KEY REFERENCES services(name) ON DELETE CASCADE,
+            state BLOB NOT NULL
+        ) STRICT"""
+    )
+
+
+def _migrate_2(db: sqlite3.Connection) -> None:
+    """Create-request idempotency key and a status index for replica queries."""
+    db.execute("ALTER TABLE services ADD COLUMN request_id TEXT NOT NULL DEFAULT ''")
+    db.execute("CREATE INDEX replicas_by_status ON replicas (service, status)")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2)
+"""Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class SchemaError(Exception):
+    """The database file has a newer schema than this code knows; refuse to touch it."""
+
+
+def migrate(db: sqlite3.Connection, *, target: int = SCHEMA_VERSION) -> int:
+    """Apply the pending migrations up to `target`, each in its own transaction.
+
+    Args:
+        db: a connection in autocommit mode (isolation_level=None).
+        target: schema version to reach; tests pass a lower one to build an old database.
+
+    Returns:
+        The schema version after migrating.
+
+    Raises:
+        SchemaError: the file's schema is newer than `SCHEMA_VERSION`.
+    """
+    current = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if current > SCHEMA_VERSION:
+        raise SchemaError(f"store schema version {current} is newer than this controller ({SCHEMA_VERSION})")
+    while current < target:
+        # BEGIN IMMEDIATE, then re-read: another process may have migrated meanwhile.
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            current = int(db.execute("PRAGMA user_version").fetchone()[0])
+            if current < target:
+                MIGRATIONS[current](db)
+                current += 1
+                db.execute(f"PRAGMA user_version = {current:d}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    return current
+
+
+# ---- the store -----------------------------------------------------------------------------
+
+
+class Store:
+    """SQLite store of services, versions, replicas and autoscaler state.
+
+    Synchronous and fast: each call is one short transaction. Calls made inside a
+    `with store.transaction():` block join that transaction. Do not `await` inside such a
+    block: another task using the store meanwhile is refused with RuntimeError rather than
+    silently joining someone else's transaction.
+    """
+
+    def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> None:
+        """Open (creating if needed) the database at `path` and migrate it.
+
+        Args:
+            path: the database file; its directory is created (mode 0700).
+            synchronous: SQLite `synchronous` setting: NORMAL survives process crashes,
+                FULL also survives power loss at the cost of an fsync per commit.
+            busy_timeout_s: how long a write waits for another process's lock.
+
+        Raises:
+            SchemaError: the file was written by a newer controller.
+            ValueError: `synchronous` is not NORMAL or FULL.
+        """
+        if synchronous.upper() not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
+        self.path = os.path.abspath(path)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        # Specs carry probe headers and secrets: create the file private. SQLite gives the
+        # -wal and -shm files the same permissions as the database.
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        self._db = sqlite3.connect(
+            self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000):d}")
+        mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise RuntimeError(f"could not put {self.path} in WAL mode (got {mode})")
+        self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._owner: object = None
+        try:
+            migrate(self._db)
+        except BaseException:
+            self._db.close()
+            raise
+
+    @classmethod
+    def in_state_dir(
+        cls, state_dir: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0
+    ) -> Store:
+        """Open `state.db` under `state_dir` (`~` expanded).
+
+        Args:
+            state_dir: the controller's state directory.
+            synchronous: as for the constructor.
+            busy_timeout_s: as for the constructor.
+
+        Returns:
+            The open store.
+        """
+        path = os.path.join(os.path.expanduser(state_dir), DB_FILE)
+        return cls(path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+
+    def close(self) -> None:
+        """Close the database; the store is unusable afterwards."""
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        """The schema version of the open database."""
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    # ---- transactions --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """Atomic read-modify-write: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on exception.
+
+        Nested blocks (and every store call inside the block) join the outer transaction; a
+        nested block that raises rolls back only its own changes (a savepoint).
+
+        Yields:
+            This store.
+
+        Raises:
+            errors.UnavailableError: another process held the write lock past the busy timeout.
+            RuntimeError: another asyncio task tried to use the store while a transaction
+                was open (an `await` inside the block).
+        """
+        with self._lock:
+            owner = _current_owner()
+            if self._depth and owner is not self._owner:
+                raise RuntimeError("store transaction held across an await by another task")
+            if self._depth == 0:
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    raise errors.UnavailableError(f"store busy: {exc}", reason="STORE_BUSY") from exc
+                self._owner = owner
+                self._depth = 1
+                try:
+                    yield self
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                else:
+                    self._db.execute("COMMIT")
+                finally:
+                    self._depth = 0
+                    self._owner = None
+            else:
+                name = f"sp{self._depth}"
+                self._db.execute(f"SAVEPOINT {name}")
+                self._depth += 1
+                try:
+                    yield self
+                except BaseException:
+                    self._db.execute(f"ROLLBACK TO {name}")
+                    self._db.execute(f"RELEASE {name}")
+                    raise
+                else:
+                    self._db.execute(f"RELEASE {name}")
+                finally:
+                    self._depth -= 1
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        # A single SELECT is atomic on its own; the lock keeps threads off a half-open
+        # transaction and the owner check keeps other tasks out of one.
+        with self._lock:
+            if self._depth and _current_owner() is not self._owner:
+                raise RuntimeError("store transaction held across an await by another task")
+            yield self._db
+
+    # ---- services ------------------------------------------------------------------------
+
+    def create_service(
+        self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = ""
+    ) -> ServiceRow:
+        """Create a service with `spec` as version 1.
+
+        Args:
+            name: the service name.
+            spec: the validated spec of version 1.
+            now: creation time, seconds since the epoch.
+            request_id: the create request's id, kept so a retried create can be recognised.
+
+        Returns:
+            The new row (status CONTROLLER_INIT, latest_version 1, next_replica_id 1).
+
+        Raises:
+            errors.AlreadyExistsError: a service with that name exists.
+        """
+        with self.transaction():
+            if self._exists(name):
+                raise errors.AlreadyExistsError(
+                    f"service {name!r} already exists", reason="SERVICE_ALREADY_EXISTS", service=name
+                )
+            self._db.execute(
+                "INSERT INTO services (name, create_time, status, latest_version, request_id) "
+                "VALUES (?, ?, ?, 1, ?)",
+                (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id),
+            )
+            self._insert_version(name, 1, spec)
+            return self._get_service(name)  # type: ignore[return-value]
+
+    def get_service(self, name: str) -> ServiceRow | None:
+        """The service row, or None if there is no such service."""
+        with self._read():
+            return self._get_service(name)
+
+    def list_services(self) -> list[ServiceRow]:
+        """Every service row, in name order."""
+        with self._read() as db:
+            rows = db.execute(f"SELECT {_SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
+        return [_service_row(r) for r in rows]
+
+    def update_service(self, name: str, **fields: object) -> ServiceRow:
+        """Set some columns of a service row.
+
+        Args:
+            name: the service name.
+            **fields: any of status, status_message, uptime_start, update_mode, deleting,
+                request_id.
+
+        Returns:
+            The updated row.
+
+        Raises:
+            errors.NotFoundError: no such service.
+            ValueError: a field that is unknown or not updatable (latest_version and
+                next_replica_id only move through add_version and allocate_replica_id).
+        """
+        bad = sorted(set(fields) - _UPDATABLE)
+        if bad:
+            raise ValueError(f"update_service cannot set {', '.join(bad)}")
+        with self.transaction():
+            if fields:
+                columns = sorted(fields)
+                values = [_column_value(c, fields[c]) for c in columns]
+                sets = ", ".join(f"{c} = ?" for c in columns)
+                cur = self._db.execute(f"UPDATE services SET {sets} WHERE name = ?", (*values, name))
+                if cur.rowcount == 0:
+                    raise _not_found(name)
+            row = self._get_service(name)
+            if row is None:
+                raise _not_found(name)
+            return row
+
+    def delete_service(self, name: str) -> None:
+        """Remove a service with its versions, replicas and autoscaler state.
+
+        Deleting a service that is not there is a no-op, so recovery can repeat it.
+        """
+        with self.transaction():
+            for table in ("replicas", "versions", "autoscaler_state"):
+                self._db.execute(f"DELETE FROM {table} WHERE service = ?", (name,))
+            self._db.execute("DELETE FROM services WHERE name = ?", (name,))
+
+    # ---- versions ------------------------------------------------------------------------
+
+    def add_version(self, name: str, spec: spec_pb2.ServiceSpec) -> int:
+        """Store `spec` as the next version and make it the latest, atomically.
+
+        Args:
+            name: the service name.
+            spec: the validated spec.
+
+        Returns:
+            The new version number (previous latest + 1).
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            row = self._db.execute(
+                "SELECT MAX(latest_version, IFNULL((SELECT MAX(version) FROM versions "
+                "WHERE service = ?1), 0)) FROM services WHERE name = ?1",
+                (name,),
+            ).fetchone()
+            if row is None:
+                raise _not_found(name)
+            version = int(row[0]) + 1
+            self._insert_version(name, version, spec)
+            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
+            return version
+
+    def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:
+        """The spec of one version, or None if it is not stored (or deleted)."""
+        with self._read() as db:
+            row = db.execute(
+                "SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)
+            ).fetchone()
+        if row is None:
+            return None
+        spec = spec_pb2.ServiceSpec()
+        spec.ParseFromString(row[0])
+        return spec
+
+    def list_versions(self, name: str) -> list[int]:
+        """The stored versions of a service, ascending."""
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)
+            ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def delete_unreferenced_versions(self, name: str) -> list[int]:
+        """Delete every version but the newest that no replica record references (spec §7.3).
+
+        Returns:
+            The deleted versions, ascending.
+        """
+        with self.transaction():
+            rows = self._db.execute(
+                """DELETE FROM versions
+                   WHERE service = ?1
+                     AND version < (SELECT latest_version FROM services WHERE name = ?1)
+                     AND version NOT IN (SELECT version FROM replicas WHERE service = ?1)
+                   RETURNING version""",
+                (name,),
+            ).fetchall()
+        return sorted(int(r[0]) for r in rows)
+
+    # ---- replica ids ---------------------------------------------------------------------
+
+    def allocate_replica_id(self, name: str) -> int:
+        """Take the next replica id of a service. Ids start at 1 and are never handed out twice.
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            row = self._db.execute(
+                "UPDATE services SET next_replica_id = next_replica_id + 1 WHERE name = ? "
+                "RETURNING next_replica_id - 1",
+                (name,),
+            ).fetchone()
+            if row is None:
+                raise _not_found(name)
+            return int(row[0])
+
+    # ---- replicas ------------------------------------------------------------------------
+
+    def put_replica(self, replica: resources_pb2.Replica) -> None:
+        """Insert or replace a replica record (keyed by service and replica_id).
+
+        Raises:
+            errors.NotFoundError: the replica's service does not exist.
+            ValueError: replica_id < 1.
+        """
+        self.put_replicas((replica,))
+
+    def put_replicas(self, replicas: Iterable[resources_pb2.Replica]) -> None:
+        """Insert or replace several replica records in one transaction.
+
+        A record whose id was never allocated also moves the service's id counter past it,
+        so that id is never handed out again.
+
+        Raises:
+            errors.NotFoundError: a replica's service does not exist (nothing is written).
+            ValueError: a replica_id < 1 (nothing is written).
+        """
+        with self.transaction():
+            for replica in replicas:
+                if replica.replica_id < 1:
+                    raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
+                cur = self._db.execute(
+                    "UPDATE services SET next_replica_id = MAX(next_replica_id, ?) WHERE name = ?",
+                    (replica.replica_id + 1, replica.service),
+                )
+                if cur.rowcount == 0:
+                    raise _not_found(replica.service)
+                self._db.execute(
+                    "INSERT OR REPLACE INTO replicas (service, replica_id, status, version, data) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (
+                        replica.service,
+                        replica.replica_id,
+                        int(replica.status),
+                        replica.version,
+                        replica.SerializeToString(),
+                    ),
+                )
+
+    def get_replica(self, name: str, replica_id: int) -> resources_pb2.Replica | None:
+        """One replica record, or None."""
+        with self._read() as db:
+            row = db.execute(
+                "SELECT data FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id)
+            ).fetchone()
+        return None if row is None else _replica(row[0])
+
+    def list_replicas(
+        self, name: str, *, statuses: Iterable[int] | None = None
+    ) -> list[resources_pb2.Replica]:
+        """The replica records of a service in id order, optionally only those in `statuses`."""
+        sql = "SELECT data FROM replicas WHERE service = ?"
+        params: list[object] = [name]
+        if statuses is not None:
+            wanted = [int(s) for s in statuses]
+            sql += f" AND status IN ({', '.join('?' * len(wanted))})"
+            params += wanted
+        with self._read() as db:
+            rows = db.execute(sql + " ORDER BY replica_id", params).fetchall()
+        return [_replica(r[0]) for r in rows]
+
+    def delete_replica(self, name: str, replica_id: int) -> None:
+        """Remove a replica record; a no-op if it is not there. Its id is not reused."""
+        with self.transaction():
+            self._db.execute("DELETE FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id))
+
+    # ---- autoscaler state ----------------------------------------------------------------
+
+    def put_autoscaler_state(self, name: str, state: bytes) -> None:
+        """Replace a service's opaque autoscaler state.
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            if not self._exists(name):
+                raise _not_found(name)
+            self._db.execute(
+                "INSERT OR REPLACE INTO autoscaler_state (service, state) VALUES (?, ?)", (name, bytes(state))
+            )
+
+    def get_autoscaler_state(self, name: str) -> bytes | None:
+        """A service's autoscaler state, or None if none was stored."""
+        with self._read() as db:
+            row = db.execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _exists(self, name: str) -> bool:
+        return self._db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is not None
+
+    def _get_service(self, name: str) -> ServiceRow | None:
+        row = self._db.execute(f"SELECT {_SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
+        return None if row is None else _service_row(row)
+
+    def _insert_version(self, name: str, version: int, spec: spec_pb2.ServiceSpec) -> None:
+        self._db.execute(
+            "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
+            (name, version, spec.SerializeToString(), spec.yaml),
+        )
+
+
+def _current_owner() -> object:
+    """Who is using the store: the running asyncio task, else the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task if task is not None else threading.current_thread()
+
+
+def _column_value(column: str, value: Any) -> Any:
+    """Normalise a value for its column (enums to int, bools to 0/1)."""
+    if column == "deleting":
+        return int(bool(value))
+    if column in ("status", "update_mode"):
+        return int(value)
+    if column == "uptime_start":
+        return None if value is None else float(value)
+    return str(value)
+
+
+def _replica(data: bytes) -> resources_pb2.Replica:
+    replica = resources_pb2.Replica()
+    replica.ParseFromString(data)
+    return replica
+
+
+def _not_found(name: str) -> errors.NotFoundError:
+    return errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)
