@@ -1,4 +1,4 @@
-"""Composition root of the controller: settings, servicer, server lifecycle."""
+"""Composition root of the controller: settings, store, clients, servicer, server lifecycle."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import asyncio
 import dataclasses
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
-from services.common import config, grpc_server, logs
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
+from services.common import clients, config, grpc_server, logs, probe_fleet
+from services.controller import controller, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 
@@ -27,6 +29,10 @@ class Settings:
     """Where the provisioner listens."""
     prober_addrs: str = config.PROBER_ADDR
     """Probers: a comma-separated address list, or `dns:///name:port` resolving to every prober."""
+    drain_s: float = 120.0
+    """Drain before a scale-down or manual termination (SkyPilot: 120 s)."""
+    probe_fast_interval_s: float = 0.1
+    """Probe interval of a replica that has not passed a probe yet."""
 
 
 def load_settings(**overrides: object) -> Settings:
@@ -34,19 +40,67 @@ def load_settings(**overrides: object) -> Settings:
     return config.load(Settings, "controller", **overrides)
 
 
-async def build_server(settings: Settings) -> grpc_server.Built:
-    """Create the controller server; the caller starts and stops it."""
+@dataclasses.dataclass
+class Running:
+    """A started controller and what must be closed with it."""
+
+    built: grpc_server.Built
+    controller: controller.Controller
+    fleet: probe_fleet.ProbeFleet
+    db: store.Store
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self.built.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving, then stop following replicas (they keep running)."""
+        await self.built.stop(grace)
+        await self.controller.stop()
+        await self.fleet.stop()
+        self.db.close()
+
+
+async def start(settings: Settings) -> Running:
+    """Open the store, connect to the provisioner and probers, recover, and serve."""
+    db = store.Store.in_state_dir(settings.state_dir)
+    channel = clients.channel(settings.provisioner_addr)
+    tuning = reconciler.Tuning(drain_s=settings.drain_s, probe_fast_interval_s=settings.probe_fast_interval_s)
+    holder: list[controller.Controller] = []
+    fleet = probe_fleet.ProbeFleet(
+        settings.prober_addrs,
+        on_results=lambda results: holder[0].on_probe_results(results),
+        on_stale=lambda stale: holder[0].on_probe_stale(stale),
+    )
+    ctl = controller.Controller(
+        db=db,
+        provisioner=provisioner_service_pb2_grpc.ProvisionerServiceStub(channel),
+        probes=fleet,
+        tuning=tuning,
+    )
+    holder.append(ctl)
     server = grpc_server.new_server(domain="controller.replicaplane")
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(
-        controller_service_pb2_grpc.ControllerServiceServicer(), server
+        servicer.ControllerServicer(ctl), server
     )
-    return grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    await ctl.start()
+    await fleet.start()
+    await built.start()
+    return Running(built=built, controller=ctl, fleet=fleet, db=db)
 
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM."""
-    built = await build_server(settings)
-    await grpc_server.serve_until_signal(built, grace=settings.shutdown_grace_s, port_file=settings.port_file)
+    running = await start(settings)
+    await grpc_server.serve_until_signal(
+        running.built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        on_stop=[running.controller.stop, running.fleet.stop],
+    )
+    running.db.close()
 
 
 def main() -> None:

@@ -1,0 +1,257 @@
+"""The controller: the registry of service reconcilers and the public operations on them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
+from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+from services.common import errors, spec
+from services.controller import convert, reconciler, store
+
+log = logging.getLogger(__name__)
+
+_MAX_PAGE = 1000
+
+
+class Controller:
+    """Owns every service's reconciler, the provisioner watch, and probe result routing."""
+
+    def __init__(
+        self,
+        *,
+        db: store.Store,
+        provisioner: prov_grpc.ProvisionerServiceStub,
+        probes: reconciler.ProbeSink,
+        tuning: reconciler.Tuning,
+    ) -> None:
+        self._db = db
+        self._prov = provisioner
+        self._probes = probes
+        self._tuning = tuning
+        self._services: dict[str, reconciler.ServiceReconciler] = {}
+        self._watch_task: asyncio.Task[None] | None = None
+        self._probing_stale = False
+        self._orphan_tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Recover every stored service, then follow the provisioner's replica events."""
+        for row in self._db.list_services():
+            rec = self._new_reconciler(row.name)
+            rec.start()
+        self._watch_task = asyncio.create_task(self._watch_provisioner(), name="provisioner watch")
+
+    async def stop(self) -> None:
+        """Stop following; replicas and records stay for the next start."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+        await asyncio.gather(*(r.stop() for r in self._services.values()))
+
+    def _new_reconciler(self, name: str) -> reconciler.ServiceReconciler:
+        rec = reconciler.ServiceReconciler(
+            name,
+            db=self._db,
+            provisioner=self._prov,
+            probes=self._probes,
+            tuning=self._tuning,
+            on_gone=self._forget,
+        )
+        rec.set_probing_stale(self._probing_stale)
+        self._services[name] = rec
+        return rec
+
+    def _forget(self, name: str) -> None:
+        self._services.pop(name, None)
+
+    def _get(self, name: str) -> reconciler.ServiceReconciler:
+        rec = self._services.get(name)
+        if rec is None:
+            raise errors.NotFoundError(
+                f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name
+            )
+        return rec
+
+    # ---- services ------------------------------------------------------------------------
+
+    def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
+        """Validate and store a new service, then start reconciling it.
+
+        Raises:
+            errors.ValidationError: every problem in the name and spec, nothing stored.
+            errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
+                request id, which returns the existing service).
+        """
+        parsed = spec.parse(yaml_text, name=name)
+        name = name or parsed.name
+        existing = self._db.get_service(name)
+        if existing is not None and request_id and existing.request_id == request_id:
+            return self._get(name).service()
+        self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
+        rec = self._new_reconciler(name)
+        rec.start()
+        return rec.service()
+
+    def get_service(self, name: str) -> res.Service:
+        """A service."""
+        return self._get(name).service()
+
+    def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
+        """A page of services in name order; the token is the last name of the page."""
+        size = min(page_size or 100, _MAX_PAGE)
+        names = sorted(n for n in self._services if n > page_token)
+        page = names[:size]
+        token = page[-1] if len(names) > size else ""
+        return [self._services[n].service() for n in page], token
+
+    def delete_service(self, name: str, *, purge: bool) -> res.Service:
+        """Start deleting a service."""
+        rec = self._get(name)
+        rec.delete(purge=purge)
+        return rec.service()
+
+    def update_service(
+        self, name: str, yaml_text: str, *, mode: int, dry_run: bool
+    ) -> tuple[res.Service, res.UpdatePlan]:
+        """Update a service to a new spec (not supported yet)."""
+        rec = self._get(name)
+        if rec.deleting:
+            raise errors.FailedPreconditionError(
+                f"service {name!r} is shutting down",
+                reason="SERVICE_SHUTTING_DOWN",
+                subject=f"services/{name}",
+            )
+        spec.parse(yaml_text, name=name)
+        raise errors.FailedPreconditionError(
+            "updates are not supported by this controller yet; delete and create the service instead",
+            reason="UPDATE_UNSUPPORTED",
+            subject=f"services/{name}",
+        )
+
+    # ---- replicas ------------------------------------------------------------------------
+
+    def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
+        """A page of a service's replicas in id order; the token is the last id of the page."""
+        rec = self._get(name)
+        size = min(page_size or 100, _MAX_PAGE)
+        after = int(page_token) if page_token.isdigit() else 0
+        ids = sorted(i for i in rec.replicas if i > after)
+        page = ids[:size]
+        token = str(page[-1]) if len(ids) > size else ""
+        return [rec.replicas[i] for i in page], token
+
+    def get_replica(self, name: str, replica_id: int) -> res.Replica:
+        """One replica."""
+        return self._get(name).replica(replica_id)
+
+    def terminate_replica(self, name: str, replica_id: int, *, purge: bool) -> res.Replica:
+        """Terminate one replica (drained), or purge a failed record."""
+        return self._get(name).terminate_replica(replica_id, purge=purge)
+
+    def purge_replicas(self, name: str) -> list[int]:
+        """Purge every failed replica of a service."""
+        return self._get(name).purge_failed()
+
+    # ---- streams and load ----------------------------------------------------------------
+
+    async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
+        """A snapshot then every change of a service."""
+        rec = self._get(name)
+        async for msg in rec.hub.watch(after_sequence, rec.snapshot):
+            yield msg
+
+    async def watch_endpoints(
+        self, name: str, after_version: int
+    ) -> AsyncIterator[api.WatchEndpointsResponse]:
+        """The ready endpoint set now and on every change."""
+        rec = self._get(name)
+        async for msg in rec.hub.watch_endpoints(after_version):
+            yield msg
+
+    def report_load(self, name: str, times: list[float], count: int) -> float:
+        """Record a load report; returns the QPS seen."""
+        return self._get(name).report_load(times, count, time.time())
+
+    # ---- probe fleet callbacks -----------------------------------------------------------
+
+    def on_probe_results(self, results: list[prober_pb.ProbeResult]) -> None:
+        """Route probe results to their service's reconciler."""
+        for result in results:
+            service, _, rid = result.target_id.rpartition("/")
+            rec = self._services.get(service)
+            if rec is not None and rid.isdigit():
+                rec.on_probe_result(int(rid), result)
+
+    def on_probe_stale(self, stale: bool) -> None:
+        """No prober reachable (or reachable again)."""
+        if stale:
+            log.warning("no prober reachable: readiness is stale, nothing is torn down for it")
+        self._probing_stale = stale
+        for rec in self._services.values():
+            rec.set_probing_stale(stale)
+
+    # ---- provisioner watch ---------------------------------------------------------------
+
+    async def _watch_provisioner(self) -> None:
+        delay = self._tuning.reconnect_initial_s
+        while True:
+            seen: set[str] = set()
+            try:
+                # Always start from a snapshot: a restarted provisioner numbers events anew.
+                async for response in self._prov.WatchReplicas(prov_pb.WatchReplicasRequest()):
+                    delay = self._tuning.reconnect_initial_s
+                    ev = response.event
+                    if ev.type == prov_res.REPLICA_EVENT_TYPE_SNAPSHOT_END:
+                        self._after_snapshot(seen)
+                        continue
+                    if ev.type == prov_res.REPLICA_EVENT_TYPE_SNAPSHOT:
+                        seen.add(ev.replica.name)
+                    self._route(ev)
+            except grpc.aio.AioRpcError as exc:
+                log.info("provisioner watch broke (%s); reconnecting", exc.code().name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._tuning.reconnect_max_s)
+
+    def _route(self, ev: prov_res.ReplicaEvent) -> None:
+        rec = self._services.get(ev.replica.service)
+        if rec is not None and ev.replica.replica_id in rec.replicas:
+            rec.on_provisioner_event(ev.replica.replica_id, ev)
+        elif ev.type == prov_res.REPLICA_EVENT_TYPE_SNAPSHOT and ev.replica.state in (
+            prov_res.REPLICA_STATE_QUEUED,
+            prov_res.REPLICA_STATE_PROVISIONING,
+            prov_res.REPLICA_STATE_RUNNING,
+        ):
+            # Running somewhere with no record of ours: a leak. Tear it down.
+            log.warning("tearing down replica %s: no controller record refers to it", ev.replica.name)
+            task = asyncio.create_task(self._terminate_orphan(ev.replica.name))
+            self._orphan_tasks.add(task)
+            task.add_done_callback(self._orphan_tasks.discard)
+
+    async def _terminate_orphan(self, name: str) -> None:
+        try:
+            async for _ in self._prov.Terminate(prov_pb.TerminateRequest(name=name)):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not tear down orphan %s: %s", name, exc.code().name)
+
+    def _after_snapshot(self, seen: set[str]) -> None:
+        for rec in self._services.values():
+            rec.on_missing(seen)
+
+    def debug_state(self) -> dict[str, object]:
+        """In-flight work per service, for tests."""
+        return {name: rec.debug_state() for name, rec in self._services.items()}
+
+
+def seconds_list(times: list[object]) -> list[float]:
+    """POSIX seconds of Timestamp messages."""
+    return [convert.seconds_of(t) for t in times]  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Controller domain logic: plain Python, no grpc or protobuf, unit-tested directly."""

@@ -1,0 +1,202 @@
+"""Replica facts, the status they map to (spec.md section 2), and the rules built on statuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+
+class LaunchPhase(enum.IntEnum):
+    """Where a launch stands. Values match replicaplane.controller.v1.LaunchPhase."""
+
+    UNSPECIFIED = 0
+    SCHEDULED = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    INTERRUPTED = 4
+    FAILED = 5
+
+
+class TeardownPhase(enum.IntEnum):
+    """Where a teardown stands; NONE means no teardown. Values match TeardownPhase."""
+
+    NONE = 0
+    SCHEDULED = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Replica status. Values match replicaplane.controller.v1.ReplicaStatus."""
+
+    UNSPECIFIED = 0
+    PENDING = 1
+    PROVISIONING = 2
+    STARTING = 3
+    READY = 4
+    NOT_READY = 5
+    SHUTTING_DOWN = 6
+    FAILED = 7
+    FAILED_INITIAL_DELAY = 8
+    FAILED_PROBING = 9
+    FAILED_PROVISION = 10
+    FAILED_CLEANUP = 11
+    PREEMPTED = 12
+    UNKNOWN = 13
+
+
+class ServiceStatus(enum.IntEnum):
+    """Service status. Values match replicaplane.controller.v1.ServiceStatus."""
+
+    UNSPECIFIED = 0
+    CONTROLLER_INIT = 1
+    REPLICA_INIT = 2
+    READY = 3
+    NO_REPLICA = 4
+    SHUTTING_DOWN = 5
+    FAILED = 6
+    FAILED_CLEANUP = 7
+    CONTROLLER_FAILED = 8
+
+
+FAILED_STATUSES = frozenset(
+    {
+        ReplicaStatus.FAILED,
+        ReplicaStatus.FAILED_CLEANUP,
+        ReplicaStatus.FAILED_INITIAL_DELAY,
+        ReplicaStatus.FAILED_PROBING,
+        ReplicaStatus.FAILED_PROVISION,
+        ReplicaStatus.UNKNOWN,
+    }
+)
+TERMINAL_STATUSES = FAILED_STATUSES | {ReplicaStatus.SHUTTING_DOWN, ReplicaStatus.PREEMPTED}
+
+# Scale-down victims come from the front of this order (spec.md section 2).
+SCALE_DOWN_ORDER: tuple[ReplicaStatus, ...] = (
+    ReplicaStatus.PENDING,
+    ReplicaStatus.PROVISIONING,
+    ReplicaStatus.STARTING,
+    ReplicaStatus.NOT_READY,
+    ReplicaStatus.READY,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """The persisted facts a replica's status is derived from.
+
+    `first_ready_time` is None until the first passed probe; `initial_delay_exceeded` is the
+    sentinel SkyPilot encodes as first_ready_time == -1.
+    """
+
+    launch: LaunchPhase = LaunchPhase.SCHEDULED
+    teardown: TeardownPhase = TeardownPhase.NONE
+    user_app_failed: bool = False
+    ready_now: bool = False
+    first_ready_time: float | None = None
+    initial_delay_exceeded: bool = False
+    is_scale_down: bool = False
+    preempted: bool = False
+    purged: bool = False
+    failed_spot_availability: bool = False
+
+
+def replica_status(f: Facts) -> ReplicaStatus:
+    """Map facts to a status: the first matching row of spec.md section 2 wins."""
+    td = f.teardown
+    if f.launch in (LaunchPhase.SCHEDULED, LaunchPhase.UNSPECIFIED):
+        return ReplicaStatus.PENDING  # 1
+    if f.launch is LaunchPhase.RUNNING:
+        if td is TeardownPhase.FAILED:
+            return ReplicaStatus.FAILED_CLEANUP  # 2
+        if td is TeardownPhase.SUCCEEDED:
+            return ReplicaStatus.UNKNOWN  # 3
+        return ReplicaStatus.PROVISIONING  # 4
+    if f.launch is LaunchPhase.INTERRUPTED:
+        return ReplicaStatus.SHUTTING_DOWN  # 5
+    if td is not TeardownPhase.NONE and f.preempted:
+        return ReplicaStatus.PREEMPTED  # 6
+    if td in (TeardownPhase.SCHEDULED, TeardownPhase.RUNNING):
+        return ReplicaStatus.SHUTTING_DOWN  # 7
+    if td is TeardownPhase.FAILED:
+        return ReplicaStatus.FAILED_CLEANUP  # 8
+    if td is TeardownPhase.SUCCEEDED:
+        if f.user_app_failed:
+            return ReplicaStatus.FAILED  # 9
+        if f.launch is LaunchPhase.FAILED:
+            return ReplicaStatus.FAILED_PROVISION  # 10
+        if f.initial_delay_exceeded:
+            return ReplicaStatus.FAILED_INITIAL_DELAY  # 12 (the sentinel is checked first so
+        if f.first_ready_time is None:  # a never-ready replica can still carry it)
+            return ReplicaStatus.SHUTTING_DOWN  # 11
+        if not f.ready_now:
+            return ReplicaStatus.FAILED_PROBING  # 13
+        return ReplicaStatus.UNKNOWN  # 14
+    if f.launch is LaunchPhase.FAILED or f.user_app_failed:
+        return ReplicaStatus.FAILED_CLEANUP  # 15: teardown should already be scheduled
+    if f.ready_now:
+        return ReplicaStatus.READY  # 16
+    if f.first_ready_time is not None:
+        return ReplicaStatus.NOT_READY  # 17
+    return ReplicaStatus.STARTING  # 18
+
+
+def is_terminal(status: ReplicaStatus) -> bool:
+    """Terminal replicas do not count toward a service's size."""
+    return status in TERMINAL_STATUSES
+
+
+def should_probe(f: Facts) -> bool:
+    """Launched, not tearing down, app not failed, not preempted or purged (spec.md section 5)."""
+    return (
+        f.launch is LaunchPhase.SUCCEEDED
+        and f.teardown is TeardownPhase.NONE
+        and not (f.user_app_failed or f.preempted or f.purged)
+    )
+
+
+def removed_after_teardown(f: Facts, *, version: int, latest_version: int) -> bool:
+    """Whether a finished teardown removes the record (True) or keeps it for the user.
+
+    Fix over SkyPilot: a scale-down whose teardown failed is kept as FAILED_CLEANUP instead of
+    silently dropped, since the replica may still be running somewhere.
+    """
+    if f.teardown is TeardownPhase.FAILED and not f.purged:
+        return False
+    return f.is_scale_down or version != latest_version or f.purged or f.failed_spot_availability
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaView:
+    """What scaling and service-status rules need to know of one replica."""
+
+    replica_id: int
+    version: int
+    status: ReplicaStatus
+    is_spot: bool = False
+
+
+def scale_down_victims(replicas: Iterable[ReplicaView], count: int) -> list[ReplicaView]:
+    """Pick `count` victims: status order, then older version first, then highest id first."""
+    rank = {s: i for i, s in enumerate(SCALE_DOWN_ORDER)}
+    candidates = [r for r in replicas if r.status in rank]
+    candidates.sort(key=lambda r: (rank[r.status], r.version, -r.replica_id))
+    return candidates[: max(count, 0)]
+
+
+def service_status(statuses: Sequence[ReplicaStatus]) -> ServiceStatus:
+    """READY with any READY replica; REPLICA_INIT while some are on their way; else NO_REPLICA."""
+    if ReplicaStatus.READY in statuses:
+        return ServiceStatus.READY
+    if any(not is_terminal(s) for s in statuses):
+        return ServiceStatus.REPLICA_INIT
+    return ServiceStatus.NO_REPLICA
+
+
+def ready_and_total(statuses: Sequence[ReplicaStatus]) -> tuple[int, int]:
+    """`ready/total` where total counts replicas not in a failed status."""
+    ready = sum(1 for s in statuses if s is ReplicaStatus.READY)
+    total = sum(1 for s in statuses if s not in FAILED_STATUSES)
+    return ready, total

@@ -1,0 +1,842 @@
+"""One reconciler per service: turns decisions into provisioner calls and events into facts.
+
+Everything here runs on the controller's single event loop, so a read-modify-write of a replica
+never interleaves with another as long as it does not await in between. Each fact change is
+written to the store before anything acts on it, which is what makes recovery after kill -9
+possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
+from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+from services.common import errors
+from services.controller import convert, hub, store
+from services.controller.domain import scaling
+from services.controller.domain import status as st
+
+log = logging.getLogger(__name__)
+
+LP = res.LaunchPhase
+TP = res.TeardownPhase
+LE = prov_res.LaunchEventType
+TE = prov_res.TerminateEventType
+RE = prov_res.ReplicaEventType
+
+# Provisioner answers that retrying the same launch cannot fix.
+_PERMANENT_CODES = frozenset(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
+)
+
+
+class ProbeSink(Protocol):
+    """The part of the probe fleet a reconciler uses."""
+
+    def upsert(self, target: prober_pb.ProbeTarget) -> None: ...
+    def remove(self, target_id: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Controller knobs a reconciler needs."""
+
+    drain_s: float = 120.0
+    """Drain before a scale-down or manual termination."""
+    probe_fast_interval_s: float = 0.1
+    """Probe interval while a replica is starting."""
+    reconnect_initial_s: float = 0.1
+    """First wait before re-opening a broken provisioner stream."""
+    reconnect_max_s: float = 2.0
+    """Longest wait between re-opens."""
+
+
+def target_id(service: str, replica_id: int) -> str:
+    """Probe target id of a replica: keyed by id, never by URL."""
+    return f"{service}/{replica_id}"
+
+
+@dataclasses.dataclass
+class _ScalerState:
+    """Autoscaler state, persisted so a restart resumes without churn (SkyPilot issue 8562)."""
+
+    target: int = 0
+    ever_ready_versions: list[int] = dataclasses.field(default_factory=list)
+    stopped: dict[str, str] = dataclasses.field(default_factory=dict)
+    load: dict[str, int] = dataclasses.field(default_factory=dict)  # second -> request count
+
+    @classmethod
+    def load_from(cls, data: bytes | None) -> _ScalerState:
+        if not data:
+            return cls()
+        raw = json.loads(data)
+        return cls(**{k: v for k, v in raw.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    def dump(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+
+class ServiceReconciler:
+    """Owns one service's replicas: launches, teardowns, probe results, and what watchers see."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        db: store.Store,
+        provisioner: prov_grpc.ProvisionerServiceStub,
+        probes: ProbeSink,
+        tuning: Tuning,
+        on_gone: Callable[[str], None],
+    ) -> None:
+        self.name = name
+        self.hub = hub.ServiceHub()
+        self._db = db
+        self._prov = provisioner
+        self._probes = probes
+        self._tuning = tuning
+        self._on_gone = on_gone
+        row = db.get_service(name)
+        if row is None:
+            raise errors.NotFoundError(f"service {name!r} not found", service=name)
+        self._row: store.ServiceRow = row
+        self._state = _ScalerState.load_from(db.get_autoscaler_state(name))
+        self.replicas: dict[int, res.Replica] = {r.replica_id: r for r in db.list_replicas(name)}
+        self._specs: dict[int, spec_pb2.ServiceSpec] = {}
+        self._launches: dict[int, asyncio.Task[None]] = {}
+        self._teardowns: dict[int, asyncio.Task[None]] = {}
+        self._probed: dict[int, prober_pb.ProbeTarget] = {}
+        self._pending_exit: dict[int, int] = {}
+        self._changed: dict[int, res.Replica] = {}
+        self._removed: list[int] = []
+        self._flush_scheduled = False
+        self._reconcile_scheduled = False
+        self._probing_stale = False
+        self._started = False
+        self._gone = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resume every replica from its persisted facts (spec.md section 10), then reconcile."""
+        self._started = True
+        if self._state.target == 0 and not self._row.deleting:
+            self._state.target = self._target_from_spec()
+            self._persist_state()
+        for rid, r in list(self.replicas.items()):
+            f = r.facts
+            if f.teardown_phase in (TP.TEARDOWN_PHASE_SCHEDULED, TP.TEARDOWN_PHASE_RUNNING):
+                # Drain already happened or is moot after a crash: resume without it.
+                self._start_teardown(rid, drain=0.0, keep_logs=not (f.is_scale_down or f.purged))
+            elif f.teardown_phase != TP.TEARDOWN_PHASE_UNSPECIFIED:
+                continue  # a kept record
+            elif f.launch_phase in (LP.LAUNCH_PHASE_SCHEDULED, LP.LAUNCH_PHASE_RUNNING):
+                self._start_launch(rid)
+            elif f.launch_phase == LP.LAUNCH_PHASE_SUCCEEDED and not f.user_app_failed:
+                self._sync_probe(r)
+            else:
+                self.teardown(rid, drain=0.0, keep_logs=True)
+        if self._row.deleting:
+            self._continue_delete()
+        self.kick()
+        self._schedule_flush()
+
+    async def stop(self) -> None:
+        """Stop following the service (controller shutdown); replicas stay as they are."""
+        tasks = [*self._launches.values(), *self._teardowns.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rid in list(self._probed):
+            self._probes.remove(target_id(self.name, rid))
+        self._probed.clear()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def deleting(self) -> bool:
+        """True once DeleteService was accepted."""
+        return self._row.deleting
+
+    def spec(self, version: int) -> spec_pb2.ServiceSpec:
+        """The stored spec of a version (cached)."""
+        spec = self._specs.get(version)
+        if spec is None:
+            spec = self._db.get_version(self.name, version)
+            if spec is None:
+                raise errors.NotFoundError(
+                    f"version {version} of service {self.name!r} not found", service=self.name
+                )
+            self._specs[version] = spec
+        return spec
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version."""
+        return self._row.latest_version
+
+    def replica(self, replica_id: int) -> res.Replica:
+        """A replica record, or NotFoundError."""
+        r = self.replicas.get(replica_id)
+        if r is None:
+            raise errors.NotFoundError(
+                f"replica {replica_id} of service {self.name!r} not found",
+                reason="REPLICA_NOT_FOUND",
+                service=self.name,
+                replica_id=replica_id,
+            )
+        return r
+
+    def service(self) -> res.Service:
+        """The service as the API shows it."""
+        statuses = [convert.status_of(r) for r in self.replicas.values()]
+        ready, total = st.ready_and_total(statuses)
+        ready_replicas = [r for r in self.replicas.values() if r.status == res.REPLICA_STATUS_READY]
+        active = sorted({r.version for r in ready_replicas})
+        if self._row.deleting:
+            status = res.ServiceStatus.Value(
+                "SERVICE_STATUS_FAILED_CLEANUP"
+                if self._row.status == res.SERVICE_STATUS_FAILED_CLEANUP
+                else "SERVICE_STATUS_SHUTTING_DOWN"
+            )
+        elif not self._started:
+            status = res.SERVICE_STATUS_CONTROLLER_INIT
+        else:
+            status = int(st.service_status(statuses))
+        svc = res.Service(
+            name=self.name,
+            status=status,  # type: ignore[arg-type]
+            status_message=self._status_message(ready, total),
+            ready_replicas=ready,
+            total_replicas=total,
+            active_versions=active,
+            latest_version=self._row.latest_version,
+            spec=self.spec(self._row.latest_version),
+            create_time=convert.ts(self._row.create_time),
+            target_replicas=self._state.target,
+            probing_stale=self._probing_stale,
+            update_mode=self._row.update_mode,  # type: ignore[arg-type]
+            endpoints=self._endpoints(ready_replicas),
+        )
+        if self._row.uptime_start is not None:
+            svc.uptime_start_time.CopyFrom(convert.ts(self._row.uptime_start))
+        return svc
+
+    def snapshot(self) -> api.WatchServiceResponse:
+        """The whole service for a new watcher."""
+        return api.WatchServiceResponse(
+            service=self.service(), replicas=[self.replicas[i] for i in sorted(self.replicas)]
+        )
+
+    def _endpoints(self, ready: list[res.Replica]) -> list[res.Endpoint]:
+        return [
+            res.Endpoint(
+                replica_id=r.replica_id,
+                url=r.endpoint,
+                version=r.version,
+                accelerator=r.accelerator or "unknown",
+            )
+            for r in sorted(ready, key=lambda r: r.replica_id)
+        ]
+
+    def _status_message(self, ready: int, total: int) -> str:
+        if self._row.deleting:
+            if self._row.status == res.SERVICE_STATUS_FAILED_CLEANUP:
+                return self._row.status_message
+            return f"shutting down: {len(self.replicas)} replica(s) left"
+        stopped = self._state.stopped.get(str(self._row.latest_version))
+        if stopped:
+            return stopped
+        if self._probing_stale:
+            return "probing is stale: no prober reachable, readiness may be out of date"
+        return f"{ready}/{total} ready, target {self._state.target}"
+
+    # ---- decisions -----------------------------------------------------------------------
+
+    def _target_from_spec(self) -> int:
+        return self.spec(self._row.latest_version).service.replica_policy.min_replicas
+
+    def kick(self) -> None:
+        """Reconcile soon; several kicks in one loop turn make one pass."""
+        if not self._reconcile_scheduled and not self._gone:
+            self._reconcile_scheduled = True
+            asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        self._reconcile_scheduled = False
+        if self._row.deleting or self._gone:
+            return
+        views = [convert.view_of(r) for r in self.replicas.values()]
+        latest = self._row.latest_version
+        plan = scaling.plan(
+            views,
+            target=self._state.target,
+            latest_version=latest,
+            stopped=str(latest) in self._state.stopped,
+        )
+        for rid in plan.teardown:
+            self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True)
+        for _ in range(plan.launch):
+            self._launch_new()
+
+    def _stop_version(self, r: res.Replica, reason: str) -> None:
+        """The stop rule (spec.md section 6): a version that fails before ever being ready."""
+        version = r.version
+        if version != self._row.latest_version or version in self._state.ever_ready_versions:
+            return
+        if str(version) in self._state.stopped:
+            return
+        self._state.stopped[str(version)] = (
+            f"scaling stopped: version {version} failed before ever being ready "
+            f"(replica {r.replica_id}: {reason})"
+        )
+        self._persist_state()
+        log.warning("%s: %s", self.name, self._state.stopped[str(version)])
+
+    def _persist_state(self) -> None:
+        self._db.put_autoscaler_state(self.name, self._state.dump())
+
+    # ---- launches ------------------------------------------------------------------------
+
+    def _launch_new(self) -> None:
+        rid = self._db.allocate_replica_id(self.name)
+        version = self._row.latest_version
+        spec = self.spec(version)
+        r = res.Replica(
+            service=self.name,
+            replica_id=rid,
+            replica_name=f"{self.name}-{rid}",
+            version=version,
+            is_spot=spec.resources.use_spot,
+            create_time=convert.ts(time.time()),
+            facts=res.ReplicaFacts(launch_phase=LP.LAUNCH_PHASE_SCHEDULED),
+        )
+        self._save(r)
+        self._start_launch(rid)
+
+    def _start_launch(self, rid: int) -> None:
+        self._launches[rid] = asyncio.create_task(self._run_launch(rid), name=f"launch {self.name}/{rid}")
+
+    async def _run_launch(self, rid: int) -> None:
+        delay = self._tuning.reconnect_initial_s
+        try:
+            while not self._gone:
+                r = self.replicas.get(rid)
+                if r is None or r.facts.launch_phase not in (
+                    LP.LAUNCH_PHASE_SCHEDULED,
+                    LP.LAUNCH_PHASE_RUNNING,
+                ):
+                    return
+                request = prov_pb.LaunchRequest(
+                    name=r.replica_name,
+                    service=self.name,
+                    replica_id=rid,
+                    version=r.version,
+                    spec=self.spec(r.version),
+                    use_spot=r.is_spot,
+                    zone=r.zone,
+                )
+                try:
+                    async for response in self._prov.Launch(request):
+                        delay = self._tuning.reconnect_initial_s
+                        if self._on_launch_event(rid, response.event):
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in _PERMANENT_CODES:
+                        self._launch_failed(rid, f"provisioner refused the launch: {exc.details()}")
+                        return
+                    log.info("%s/%d: launch stream broke (%s); re-attaching", self.name, rid, exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._tuning.reconnect_max_s)
+        finally:
+            if self._launches.get(rid) is asyncio.current_task():
+                del self._launches[rid]
+
+    def _on_launch_event(self, rid: int, ev: prov_res.LaunchEvent) -> bool:
+        """Apply one launch event; True when the launch is over for this reconciler."""
+        r = self.replicas.get(rid)
+        if r is None:
+            return True
+        f = r.facts
+        if f.teardown_phase != TP.TEARDOWN_PHASE_UNSPECIFIED or f.launch_phase not in (
+            LP.LAUNCH_PHASE_SCHEDULED,
+            LP.LAUNCH_PHASE_RUNNING,
+        ):
+            return True  # a teardown owns the replica now
+        r.provisioner_sequence = ev.sequence
+        if ev.type == LE.LAUNCH_EVENT_TYPE_PROVISIONING:
+            if f.launch_phase == LP.LAUNCH_PHASE_SCHEDULED:
+                f.launch_phase = LP.LAUNCH_PHASE_RUNNING
+                if ev.replica.zone:
+                    r.zone = ev.replica.zone
+                self._save(r)
+        elif ev.type == LE.LAUNCH_EVENT_TYPE_ATTEMPT_FAILED:
+            r.failure_reason = f"launch attempt {ev.attempt} failed: {ev.message}"
+            self._save(r)
+        elif ev.type == LE.LAUNCH_EVENT_TYPE_RUNNING:
+            f.launch_phase = LP.LAUNCH_PHASE_SUCCEEDED
+            r.endpoint = ev.endpoint or ev.replica.endpoint
+            r.zone = ev.replica.zone or r.zone
+            r.launch_time.CopyFrom(ev.time)
+            r.failure_reason = ""
+            self._save(r)
+            code = self._pending_exit.pop(rid, None)
+            if code is not None:
+                self.on_app_exit(rid, code)
+            return True
+        elif ev.type == LE.LAUNCH_EVENT_TYPE_FAILED:
+            self._launch_failed(rid, ev.message, capacity=ev.capacity_unavailable)
+            return True
+        elif ev.type == LE.LAUNCH_EVENT_TYPE_CANCELLED:
+            return True
+        return False
+
+    def _launch_failed(self, rid: int, message: str, *, capacity: bool = False) -> None:
+        r = self.replicas.get(rid)
+        if r is None:
+            return
+        r.facts.launch_phase = LP.LAUNCH_PHASE_FAILED
+        r.facts.failed_spot_availability = capacity
+        r.failure_reason = f"launch failed: {message}"
+        if not capacity:
+            # Setup is user code here, so a version whose launches keep failing would otherwise
+            # be relaunched forever, exactly like an app that exits.
+            self._stop_version(r, r.failure_reason)
+        self.teardown(rid, drain=0.0, keep_logs=True)
+
+    # ---- app and replica events ----------------------------------------------------------
+
+    def on_app_exit(self, rid: int, code: int) -> None:
+        """The provisioner saw the app exit."""
+        r = self.replicas.get(rid)
+        if r is None or r.facts.teardown_phase != TP.TEARDOWN_PHASE_UNSPECIFIED:
+            return
+        if r.facts.launch_phase != LP.LAUNCH_PHASE_SUCCEEDED:
+            self._pending_exit[rid] = code  # the launch stream has not said RUNNING yet
+            return
+        if r.facts.user_app_failed:
+            return
+        r.facts.exit_code = code
+        if code == 0:
+            # Not a user app failure (spec.md section 3); probes will fail and decide.
+            r.failure_reason = "app exited with code 0"
+            self._save(r)
+            return
+        r.facts.user_app_failed = True
+        r.failure_reason = f"app exited with code {code}"
+        if not r.facts.HasField("first_ready_time"):
+            self._stop_version(r, r.failure_reason)
+        self.teardown(rid, drain=0.0, keep_logs=True)
+
+    def on_replica_gone(self, rid: int, *, preempted: bool) -> None:
+        """The replica vanished or was preempted without a teardown of ours."""
+        r = self.replicas.get(rid)
+        if r is None or r.facts.teardown_phase != TP.TEARDOWN_PHASE_UNSPECIFIED:
+            return
+        if r.facts.launch_phase != LP.LAUNCH_PHASE_SUCCEEDED:
+            return  # the launch stream reports what happened to a launch
+        if preempted or r.is_spot:
+            r.facts.preempted = True
+            r.failure_reason = "preempted"
+            self.teardown(rid, drain=0.0, is_scale_down=True)
+        else:
+            # On-demand replicas that vanish go through the probe failure path (spec.md 5).
+            r.failure_reason = "replica vanished"
+            self._save(r)
+
+    def on_provisioner_event(self, rid: int, ev: prov_res.ReplicaEvent) -> None:
+        """Apply a WatchReplicas event (live or snapshot)."""
+        p = ev.replica
+        kind = ev.type
+        if kind in (RE.REPLICA_EVENT_TYPE_SNAPSHOT, RE.REPLICA_EVENT_TYPE_TERMINATED):
+            kind = {
+                prov_res.APP_STATE_EXITED: RE.REPLICA_EVENT_TYPE_APP_EXITED,
+                prov_res.APP_STATE_VANISHED: RE.REPLICA_EVENT_TYPE_VANISHED,
+                prov_res.APP_STATE_PREEMPTED: RE.REPLICA_EVENT_TYPE_PREEMPTED,
+            }.get(p.app_state, kind)
+            if kind == RE.REPLICA_EVENT_TYPE_TERMINATED or (
+                kind == RE.REPLICA_EVENT_TYPE_SNAPSHOT
+                and p.state in (prov_res.REPLICA_STATE_TERMINATED, prov_res.REPLICA_STATE_FAILED)
+            ):
+                kind = RE.REPLICA_EVENT_TYPE_VANISHED
+        if kind == RE.REPLICA_EVENT_TYPE_APP_EXITED:
+            self.on_app_exit(rid, p.exit_code)
+        elif kind == RE.REPLICA_EVENT_TYPE_VANISHED:
+            self.on_replica_gone(rid, preempted=False)
+        elif kind == RE.REPLICA_EVENT_TYPE_PREEMPTED:
+            self.on_replica_gone(rid, preempted=True)
+
+    def on_missing(self, names: set[str]) -> None:
+        """After a provisioner snapshot: replicas it does not know are gone."""
+        for rid, r in list(self.replicas.items()):
+            if r.replica_name not in names:
+                self.on_replica_gone(rid, preempted=False)
+
+    # ---- probing -------------------------------------------------------------------------
+
+    def _probe_target(self, r: res.Replica) -> prober_pb.ProbeTarget:
+        probe = self.spec(r.version).service.readiness_probe
+        latest = self.spec(self._row.latest_version).service.readiness_probe
+        return prober_pb.ProbeTarget(
+            target_id=target_id(self.name, r.replica_id),
+            url=r.endpoint,
+            path=probe.path or "/",
+            method=prober_pb.PROBE_METHOD_POST if probe.post_data_json else prober_pb.PROBE_METHOD_GET,
+            post_data_json=probe.post_data_json,
+            headers=dict(probe.headers),
+            timeout=probe.timeout,
+            interval=latest.probe_interval,
+            fast_interval=convert.duration(self._tuning.probe_fast_interval_s),
+            starting=not r.facts.HasField("first_ready_time"),
+        )
+
+    def _sync_probe(self, r: res.Replica) -> None:
+        rid = r.replica_id
+        if st.should_probe(convert.facts_of(r)) and r.endpoint and not self._gone:
+            target = self._probe_target(r)
+            if self._probed.get(rid) != target:
+                self._probed[rid] = target
+                self._probes.upsert(target)
+        elif self._probed.pop(rid, None) is not None:
+            self._probes.remove(target_id(self.name, rid))
+
+    def on_probe_result(self, rid: int, result: prober_pb.ProbeResult) -> None:
+        """Apply a probe result (spec.md section 5)."""
+        r = self.replicas.get(rid)
+        if r is None or rid not in self._probed or not st.should_probe(convert.facts_of(r)):
+            return
+        if result.outcome in (
+            prober_pb.PROBE_OUTCOME_PROBE_UNAVAILABLE,
+            prober_pb.PROBE_OUTCOME_INVALID_TARGET,
+        ):
+            return  # no information about the replica: never a failure
+        f = r.facts
+        if result.ready:
+            self._on_probe_success(r, result)
+            return
+        reason = f"probe failed: {result.error or f'HTTP {result.http_code}'}"
+        if f.HasField("first_ready_time"):
+            f.ready_now = False
+            if not f.HasField("streak_start_time"):
+                f.streak_start_time.CopyFrom(result.probe_time)
+            f.streak_last_time.CopyFrom(result.probe_time)
+            r.failure_reason = reason
+            window = convert.seconds_of(f.streak_last_time) - convert.seconds_of(f.streak_start_time)
+            threshold = convert.duration_s(
+                self.spec(self._row.latest_version).service.readiness_probe.consecutive_failure_threshold
+            )
+            if window >= threshold:
+                self.teardown(rid, drain=0.0, keep_logs=True)
+            else:
+                self._save(r)
+            return
+        if not f.HasField("first_failure_time"):
+            f.first_failure_time.CopyFrom(result.probe_time)
+            self._save(r)
+            return
+        delay = convert.duration_s(self.spec(r.version).service.readiness_probe.initial_delay)
+        waited = convert.seconds_of(result.probe_time) - convert.seconds_of(f.first_failure_time)
+        if waited > delay:
+            f.initial_delay_exceeded = True
+            r.failure_reason = f"not ready within the initial delay of {delay:g} s ({reason})"
+            self._stop_version(r, r.failure_reason)
+            self.teardown(rid, drain=0.0, keep_logs=True)
+
+    def _on_probe_success(self, r: res.Replica, result: prober_pb.ProbeResult) -> None:
+        f = r.facts
+        if f.ready_now and f.HasField("first_ready_time") and not f.HasField("streak_start_time"):
+            return  # nothing changed: no write
+        f.ready_now = True
+        if not f.HasField("first_ready_time"):
+            f.first_ready_time.CopyFrom(result.probe_time)
+            if r.version not in self._state.ever_ready_versions:
+                self._state.ever_ready_versions.append(r.version)
+                self._persist_state()
+        f.ClearField("streak_start_time")
+        f.ClearField("streak_last_time")
+        r.failure_reason = ""
+        if self._row.uptime_start is None:
+            self._row = self._db.update_service(self.name, uptime_start=convert.seconds_of(result.probe_time))
+        self._save(r)
+
+    def set_probing_stale(self, stale: bool) -> None:
+        """Whether no prober is reachable; shown on the service, never acted on."""
+        if stale != self._probing_stale:
+            self._probing_stale = stale
+            self._schedule_flush()
+
+    # ---- teardowns -----------------------------------------------------------------------
+
+    def teardown(
+        self,
+        rid: int,
+        *,
+        drain: float,
+        keep_logs: bool = False,
+        is_scale_down: bool = False,
+        purge: bool = False,
+    ) -> None:
+        """Schedule a replica's teardown (cancelling its launch first, if any)."""
+        r = self.replicas.get(rid)
+        if r is None:
+            return
+        f = r.facts
+        f.is_scale_down = f.is_scale_down or is_scale_down
+        f.purged = f.purged or purge
+        if rid in self._teardowns:
+            self._save(r)
+            return
+        if f.launch_phase in (LP.LAUNCH_PHASE_SCHEDULED, LP.LAUNCH_PHASE_RUNNING):
+            f.launch_phase = LP.LAUNCH_PHASE_INTERRUPTED
+            task = self._launches.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        f.teardown_phase = TP.TEARDOWN_PHASE_SCHEDULED
+        f.drain.CopyFrom(convert.duration(drain))
+        self._save(r)
+        self._start_teardown(rid, drain=drain, keep_logs=keep_logs)
+
+    def _start_teardown(self, rid: int, *, drain: float, keep_logs: bool) -> None:
+        self._teardowns[rid] = asyncio.create_task(
+            self._run_teardown(rid, drain, keep_logs), name=f"teardown {self.name}/{rid}"
+        )
+
+    async def _run_teardown(self, rid: int, drain: float, keep_logs: bool) -> None:
+        delay = self._tuning.reconnect_initial_s
+        try:
+            while True:
+                r = self.replicas.get(rid)
+                if r is None:
+                    return
+                request = prov_pb.TerminateRequest(
+                    name=r.replica_name, drain=convert.duration(drain), keep_logs=keep_logs
+                )
+                try:
+                    async for response in self._prov.Terminate(request):
+                        delay = self._tuning.reconnect_initial_s
+                        ev = response.event
+                        if ev.type == TE.TERMINATE_EVENT_TYPE_TERMINATED:
+                            self._finish_teardown(rid, ok=True, message=ev.message)
+                            return
+                        if ev.type == TE.TERMINATE_EVENT_TYPE_FAILED:
+                            self._finish_teardown(rid, ok=False, message=ev.message)
+                            return
+                        if ev.type != TE.TERMINATE_EVENT_TYPE_QUEUED and (
+                            r.facts.teardown_phase == TP.TEARDOWN_PHASE_SCHEDULED
+                        ):
+                            r.facts.teardown_phase = TP.TEARDOWN_PHASE_RUNNING
+                            self._save(r)
+                except grpc.aio.AioRpcError as exc:
+                    log.info("%s/%d: teardown stream broke (%s); retrying", self.name, rid, exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._tuning.reconnect_max_s)
+                drain = 0.0  # the replica already left the ready set; do not drain twice
+        finally:
+            if self._teardowns.get(rid) is asyncio.current_task():
+                del self._teardowns[rid]
+                if self._row.deleting:
+                    self._continue_delete()
+
+    def _finish_teardown(self, rid: int, *, ok: bool, message: str) -> None:
+        r = self.replicas.get(rid)
+        if r is None:
+            return
+        f = r.facts
+        f.teardown_phase = TP.TEARDOWN_PHASE_SUCCEEDED if ok else TP.TEARDOWN_PHASE_FAILED
+        if not ok:
+            r.failure_reason = f"teardown failed: {message}"
+            log.warning("%s/%d: teardown failed: %s", self.name, rid, message)
+        if self._row.deleting:
+            remove = ok or f.purged
+        else:
+            remove = st.removed_after_teardown(
+                convert.facts_of(r), version=r.version, latest_version=self._row.latest_version
+            )
+        if remove:
+            self._remove(rid)
+        else:
+            self._save(r)
+        self.kick()
+
+    # ---- user actions --------------------------------------------------------------------
+
+    def terminate_replica(self, rid: int, *, purge: bool) -> res.Replica:
+        """Manual termination (spec.md section 4)."""
+        r = self.replica(rid)
+        status = convert.status_of(r)
+        if status == st.ReplicaStatus.SHUTTING_DOWN or (
+            rid in self._teardowns and status not in st.FAILED_STATUSES
+        ):
+            raise errors.FailedPreconditionError(
+                f"replica {rid} of service {self.name!r} is already shutting down",
+                reason="REPLICA_SHUTTING_DOWN",
+                subject=f"services/{self.name}/replicas/{rid}",
+                service=self.name,
+                replica_id=rid,
+            )
+        if status in st.FAILED_STATUSES:
+            if not purge:
+                raise errors.FailedPreconditionError(
+                    f"replica {rid} of service {self.name!r} is {status.name}; terminating it could "
+                    "leak resources. Use purge to remove the record",
+                    reason="REPLICA_FAILED",
+                    subject=f"services/{self.name}/replicas/{rid}",
+                    service=self.name,
+                    replica_id=rid,
+                )
+            self._purge(rid)
+        else:
+            self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True, purge=purge)
+            self.kick()
+        return res.Replica().FromString((self.replicas.get(rid) or r).SerializeToString())
+
+    def _purge(self, rid: int) -> None:
+        r = self.replicas[rid]
+        if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED:
+            self._remove(rid)
+        else:
+            # Cleanup failed or never ran: try once more; purge removes the record either way.
+            if r.facts.teardown_phase == TP.TEARDOWN_PHASE_FAILED:
+                r.facts.teardown_phase = TP.TEARDOWN_PHASE_UNSPECIFIED
+            self.teardown(rid, drain=0.0, purge=True)
+
+    def purge_failed(self) -> list[int]:
+        """Purge every failed replica record."""
+        ids = [rid for rid, r in sorted(self.replicas.items()) if convert.status_of(r) in st.FAILED_STATUSES]
+        for rid in ids:
+            self._purge(rid)
+        return ids
+
+    def delete(self, *, purge: bool) -> None:
+        """Tear every replica down without drain, then forget the service (spec.md section 9)."""
+        if self._row.deleting and not purge and self._row.status != res.SERVICE_STATUS_FAILED_CLEANUP:
+            raise errors.FailedPreconditionError(
+                f"service {self.name!r} is already shutting down",
+                reason="SERVICE_SHUTTING_DOWN",
+                subject=f"services/{self.name}",
+                service=self.name,
+            )
+        self._row = self._db.update_service(
+            self.name, deleting=True, status=res.SERVICE_STATUS_SHUTTING_DOWN, status_message=""
+        )
+        for rid, r in list(self.replicas.items()):
+            f = r.facts
+            if f.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED or (purge and rid not in self._teardowns):
+                if purge and f.teardown_phase not in (TP.TEARDOWN_PHASE_SUCCEEDED, TP.TEARDOWN_PHASE_FAILED):
+                    self.teardown(rid, drain=0.0, purge=True)
+                else:
+                    self._remove(rid)
+            elif f.teardown_phase == TP.TEARDOWN_PHASE_FAILED:
+                f.teardown_phase = TP.TEARDOWN_PHASE_UNSPECIFIED
+                self.teardown(rid, drain=0.0)
+            elif rid not in self._teardowns:
+                self.teardown(rid, drain=0.0)
+        self._continue_delete()
+
+    def _continue_delete(self) -> None:
+        if self._gone or self._teardowns:
+            self._schedule_flush()
+            return
+        for rid, r in list(self.replicas.items()):
+            if r.facts.teardown_phase == TP.TEARDOWN_PHASE_UNSPECIFIED:
+                self.teardown(rid, drain=0.0)
+        if self._teardowns:
+            return
+        if self.replicas:
+            left = ", ".join(str(i) for i in sorted(self.replicas))
+            self._row = self._db.update_service(
+                self.name,
+                status=res.SERVICE_STATUS_FAILED_CLEANUP,
+                status_message=f"teardown failed for replica(s) {left}; delete with purge to forget them",
+            )
+            self._schedule_flush()
+            return
+        self._gone = True
+        for rid in list(self._probed):
+            self._probes.remove(target_id(self.name, rid))
+        self._probed.clear()
+        svc = self.service()
+        svc.status = res.SERVICE_STATUS_SHUTTING_DOWN
+        self._db.delete_service(self.name)
+        self.hub.publish(svc, [], [], deleted=True)
+        self._on_gone(self.name)
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def report_load(self, times: list[float], count: int, now: float) -> float:
+        """Record requests into the 60 s window; return the window's QPS."""
+        load = self._state.load
+        for t in times:
+            key = str(int(t))
+            load[key] = load.get(key, 0) + 1
+        if count:
+            key = str(int(now))
+            load[key] = load.get(key, 0) + count
+        horizon = now - 60
+        for key in [k for k in load if int(k) < horizon]:
+            del load[key]
+        self._persist_state()
+        return sum(load.values()) / 60.0
+
+    # ---- saving and publishing -----------------------------------------------------------
+
+    def _save(self, r: res.Replica) -> None:
+        r.status = int(convert.status_of(r))  # type: ignore[assignment]
+        self.replicas[r.replica_id] = r
+        self._db.put_replica(r)
+        self._changed[r.replica_id] = r
+        self._sync_probe(r)
+        self._schedule_flush()
+
+    def _remove(self, rid: int) -> None:
+        if self.replicas.pop(rid, None) is None:
+            return
+        self._db.delete_replica(self.name, rid)
+        self._changed.pop(rid, None)
+        self._removed.append(rid)
+        if self._probed.pop(rid, None) is not None:
+            self._probes.remove(target_id(self.name, rid))
+        for version in self._db.delete_unreferenced_versions(self.name):
+            self._specs.pop(version, None)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and not self._gone:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Publish what changed in this loop turn as one watch message."""
+        self._flush_scheduled = False
+        if self._gone:
+            return
+        svc = self.service()
+        changed = [self._changed[i] for i in sorted(self._changed)]
+        removed, self._removed = self._removed, []
+        self._changed = {}
+        self.hub.publish(svc, changed, removed)
+        self.hub.set_endpoints(list(svc.endpoints))
+        if not self._row.deleting and (
+            svc.status != self._row.status or svc.status_message != self._row.status_message
+        ):
+            self._row = self._db.update_service(
+                self.name, status=svc.status, status_message=svc.status_message
+            )
+
+    def debug_state(self) -> dict[str, Any]:
+        """In-flight work, for tests and logs."""
+        return {"launches": sorted(self._launches), "teardowns": sorted(self._teardowns)}

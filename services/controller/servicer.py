@@ -1,0 +1,92 @@
+"""ControllerService over gRPC: a thin adapter from requests to the Controller."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from services.controller import controller
+
+
+class ControllerServicer(api_grpc.ControllerServiceServicer):
+    """Maps each RPC to one Controller call; errors are mapped by the interceptor."""
+
+    def __init__(self, ctl: controller.Controller) -> None:
+        self._ctl = ctl
+
+    async def CreateService(
+        self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.CreateServiceResponse:
+        svc = self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
+        return api.CreateServiceResponse(service=svc)
+
+    async def GetService(
+        self, request: api.GetServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.GetServiceResponse:
+        return api.GetServiceResponse(service=self._ctl.get_service(request.service_name))
+
+    async def ListServices(
+        self, request: api.ListServicesRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListServicesResponse:
+        services, token = self._ctl.list_services(request.page_size, request.page_token)
+        return api.ListServicesResponse(services=services, next_page_token=token)
+
+    async def UpdateService(
+        self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.UpdateServiceResponse:
+        svc, plan = self._ctl.update_service(
+            request.service_name, request.yaml, mode=request.mode, dry_run=request.dry_run
+        )
+        return api.UpdateServiceResponse(service=svc, plan=plan)
+
+    async def DeleteService(
+        self, request: api.DeleteServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.DeleteServiceResponse:
+        return api.DeleteServiceResponse(
+            service=self._ctl.delete_service(request.service_name, purge=request.purge)
+        )
+
+    async def ListReplicas(
+        self, request: api.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListReplicasResponse:
+        replicas, token = self._ctl.list_replicas(request.service_name, request.page_size, request.page_token)
+        return api.ListReplicasResponse(replicas=replicas, next_page_token=token)
+
+    async def GetReplica(
+        self, request: api.GetReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> api.GetReplicaResponse:
+        return api.GetReplicaResponse(replica=self._ctl.get_replica(request.service_name, request.replica_id))
+
+    async def TerminateReplica(
+        self, request: api.TerminateReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> api.TerminateReplicaResponse:
+        replica = self._ctl.terminate_replica(request.service_name, request.replica_id, purge=request.purge)
+        return api.TerminateReplicaResponse(replica=replica)
+
+    async def PurgeReplicas(
+        self, request: api.PurgeReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> api.PurgeReplicasResponse:
+        return api.PurgeReplicasResponse(replica_ids=self._ctl.purge_replicas(request.service_name))
+
+    async def WatchService(
+        self, request: api.WatchServiceRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.WatchServiceResponse]:
+        async for msg in self._ctl.watch_service(request.service_name, request.after_sequence):
+            yield msg
+
+    async def ReportLoad(
+        self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
+    ) -> api.ReportLoadResponse:
+        times = controller.seconds_list(list(request.request_times))
+        return api.ReportLoadResponse(
+            qps=self._ctl.report_load(request.service_name, times, request.request_count)
+        )
+
+    async def WatchEndpoints(
+        self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.WatchEndpointsResponse]:
+        async for msg in self._ctl.watch_endpoints(request.service_name, request.after_version):
+            yield msg
