@@ -201,9 +201,7 @@ class Store:
         # Specs carry probe headers and secrets: create the file private. SQLite gives the
         # -wal and -shm files the same permissions as the database.
         os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
-        self._db = sqlite3.connect(
-            self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
+        self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000):d}")
         mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
@@ -220,9 +218,7 @@ class Store:
             raise
 
     @classmethod
-    def in_state_dir(
-        cls, state_dir: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0
-    ) -> Store:
+    def in_state_dir(cls, state_dir: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> Store:
         """Open `state.db` under `state_dir` (`~` expanded).
 
         Args:
@@ -315,9 +311,7 @@ class Store:
 
     # ---- services ------------------------------------------------------------------------
 
-    def create_service(
-        self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = ""
-    ) -> ServiceRow:
+    def create_service(self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = "") -> ServiceRow:
         """Create a service with `spec` as version 1.
 
         Args:
@@ -338,8 +332,7 @@ class Store:
                     f"service {name!r} already exists", reason="SERVICE_ALREADY_EXISTS", service=name
                 )
             self._db.execute(
-                "INSERT INTO services (name, create_time, status, latest_version, request_id) "
-                "VALUES (?, ?, ?, 1, ?)",
+                "INSERT INTO services (name, create_time, status, latest_version, request_id) VALUES (?, ?, ?, 1, ?)",
                 (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id),
             )
             self._insert_version(name, 1, spec)
@@ -356,7 +349,7 @@ class Store:
             rows = db.execute(f"SELECT {_SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
         return [_service_row(r) for r in rows]
 
-    def update_service(self, name: str, **fields: object) -> ServiceRow:
+    def update_service(self, name: str, /, **fields: object) -> ServiceRow:
         """Set some columns of a service row.
 
         Args:
@@ -429,9 +422,7 @@ class Store:
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:
         """The spec of one version, or None if it is not stored (or deleted)."""
         with self._read() as db:
-            row = db.execute(
-                "SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)
-            ).fetchone()
+            row = db.execute("SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)).fetchone()
         if row is None:
             return None
         spec = spec_pb2.ServiceSpec()
@@ -441,9 +432,7 @@ class Store:
     def list_versions(self, name: str) -> list[int]:
         """The stored versions of a service, ascending."""
         with self._read() as db:
-            rows = db.execute(
-                "SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)
-            ).fetchall()
+            rows = db.execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
         return [int(r[0]) for r in rows]
 
     def delete_unreferenced_versions(self, name: str) -> list[int]:
@@ -532,9 +521,7 @@ class Store:
             ).fetchone()
         return None if row is None else _replica(row[0])
 
-    def list_replicas(
-        self, name: str, *, statuses: Iterable[int] | None = None
-    ) -> list[resources_pb2.Replica]:
+    def list_replicas(self, name: str, *, statuses: Iterable[int] | None = None) -> list[resources_pb2.Replica]:
         """The replica records of a service in id order, optionally only those in `statuses`."""
         sql = "SELECT data FROM replicas WHERE service = ?"
         params: list[object] = [name]
