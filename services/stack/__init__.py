@@ -1,0 +1,1 @@
+"""The local stack: the three services as child processes on loopback, plus an example service."""

@@ -1,0 +1,103 @@
+"""Command line of the local stack: up, down, create, health."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from services.stack import api, plan, runner
+
+DEFAULT_STATE_DIR = ".state"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.stack",
+        description="Run Replicaplane's three services locally (make up / make down).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start controller, provisioner and probers; Ctrl-C stops them")
+    up.add_argument("--example", metavar="YAML", help="service YAML to create once the stack serves")
+    up.add_argument("--probers", type=int, default=1, help="number of prober processes (default 1)")
+    up.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="state, logs, pid file (default .state)")
+    up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    up.add_argument("--ready-timeout", type=float, default=30.0, help="seconds each service gets to serve")
+    up.add_argument(
+        "--delete-timeout", type=float, default=90.0, help="seconds each created service gets to go on stop"
+    )
+
+    down = sub.add_parser("down", help="stop a stack started with --detach (or left behind)")
+    down.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    down.add_argument("--timeout", type=float, default=150.0, help="seconds the stack gets to clean up")
+
+    create = sub.add_parser("create", help="create a service from YAML through a running controller")
+    create.add_argument("yaml", help="the service YAML; a relative workdir is resolved against its directory")
+    create.add_argument("--controller", default=plan.dial_addr(plan.config.CONTROLLER_ADDR))
+    create.add_argument("--follow", action="store_true", help="print status changes until Ctrl-C")
+
+    health = sub.add_parser("health", help="exit 0 if the gRPC server at ADDR is SERVING (container checks)")
+    health.add_argument("addr")
+    health.add_argument("--service", default="", help="service name to check; default the whole server")
+    health.add_argument("--timeout", type=float, default=3.0)
+    return parser
+
+
+async def _create(args: argparse.Namespace) -> int:
+    client = api.Controller(args.controller)
+    try:
+        name = await client.create(args.yaml, runner._say)
+        if args.follow:
+            await client.follow(name, api.WatchPrinter(), runner._say)
+    except api.StackError as exc:
+        runner._say(f"error: {exc}")
+        return 1
+    finally:
+        await client.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the command line and run it; exits with the command's code."""
+    args = _parser().parse_args(argv)
+    if args.command == "up":
+        state_dir = os.path.abspath(args.state_dir)
+        try:
+            specs = plan.plan(probers=args.probers, state_dir=state_dir)
+        except ValueError as exc:
+            sys.exit(f"error: {exc}")
+        if args.example and not os.path.isfile(args.example):
+            sys.exit(f"error: no such file: {args.example}")
+        if args.detach:
+            child = ["up", "--state-dir", state_dir, "--probers", str(args.probers)]
+            child += ["--ready-timeout", str(args.ready_timeout)]
+            child += ["--delete-timeout", str(args.delete_timeout)]
+            if args.example:
+                child += ["--example", os.path.abspath(args.example)]
+            timeout = args.ready_timeout * len(specs) + 60
+            sys.exit(runner.detach(child, state_dir=state_dir, timeout=timeout))
+        example = os.path.abspath(args.example) if args.example else None
+        sys.exit(
+            asyncio.run(
+                runner.up(
+                    specs,
+                    state_dir=state_dir,
+                    example=example,
+                    ready_timeout=args.ready_timeout,
+                    delete_timeout=args.delete_timeout,
+                )
+            )
+        )
+    elif args.command == "down":
+        sys.exit(runner.down(state_dir=os.path.abspath(args.state_dir), timeout=args.timeout))
+    elif args.command == "create":
+        try:
+            sys.exit(asyncio.run(_create(args)))
+        except KeyboardInterrupt:
+            sys.exit(0)
+    elif args.command == "health":
+        ok = asyncio.run(api.check_health(args.addr, args.service, timeout=args.timeout))
+        sys.exit(0 if ok else 1)

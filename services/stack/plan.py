@@ -1,0 +1,140 @@
+"""What the local stack runs, as data: one ProcessSpec per service process.
+
+docker-compose.yml runs the same modules with the same environment variables (apart from host
+names); tests/unit/test_compose.py holds the two together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+
+from replicaplane.controller.v1 import controller_service_pb2
+from replicaplane.prober.v1 import prober_service_pb2
+from replicaplane.provisioner.v1 import provisioner_service_pb2
+from services.common import config
+
+CONTROLLER_SERVICE = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+PROVISIONER_SERVICE = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
+PROBER_SERVICE = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """One service process of the stack.
+
+    Attributes:
+        name: unique process name: controller, provisioner, prober-1, prober-2, ...
+        component: the service package: controller, provisioner or prober.
+        argv: the command line.
+        env: the REPLICAPLANE_* variables the process gets on top of the caller's environment.
+        addr: host:port it listens on.
+        grpc_service: full name of its gRPC service, for the health check.
+    """
+
+    name: str
+    component: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    addr: str
+    grpc_service: str
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """Split `host:port` (IPv6 hosts in brackets).
+
+    Raises:
+        ValueError: no port, or the port is not a number.
+    """
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port, got {addr!r}")
+    return host, int(port)
+
+
+def dial_addr(listen_addr: str) -> str:
+    """The address a local client dials for a server listening on `listen_addr`."""
+    host, port = split_addr(listen_addr)
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
+    var = config.env_name(section, "listen_addr")
+    addr = environ.get(var) or default
+    if split_addr(addr)[1] == 0:
+        raise ValueError(f"{var}: the stack needs a fixed port, got {addr}")
+    return addr
+
+
+def plan(
+    *, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, str] | None = None
+) -> list[ProcessSpec]:
+    """The processes of a local stack, in start order (provisioner, probers, controller).
+
+    Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
+    defaults; prober i (from 1) listens on the prober port + i - 1.
+
+    Args:
+        probers: number of prober processes, at least 1.
+        state_dir: directory for the controller's and provisioner's state.
+        environ: environment to read addresses from; defaults to os.environ.
+
+    Returns:
+        One ProcessSpec per process.
+
+    Raises:
+        ValueError: probers < 1, or an address without a fixed port.
+    """
+    if probers < 1:
+        raise ValueError(f"probers must be at least 1, got {probers}")
+    env = os.environ if environ is None else environ
+    python = sys.executable
+    provisioner_addr = _listen(env, "provisioner", config.PROVISIONER_ADDR)
+    prober_host, prober_port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
+    prober_addrs = [f"{prober_host}:{prober_port + i}" for i in range(probers)]
+    controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
+
+    specs = [
+        ProcessSpec(
+            name="provisioner",
+            component="provisioner",
+            argv=(python, "-m", "services.provisioner"),
+            env={
+                "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": provisioner_addr,
+                "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(state_dir, "provisioner"),
+            },
+            addr=provisioner_addr,
+            grpc_service=PROVISIONER_SERVICE,
+        )
+    ]
+    for i, addr in enumerate(prober_addrs, start=1):
+        specs.append(
+            ProcessSpec(
+                name=f"prober-{i}",
+                component="prober",
+                argv=(python, "-m", "services.prober"),
+                env={"REPLICAPLANE_PROBER_LISTEN_ADDR": addr},
+                addr=addr,
+                grpc_service=PROBER_SERVICE,
+            )
+        )
+    specs.append(
+        ProcessSpec(
+            name="controller",
+            component="controller",
+            argv=(python, "-m", "services.controller"),
+            env={
+                "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": controller_addr,
+                "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(state_dir, "controller"),
+                "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": dial_addr(provisioner_addr),
+                "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(dial_addr(a) for a in prober_addrs),
+            },
+            addr=controller_addr,
+            grpc_service=CONTROLLER_SERVICE,
+        )
+    )
+    return specs

@@ -1,0 +1,402 @@
+"""Runs the local stack: starts the service processes, creates the example, cleans up on stop.
+
+Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes the
+services it created (so the provisioner tears every replica down) before it stops the children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from services.stack import api, plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STOP_TIMEOUT_S = 10.0
+"""How long a service process gets to exit after SIGTERM before SIGKILL."""
+
+
+def _say(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: ours, with the repo and generated code importable."""
+    path = [REPO, os.path.join(REPO, "gen", "python")]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def _cmdline(pid: int) -> str | None:
+    """The command line of a live process, or None if it is gone (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            if fh.read().rpartition(")")[2].split()[0] == "Z":
+                return None
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    except OSError:
+        # No /proc (not Linux): fall back to a signal 0 probe.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return ""
+
+
+def is_ours(pid: int, marker: str) -> bool:
+    """True when `pid` is alive and its command line contains `marker` (guards against pid reuse)."""
+    cmd = _cmdline(pid)
+    return cmd is not None and (cmd == "" or marker in cmd)
+
+
+def _wait_gone(pid: int, marker: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_ours(pid, marker):
+            return True
+        time.sleep(0.05)
+    return not is_ours(pid, marker)
+
+
+def terminate_pids(named_pids: Sequence[tuple[str, int, str]], out: api.Out) -> None:
+    """SIGTERM each (name, pid, marker) in order, wait for it, SIGKILL after STOP_TIMEOUT_S."""
+    for name, pid, marker in named_pids:
+        if not is_ours(pid, marker):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if not _wait_gone(pid, marker, STOP_TIMEOUT_S):
+            out(f"{name} (pid {pid}) did not stop in {STOP_TIMEOUT_S:.0f} s; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, marker, 2.0)
+
+
+@dataclasses.dataclass
+class StateFiles:
+    """The stack's files under its state dir: pid file, state (JSON) and logs."""
+
+    state_dir: str
+
+    @property
+    def pid_path(self) -> str:
+        """Pid file of the running stack."""
+        return os.path.join(self.state_dir, "stack.pid")
+
+    @property
+    def state_path(self) -> str:
+        """JSON: the stack pid, readiness, controller address, children and created services."""
+        return os.path.join(self.state_dir, "stack.json")
+
+    @property
+    def log_dir(self) -> str:
+        """One log file per service process."""
+        return os.path.join(self.state_dir, "logs")
+
+    def running_pid(self) -> int | None:
+        """Pid of a live stack using this state dir, if any."""
+        try:
+            with open(self.pid_path, encoding="utf-8") as fh:
+                pid = int(fh.read().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return None
+        return pid if pid and pid != os.getpid() and is_ours(pid, "services.stack") else None
+
+    def write(self, path: str, text: str) -> None:
+        """Write atomically, so a reader never sees half a file."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+
+    def read_state(self) -> dict[str, Any] | None:
+        """The state written by a stack, or None."""
+        try:
+            with open(self.state_path, encoding="utf-8") as fh:
+                return dict(json.load(fh))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def remove(self) -> None:
+        """Remove the pid and state files."""
+        for path in (self.pid_path, self.state_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+class Stack:
+    """The service processes of one stack and the services it created."""
+
+    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out) -> None:
+        self.specs = list(specs)
+        self.files = files
+        self.out = out
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.created: list[str] = []
+        self.ready = False
+        self.controller_addr = plan.dial_addr(next(s.addr for s in self.specs if s.component == "controller"))
+
+    def save(self) -> None:
+        """Record what is running, for `down` and for a waiting `up --detach`."""
+        state = {
+            "pid": os.getpid(),
+            "ready": self.ready,
+            "controller": self.controller_addr,
+            "services": self.created,
+            "processes": [
+                {"name": s.name, "pid": self.procs[s.name].pid, "addr": s.addr}
+                for s in self.specs
+                if s.name in self.procs
+            ],
+        }
+        self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
+
+    def start(self) -> None:
+        """Start every process, each in its own session, logging to the log dir."""
+        os.makedirs(self.files.log_dir, exist_ok=True)
+        for spec in self.specs:
+            log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
+            with open(log_path, "ab") as log:
+                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
+                log.flush()
+                self.procs[spec.name] = subprocess.Popen(
+                    spec.argv,
+                    cwd=REPO,
+                    env=child_env(dict(spec.env)),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            self.save()
+
+    def exited(self) -> str | None:
+        """A message naming the first process that exited, or None while all run."""
+        for spec in self.specs:
+            proc = self.procs.get(spec.name)
+            if proc is not None and proc.poll() is not None:
+                log = os.path.join(self.files.log_dir, f"{spec.name}.log")
+                return f"{spec.name} exited with code {proc.returncode}; see {log}"
+        return None
+
+    async def wait_serving(self, timeout: float) -> None:
+        """Wait until every process's health check says SERVING."""
+        for spec in self.specs:
+            proc = self.procs[spec.name]
+            alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
+            await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive)
+            self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
+
+    async def watch_exits(self) -> str:
+        """Return once a process exits (bounded by the caller's cancellation)."""
+        while (message := self.exited()) is None:
+            await asyncio.sleep(0.5)
+        return message
+
+    async def cleanup(self, delete_timeout: float) -> None:
+        """Delete the created services (so no replica is left), then stop the processes."""
+        controller = self.procs.get("controller")
+        if self.created and controller is not None and controller.poll() is None:
+            client = api.Controller(self.controller_addr)
+            try:
+                results = await asyncio.gather(
+                    *(client.delete_and_wait(n, timeout=delete_timeout, out=self.out) for n in self.created)
+                )
+            finally:
+                await client.close()
+            if not all(results):
+                self.out("warning: some services were not confirmed deleted; their replicas may still run")
+        elif self.created:
+            self.out("warning: the controller is not running, so services could not be deleted")
+        # Controller first, so it stops calling the others; the provisioner last.
+        order = sorted(self.specs, key=lambda s: {"controller": 0, "prober": 1}.get(s.component, 2))
+        pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
+        await asyncio.to_thread(terminate_pids, pids, self.out)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1.0)  # reap
+        self.out("stack stopped")
+
+
+async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
+    stack.start()
+    await stack.wait_serving(ready_timeout)
+    client = api.Controller(stack.controller_addr)
+    try:
+        if example:
+            stack.created.append(await client.create(example, stack.out))
+        stack.ready = True
+        stack.save()
+        stack.out(f"stack ready: controller at {stack.controller_addr}; Ctrl-C (or make down) stops it")
+        printer = api.WatchPrinter()
+        await asyncio.gather(*(client.follow(name, printer, stack.out) for name in stack.created))
+        await asyncio.Event().wait()  # nothing left to follow: run until stopped
+    finally:
+        await client.close()
+
+
+async def up(
+    specs: Sequence[plan.ProcessSpec],
+    *,
+    state_dir: str,
+    example: str | None,
+    ready_timeout: float = 30.0,
+    delete_timeout: float = 90.0,
+    out: api.Out = _say,
+) -> int:
+    """Run the stack until SIGTERM or SIGINT, then clean up.
+
+    Args:
+        specs: the processes, from plan.plan().
+        state_dir: absolute state directory.
+        example: a service YAML to create once the stack serves, or None.
+        ready_timeout: seconds each process gets to serve.
+        delete_timeout: seconds each created service gets to be deleted on stop.
+        out: where progress lines go.
+
+    Returns:
+        The exit code: 0 after a requested stop, 1 if anything failed.
+    """
+    files = StateFiles(state_dir)
+    os.makedirs(state_dir, exist_ok=True)
+    if (other := files.running_pid()) is not None:
+        out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
+        return 1
+    files.write(files.pid_path, f"{os.getpid()}\n")
+    stack = Stack(specs, files, out)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    main = asyncio.create_task(_run(stack, example, ready_timeout))
+    exits = asyncio.create_task(stack.watch_exits())
+    stopped = asyncio.create_task(stop.wait())
+    rc = 0
+    try:
+        done, _ = await asyncio.wait({main, exits, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if main in done and main.exception() is not None:
+            exc = main.exception()
+            out(f"error: {exc}" if isinstance(exc, api.StackError) else f"error: {exc!r}")
+            rc = 1
+        elif exits in done:
+            out(f"error: {exits.result()}")
+            rc = 1
+        else:
+            out("stopping")
+    finally:
+        for task in (main, exits, stopped):
+            task.cancel()
+        await asyncio.gather(main, exits, stopped, return_exceptions=True)
+        await stack.cleanup(delete_timeout)
+        files.remove()
+    return rc
+
+
+def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out = _say) -> int:
+    """Run `python -m services.stack <argv>` in the background and wait until it is ready.
+
+    Returns:
+        0 once the background stack is ready; 1 if it failed or took longer than `timeout` s.
+    """
+    files = StateFiles(state_dir)
+    os.makedirs(state_dir, exist_ok=True)
+    if (other := files.running_pid()) is not None:
+        out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
+        return 1
+    log_path = os.path.join(state_dir, "stack.log")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.stack", *argv],
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, encoding="utf-8", errors="replace") as fh:
+                tail = fh.read().splitlines()[-20:]
+            out(f"the stack failed to start (exit code {proc.returncode}); last lines of {log_path}:")
+            for line in tail:
+                print(f"  {line}", flush=True)
+            return 1
+        state = files.read_state()
+        if state and state.get("pid") == proc.pid and state.get("ready"):
+            out(f"stack running in the background (pid {proc.pid}); controller at {state['controller']}")
+            out(f"output: {log_path}; stop it with `make down` (python -m services.stack down)")
+            return 0
+        time.sleep(0.1)
+    out(f"the stack was not ready after {timeout:.0f} s; stopping it (see {log_path})")
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout + 30)
+    return 1
+
+
+def down(*, state_dir: str, timeout: float, out: api.Out = _say) -> int:
+    """Stop the stack running from `state_dir`, the same way Ctrl-C does.
+
+    If the stack process itself is gone (killed), its children are cleaned up from the state
+    file: created services are deleted through the controller, then the processes stopped.
+
+    Returns:
+        0 when nothing of the stack is left running, 1 otherwise.
+    """
+    files = StateFiles(state_dir)
+    pid = files.running_pid()
+    state = files.read_state() or {}
+    if pid is None and not state:
+        out(f"no stack is running from {state_dir}")
+        files.remove()
+        return 0
+    if pid is not None:
+        out(f"stopping the stack (pid {pid})")
+        os.kill(pid, signal.SIGTERM)
+        if not _wait_gone(pid, "services.stack", timeout):
+            out(f"the stack did not stop in {timeout:.0f} s; killing it and cleaning up after it")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, "services.stack", 2.0)
+    left = [
+        (p["name"], int(p["pid"]), f"services.{p['name'].split('-')[0]}")
+        for p in state.get("processes", [])
+        if is_ours(int(p["pid"]), f"services.{p['name'].split('-')[0]}")
+    ]
+    if left:
+        out("cleaning up after a stack that is gone: " + ", ".join(n for n, _, _ in left))
+        services = state.get("services", [])
+        controller_alive = any(n == "controller" for n, _, _ in left)
+        if services and controller_alive:
+            asyncio.run(_delete_all(state["controller"], services, timeout, out))
+        terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
+    files.remove()
+    still = [n for n, p, m in left if is_ours(p, m)]
+    if still:
+        out("still running: " + ", ".join(still))
+        return 1
+    out("stack stopped")
+    return 0
+
+
+async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out) -> None:
+    client = api.Controller(addr)
+    try:
+        await asyncio.gather(*(client.delete_and_wait(n, timeout=timeout, out=out) for n in names))
+    finally:
+        await client.close()
