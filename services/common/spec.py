@@ -700,10 +700,10 @@ def _parse_replicas(c: _Checker, service: dict[Any, Any], out: spec_pb2.ServiceS
         c.add(f"{path}.max_replicas", f"must be >= min_replicas ({min_replicas}), got {max_replicas}")
     if raw_target is not None and not has_max:
         c.add(f"{path}.max_replicas", "required when target_qps_per_replica is set")
-    if raw_target is None and min_replicas is not None and max_replicas is not None and max_replicas != min_replicas:
+    if raw_target is None and min_replicas is not None and max_replicas is not None and max_replicas > min_replicas:
         c.add(
             f"{path}.target_qps_per_replica",
-            "required when max_replicas differs from min_replicas (it turns on autoscaling)",
+            "required when max_replicas exceeds min_replicas (it turns on autoscaling)",
         )
     return target_is_dict, target_ok
 
