@@ -68,6 +68,9 @@ def svc(store: store_mod.Store) -> str:
 def test_open_creates_private_wal_database(db_path: str) -> None:
     with store_mod.Store(db_path) as s:
         assert s.schema_version() == store_mod.SCHEMA_VERSION
+        s.create_service("svc", make_spec(header="Bearer s3cret"), now=NOW)
+        for suffix in ("-wal", "-shm"):  # the spec holds secrets: WAL files are private too
+            assert stat.S_IMODE(os.stat(db_path + suffix).st_mode) == 0o600
     conn = sqlite3.connect(db_path)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
