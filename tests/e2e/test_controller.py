@@ -1,0 +1,132 @@
+"""End to end: controller, provisioner and prober as processes, with real replica processes."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from tests.helpers import cluster as cl
+
+pytestmark = pytest.mark.e2e
+
+READY = res.REPLICA_STATUS_READY
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.status, resp.read().decode()
+
+
+async def _create(c: cl.Cluster, yaml_text: str) -> res.Service:
+    resp = await c.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text), timeout=10)
+    return resp.service
+
+
+async def test_two_replicas_become_ready_and_answer(cluster: cl.Cluster) -> None:
+    await _create(cluster, cl.app_yaml("web", cluster.tag))
+    w = cl.Watch(cluster.stub, "web")
+    await w.until(lambda w: w.count(READY) == 2)
+    assert w.service.status == res.SERVICE_STATUS_READY
+    assert (w.service.ready_replicas, w.service.total_replicas) == (2, 2)
+    assert list(w.service.active_versions) == [1]
+    assert w.service.HasField("uptime_start_time")
+    endpoints = {r.endpoint for r in w.replicas.values()}
+    assert len(endpoints) == 2
+    for r in w.replicas.values():
+        code, body = await asyncio.to_thread(_get, r.endpoint + "/health")
+        assert code == 200
+        assert f"replica {r.replica_id}" in body
+        assert r.replica_name == f"web-{r.replica_id}"
+        assert res.REPLICA_STATUS_STARTING in w.seen_statuses[r.replica_id]
+    assert len(cl.replica_pids(cluster.tag)) == 2
+    w.cancel()
+
+
+async def test_app_exit_fails_without_relaunch_loop(cluster: cl.Cluster) -> None:
+    await _create(cluster, cl.app_yaml("crash", cluster.tag, app_args="--exit-code 3 --exit-after 0.3"))
+    w = cl.Watch(cluster.stub, "crash")
+    await w.until(lambda w: len(w.replicas) == 2 and w.count(res.REPLICA_STATUS_FAILED) == 2)
+    await asyncio.sleep(1.0)  # a relaunch loop would show new replicas by now
+    svc = (await cluster.stub.GetService(api.GetServiceRequest(service_name="crash"))).service
+    replicas = (await cluster.stub.ListReplicas(api.ListReplicasRequest(service_name="crash"))).replicas
+    assert sorted(r.replica_id for r in replicas) == [1, 2]
+    assert all(r.failure_reason == "app exited with code 3" for r in replicas)
+    assert svc.status == res.SERVICE_STATUS_NO_REPLICA
+    assert (svc.ready_replicas, svc.total_replicas) == (0, 0)
+    assert "scaling stopped: version 1 failed before ever being ready" in svc.status_message
+    w.cancel()
+
+
+async def test_app_that_never_answers_fails_initial_delay(cluster: cl.Cluster) -> None:
+    probe = "    path: /health\n    initial_delay_seconds: 1\n    timeout_seconds: 0.5\n"
+    await _create(cluster, cl.app_yaml("mute", cluster.tag, replicas=1, app_args="--never-answer", probe=probe))
+    w = cl.Watch(cluster.stub, "mute")
+    await w.until(lambda w: w.count(res.REPLICA_STATUS_FAILED_INITIAL_DELAY) == 1)
+    r = next(iter(w.replicas.values()))
+    assert "initial delay" in r.failure_reason
+    assert w.service.status == res.SERVICE_STATUS_NO_REPLICA
+    assert cl.replica_pids(cluster.tag) == []
+    w.cancel()
+
+
+async def test_ready_replica_that_stops_answering_is_replaced(cluster: cl.Cluster, tmp_path) -> None:
+    stop_file = tmp_path / "stop-1"
+    # Only replica 1 reads a stop file that exists later: REPLICA_ID picks the file name.
+    args = f"--stop-file {tmp_path}/stop-$REPLICA_ID"
+    await _create(cluster, cl.app_yaml("flaky", cluster.tag, replicas=1, app_args=args))
+    w = cl.Watch(cluster.stub, "flaky")
+    await w.until(lambda w: w.count(READY) == 1)
+    stop_file.write_text("stop")
+    await w.until(lambda w: res.REPLICA_STATUS_NOT_READY in w.seen_statuses.get(1, []))
+    await w.until(lambda w: 1 not in w.replicas or w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING)
+    await w.until(lambda w: any(rid > 1 and r.status == READY for rid, r in w.replicas.items()))
+    assert w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING
+    assert w.replicas[1].failure_reason.startswith("probe failed")
+    assert w.service.status == res.SERVICE_STATUS_READY
+    w.cancel()
+
+
+async def test_manual_terminate_of_ready_replica_is_replaced(cluster: cl.Cluster) -> None:
+    await _create(cluster, cl.app_yaml("term", cluster.tag, replicas=1))
+    w = cl.Watch(cluster.stub, "term")
+    await w.until(lambda w: w.count(READY) == 1)
+    await cluster.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="term", replica_id=1))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="term", replica_id=1))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await w.until(lambda w: 1 not in w.replicas and w.count(READY) == 1)
+    assert list(w.replicas) == [2]
+    assert res.REPLICA_STATUS_SHUTTING_DOWN in w.seen_statuses[1]
+    w.cancel()
+
+
+async def test_delete_removes_every_replica_process(cluster: cl.Cluster) -> None:
+    await _create(cluster, cl.app_yaml("gone", cluster.tag, replicas=2))
+    w = cl.Watch(cluster.stub, "gone")
+    await w.until(lambda w: w.count(READY) == 2)
+    assert len(cl.replica_pids(cluster.tag)) == 2
+    resp = await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="gone"))
+    assert resp.service.status == res.SERVICE_STATUS_SHUTTING_DOWN
+    await w.until(lambda w: w.deleted)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await cluster.stub.GetService(api.GetServiceRequest(service_name="gone"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert cl.replica_pids(cluster.tag) == []
+
+
+async def test_bad_spec_returns_every_violation_and_stores_nothing(cluster: cl.Cluster) -> None:
+    bad = "name: bad\nservice:\n  readiness_probe: health\n  replicas: -1\nresources:\n  ports: 70000\nrun: x\n"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _create(cluster, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    from services.common import grpc_errors
+
+    fields = {f for f, _ in grpc_errors.RpcError(err.value).field_violations}
+    assert len(fields) >= 3
+    services = (await cluster.stub.ListServices(api.ListServicesRequest())).services
+    assert list(services) == []

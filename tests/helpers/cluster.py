@@ -1,0 +1,214 @@
+"""The three real services as processes, plus helpers to drive and observe the controller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from replicaplane.controller.v1 import resources_pb2 as res
+from tests.helpers import procs
+
+APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apps", "httpapp.py")
+
+# Small timings so failure paths finish in seconds.
+PROVISIONER_ENV = {
+    "REPLICAPLANE_PROVISIONER_LAUNCH_BACKOFF_INITIAL_S": "0.05",
+    "REPLICAPLANE_PROVISIONER_LAUNCH_BACKOFF_MAX_S": "0.2",
+    "REPLICAPLANE_PROVISIONER_TEARDOWN_BACKOFF_INITIAL_S": "0.05",
+    "REPLICAPLANE_PROVISIONER_TEARDOWN_BACKOFF_MAX_S": "0.2",
+    "REPLICAPLANE_PROVISIONER_KILL_GRACE_S": "1",
+}
+CONTROLLER_ENV = {"REPLICAPLANE_CONTROLLER_DRAIN_S": "0.2"}
+
+
+def replica_pids(tag: str) -> list[int]:
+    """Pids of live processes whose command line carries `--tag <tag>`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and b"--tag" in argv and tag.encode() in argv:
+            pids.append(int(entry))
+    return pids
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process carrying the tag (test cleanup of last resort)."""
+    for pid in replica_pids(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def app_yaml(name: str, tag: str, *, replicas: int = 2, app_args: str = "", probe: str = "", extra: str = "") -> str:
+    """A service YAML running tests/helpers/apps/httpapp.py."""
+    probe = probe or (
+        "    path: /health\n    initial_delay_seconds: 20\n"
+        "    consecutive_failure_threshold_timeout: 1\n    endpoint_probe_interval_seconds: 0.2\n"
+    )
+    return (
+        f"name: {name}\n"
+        "service:\n"
+        "  readiness_probe:\n"
+        f"{probe}"
+        f"  replicas: {replicas}\n"
+        "resources:\n"
+        "  ports: 8080\n"
+        f"run: {sys.executable} {APP} --port 8080 --tag {tag} {app_args}\n"
+        f"{extra}"
+    )
+
+
+class Cluster:
+    """Provisioner, probers and controller as real processes in one temp directory."""
+
+    def __init__(
+        self,
+        tmp: str,
+        *,
+        probers: int = 1,
+        provisioner_env: dict[str, str] | None = None,
+        controller_env: dict[str, str] | None = None,
+    ) -> None:
+        self.tmp = tmp
+        self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
+        self.tag = uuid.uuid4().hex[:12]
+        self.provisioner = procs.start_service(
+            "provisioner",
+            env={
+                **PROVISIONER_ENV,
+                "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(tmp, "prov"),
+                **(provisioner_env or {}),
+            },
+            workdir=self._dir("provisioner"),
+        )
+        self.probers = [procs.start_service("prober", workdir=self._dir(f"prober{i}")) for i in range(probers)]
+        self.controller = self._start_controller()
+        self.channel = grpc.aio.insecure_channel(self.controller.addr)
+        self.stub = api_grpc.ControllerServiceStub(self.channel)
+
+    def _dir(self, name: str) -> str:
+        path = os.path.join(self.tmp, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def _start_controller(self, port: int = 0) -> procs.ServiceProcess:
+        return procs.start_service(
+            "controller",
+            env={
+                **self.controller_env,
+                "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(self.tmp, "ctl"),
+                "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": self.provisioner.addr,
+                "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(p.addr for p in self.probers),
+            },
+            workdir=self._dir("controller"),
+            port=port,
+        )
+
+    async def restart_controller(self, *, kill: bool = True) -> None:
+        """Kill -9 (or SIGTERM) the controller and start it again on the same port."""
+        port = self.controller.port
+        if kill:
+            self.controller.kill()
+        else:
+            self.controller.stop()
+        self.controller = self._start_controller(port)
+
+    async def close(self) -> None:
+        """Delete every service (so no replica leaks), stop the services, kill stragglers."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            services = (await self.stub.ListServices(api.ListServicesRequest(), timeout=5)).services
+            for svc in services:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.stub.DeleteService(api.DeleteServiceRequest(service_name=svc.name), timeout=5)
+            for _ in range(100):
+                left = (await self.stub.ListServices(api.ListServicesRequest(), timeout=5)).services
+                if not left:
+                    break
+                await asyncio.sleep(0.1)
+        await self.channel.close()
+        for svc in [self.controller, *self.probers, self.provisioner]:
+            svc.stop()
+        kill_tagged(self.tag)
+
+
+class Watch:
+    """Follows WatchService and keeps the latest service and replicas."""
+
+    def __init__(self, stub: api_grpc.ControllerServiceStub, name: str) -> None:
+        self.stub = stub
+        self.name = name
+        self.service: res.Service | None = None
+        self.replicas: dict[int, res.Replica] = {}
+        self.deleted = False
+        self.seen_statuses: dict[int, list[int]] = {}
+        self._call = stub.WatchService(api.WatchServiceRequest(service_name=name))
+
+    def _apply(self, msg: api.WatchServiceResponse) -> None:
+        if msg.snapshot:
+            self.replicas = {}
+        self.service = msg.service
+        for r in msg.replicas:
+            self.replicas[r.replica_id] = r
+            seen = self.seen_statuses.setdefault(r.replica_id, [])
+            if not seen or seen[-1] != r.status:
+                seen.append(r.status)
+        for rid in msg.removed_replica_ids:
+            self.replicas.pop(rid, None)
+        self.deleted = self.deleted or msg.deleted
+
+    async def until(self, pred: Callable[[Watch], bool], timeout: float = 30.0) -> Watch:
+        """Read changes until pred(self) holds; fail with the last state after `timeout`."""
+        if self.service is not None and pred(self):
+            return self
+
+        async def run() -> None:
+            async for msg in self._call:
+                self._apply(msg)
+                if pred(self):
+                    return
+            raise AssertionError("watch ended")
+
+        try:
+            await asyncio.wait_for(run(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"timed out; last state: {self.describe()}") from None
+        return self
+
+    def statuses(self) -> dict[int, str]:
+        """Replica id -> status name."""
+        return {i: res.ReplicaStatus.Name(r.status) for i, r in sorted(self.replicas.items())}
+
+    def count(self, status: int) -> int:
+        """Replicas in `status`."""
+        return sum(1 for r in self.replicas.values() if r.status == status)
+
+    def describe(self) -> str:
+        """A one-line summary for failure messages."""
+        svc = self.service
+        head = (
+            f"{res.ServiceStatus.Name(svc.status)} {svc.ready_replicas}/{svc.total_replicas} {svc.status_message!r}"
+            if svc
+            else "no service"
+        )
+        reasons = {i: r.failure_reason for i, r in self.replicas.items() if r.failure_reason}
+        return f"{head} replicas={self.statuses()} reasons={reasons}"
+
+    def cancel(self) -> None:
+        """Stop watching."""
+        self._call.cancel()
