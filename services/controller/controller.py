@@ -76,9 +76,7 @@ class Controller:
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
         if rec is None:
-            raise errors.NotFoundError(
-                f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name
-            )
+            raise errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)
         return rec
 
     # ---- services ------------------------------------------------------------------------
@@ -92,7 +90,11 @@ class Controller:
                 request id, which returns the existing service).
         """
         parsed = spec.parse(yaml_text, name=name)
-        name = name or parsed.name
+        name = spec.effective_name(parsed, name)
+        if not name:
+            raise errors.ValidationError(
+                [errors.FieldViolation("service_name", "required: set service_name or `name:` in the YAML")]
+            )
         existing = self._db.get_service(name)
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
@@ -169,9 +171,7 @@ class Controller:
         async for msg in rec.hub.watch(after_sequence, rec.snapshot):
             yield msg
 
-    async def watch_endpoints(
-        self, name: str, after_version: int
-    ) -> AsyncIterator[api.WatchEndpointsResponse]:
+    async def watch_endpoints(self, name: str, after_version: int) -> AsyncIterator[api.WatchEndpointsResponse]:
         """The ready endpoint set now and on every change."""
         rec = self._get(name)
         async for msg in rec.hub.watch_endpoints(after_version):

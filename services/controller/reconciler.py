@@ -25,7 +25,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors
+from services.common import errors, spec
 from services.controller import convert, hub, store
 from services.controller.domain import scaling
 from services.controller.domain import status as st
@@ -117,6 +117,7 @@ class ServiceReconciler:
         self._state = _ScalerState.load_from(db.get_autoscaler_state(name))
         self.replicas: dict[int, res.Replica] = {r.replica_id: r for r in db.list_replicas(name)}
         self._specs: dict[int, spec_pb2.ServiceSpec] = {}
+        self._redacted: tuple[int, spec_pb2.ServiceSpec] = (0, spec_pb2.ServiceSpec())
         self._launches: dict[int, asyncio.Task[None]] = {}
         self._teardowns: dict[int, asyncio.Task[None]] = {}
         self._probed: dict[int, prober_pb.ProbeTarget] = {}
@@ -174,15 +175,20 @@ class ServiceReconciler:
 
     def spec(self, version: int) -> spec_pb2.ServiceSpec:
         """The stored spec of a version (cached)."""
-        spec = self._specs.get(version)
-        if spec is None:
-            spec = self._db.get_version(self.name, version)
-            if spec is None:
-                raise errors.NotFoundError(
-                    f"version {version} of service {self.name!r} not found", service=self.name
-                )
-            self._specs[version] = spec
-        return spec
+        found = self._specs.get(version)
+        if found is None:
+            found = self._db.get_version(self.name, version)
+            if found is None:
+                raise errors.NotFoundError(f"version {version} of service {self.name!r} not found", service=self.name)
+            self._specs[version] = found
+        return found
+
+    def _shown_spec(self) -> spec_pb2.ServiceSpec:
+        # Probe headers and secrets never leave the controller in full.
+        version = self._row.latest_version
+        if self._redacted[0] != version:
+            self._redacted = (version, spec.redacted(self.spec(version)))
+        return self._redacted[1]
 
     @property
     def latest_version(self) -> int:
@@ -225,7 +231,7 @@ class ServiceReconciler:
             total_replicas=total,
             active_versions=active,
             latest_version=self._row.latest_version,
-            spec=self.spec(self._row.latest_version),
+            spec=self._shown_spec(),
             create_time=convert.ts(self._row.create_time),
             target_replicas=self._state.target,
             probing_stale=self._probing_stale,
@@ -301,8 +307,7 @@ class ServiceReconciler:
         if str(version) in self._state.stopped:
             return
         self._state.stopped[str(version)] = (
-            f"scaling stopped: version {version} failed before ever being ready "
-            f"(replica {r.replica_id}: {reason})"
+            f"scaling stopped: version {version} failed before ever being ready (replica {r.replica_id}: {reason})"
         )
         self._persist_state()
         log.warning("%s: %s", self.name, self._state.stopped[str(version)])
@@ -315,13 +320,12 @@ class ServiceReconciler:
     def _launch_new(self) -> None:
         rid = self._db.allocate_replica_id(self.name)
         version = self._row.latest_version
-        spec = self.spec(version)
         r = res.Replica(
             service=self.name,
             replica_id=rid,
             replica_name=f"{self.name}-{rid}",
             version=version,
-            is_spot=spec.resources.use_spot,
+            is_spot=self.spec(version).resources.use_spot,
             create_time=convert.ts(time.time()),
             facts=res.ReplicaFacts(launch_phase=LP.LAUNCH_PHASE_SCHEDULED),
         )
@@ -678,9 +682,7 @@ class ServiceReconciler:
         """Manual termination (spec.md section 4)."""
         r = self.replica(rid)
         status = convert.status_of(r)
-        if status == st.ReplicaStatus.SHUTTING_DOWN or (
-            rid in self._teardowns and status not in st.FAILED_STATUSES
-        ):
+        if status == st.ReplicaStatus.SHUTTING_DOWN or (rid in self._teardowns and status not in st.FAILED_STATUSES):
             raise errors.FailedPreconditionError(
                 f"replica {rid} of service {self.name!r} is already shutting down",
                 reason="REPLICA_SHUTTING_DOWN",
@@ -833,9 +835,7 @@ class ServiceReconciler:
         if not self._row.deleting and (
             svc.status != self._row.status or svc.status_message != self._row.status_message
         ):
-            self._row = self._db.update_service(
-                self.name, status=svc.status, status_message=svc.status_message
-            )
+            self._row = self._db.update_service(self.name, status=svc.status, status_message=svc.status_message)
 
     def debug_state(self) -> dict[str, Any]:
         """In-flight work, for tests and logs."""

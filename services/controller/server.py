@@ -81,9 +81,7 @@ async def start(settings: Settings) -> Running:
     )
     holder.append(ctl)
     server = grpc_server.new_server(domain="controller.replicaplane")
-    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(
-        servicer.ControllerServicer(ctl), server
-    )
+    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
     await ctl.start()
     await fleet.start()

@@ -45,9 +45,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def DeleteService(
         self, request: api.DeleteServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.DeleteServiceResponse:
-        return api.DeleteServiceResponse(
-            service=self._ctl.delete_service(request.service_name, purge=request.purge)
-        )
+        return api.DeleteServiceResponse(service=self._ctl.delete_service(request.service_name, purge=request.purge))
 
     async def ListReplicas(
         self, request: api.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -81,9 +79,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
         times = controller.seconds_list(list(request.request_times))
-        return api.ReportLoadResponse(
-            qps=self._ctl.report_load(request.service_name, times, request.request_count)
-        )
+        return api.ReportLoadResponse(qps=self._ctl.report_load(request.service_name, times, request.request_count))
 
     async def WatchEndpoints(
         self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext

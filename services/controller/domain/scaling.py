@@ -16,9 +16,7 @@ class ScalePlan:
     teardown: tuple[int, ...] = ()
 
 
-def plan(
-    replicas: Sequence[st.ReplicaView], *, target: int, latest_version: int, stopped: bool = False
-) -> ScalePlan:
+def plan(replicas: Sequence[st.ReplicaView], *, target: int, latest_version: int, stopped: bool = False) -> ScalePlan:
     """Decide launches and scale-down victims for one service.
 
     Keeps `target` non-terminal latest-version replicas, and old-version replicas while the new
