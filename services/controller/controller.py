@@ -124,20 +124,11 @@ class Controller:
     def update_service(
         self, name: str, yaml_text: str, *, mode: int, dry_run: bool
     ) -> tuple[res.Service, res.UpdatePlan]:
-        """Update a service to a new spec (not supported yet)."""
+        """Update a service to a new spec (a new version), or return the plan on a dry run."""
         rec = self._get(name)
-        if rec.deleting:
-            raise errors.FailedPreconditionError(
-                f"service {name!r} is shutting down",
-                reason="SERVICE_SHUTTING_DOWN",
-                subject=f"services/{name}",
-            )
-        spec.parse(yaml_text, name=name)
-        raise errors.FailedPreconditionError(
-            "updates are not supported by this controller yet; delete and create the service instead",
-            reason="UPDATE_UNSUPPORTED",
-            subject=f"services/{name}",
-        )
+        parsed = spec.parse(yaml_text, name=name)
+        plan = rec.update(parsed, mode=mode, dry_run=dry_run)
+        return rec.service(), plan
 
     # ---- replicas ------------------------------------------------------------------------
 

@@ -211,8 +211,10 @@ class ServiceReconciler:
         """The service as the API shows it."""
         statuses = [convert.status_of(r) for r in self.replicas.values()]
         ready, total = st.ready_and_total(statuses)
-        ready_replicas = [r for r in self.replicas.values() if r.status == res.REPLICA_STATUS_READY]
-        active = sorted({r.version for r in ready_replicas})
+        active = self._active_versions([convert.view_of(r) for r in self.replicas.values()])
+        ready_replicas = [
+            r for r in self.replicas.values() if r.status == res.REPLICA_STATUS_READY and r.version in active
+        ]
         if self._row.deleting:
             status = res.ServiceStatus.Value(
                 "SERVICE_STATUS_FAILED_CLEANUP"
@@ -293,11 +295,67 @@ class ServiceReconciler:
             target=self._state.target,
             latest_version=latest,
             stopped=str(latest) in self._state.stopped,
+            blue_green=self._blue_green,
         )
         for rid in plan.teardown:
             self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True)
         for _ in range(plan.launch):
             self._launch_new()
+        if self._blue_green and self._active_versions(views) == [latest]:
+            # Blue-green switched: older failed records go with the old version.
+            for rid, r in list(self.replicas.items()):
+                if r.version != latest and r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED:
+                    self._remove(rid)
+
+    @property
+    def _blue_green(self) -> bool:
+        return self._row.update_mode == res.UPDATE_MODE_BLUE_GREEN
+
+    def _active_versions(self, views: list[st.ReplicaView]) -> list[int]:
+        return scaling.active_versions(
+            views, latest_version=self._row.latest_version, target=self._state.target, blue_green=self._blue_green
+        )
+
+    def update(self, new: spec_pb2.ServiceSpec, *, mode: int, dry_run: bool) -> res.UpdatePlan:
+        """Plan (and unless `dry_run`, apply) an update to `new` (spec.md section 7).
+
+        Replicas whose version differs from `new` only in the service section are kept and
+        bumped in place; the others are replaced, rolling or blue-green.
+        """
+        if self._row.deleting:
+            raise errors.FailedPreconditionError(
+                f"service {self.name!r} is shutting down",
+                reason="SERVICE_SHUTTING_DOWN",
+                subject=f"services/{self.name}",
+                service=self.name,
+            )
+        live = [r for r in self.replicas.values() if not st.is_terminal(convert.status_of(r))]
+        kept = [r for r in live if spec.is_in_place_update(self.spec(r.version), new)]
+        target = new.service.replica_policy.min_replicas
+        victims = st.scale_down_victims([convert.view_of(r) for r in kept], len(kept) - target)
+        victim_ids = {v.replica_id for v in victims}
+        plan = res.UpdatePlan(
+            new_version=self._row.latest_version + 1,
+            kept_replica_ids=sorted(r.replica_id for r in kept if r.replica_id not in victim_ids),
+            launch_count=max(target - len(kept), 0),
+            teardown_replica_ids=sorted(victim_ids),
+            replaced_replica_ids=sorted(r.replica_id for r in live if r not in kept),
+            in_place=len(kept) == len(live),
+        )
+        if dry_run:
+            return plan
+        version = self._db.add_version(self.name, new)
+        self._row = self._db.update_service(self.name, update_mode=mode or res.UPDATE_MODE_ROLLING, status_message="")
+        self._state.target = target
+        self._persist_state()
+        for r in kept:
+            r.version = version
+            self._save(r)
+        for r in self.replicas.values():
+            self._sync_probe(r)  # probe interval and threshold come from the latest version
+        self.kick()
+        plan.new_version = version
+        return plan
 
     def _stop_version(self, r: res.Replica, reason: str) -> None:
         """The stop rule (spec.md section 6): a version that fails before ever being ready."""

@@ -33,3 +33,20 @@ def test_rolling_keeps_old_until_new_ready() -> None:
     assert p == scaling.ScalePlan(launch=0, teardown=(2,))
     p = scaling.plan([*old, R(3, 2, S.READY), R(4, 2, S.READY)], target=2, latest_version=2)
     assert p.teardown == (2, 1)
+
+
+def test_blue_green_keeps_old_until_new_has_target_ready_then_switches() -> None:
+    old = [R(1, 1, S.READY), R(2, 1, S.READY)]
+    p = scaling.plan([*old, R(3, 2, S.READY), R(4, 2, S.STARTING)], target=2, latest_version=2, blue_green=True)
+    assert p == scaling.ScalePlan(launch=0, teardown=())
+    assert scaling.active_versions(
+        [*old, R(3, 2, S.READY), R(4, 2, S.STARTING)], latest_version=2, target=2, blue_green=True
+    ) == [1]
+    ready = [*old, R(3, 2, S.READY), R(4, 2, S.READY)]
+    assert set(scaling.plan(ready, target=2, latest_version=2, blue_green=True).teardown) == {1, 2}
+    assert scaling.active_versions(ready, latest_version=2, target=2, blue_green=True) == [2]
+
+
+def test_rolling_active_versions_mix() -> None:
+    replicas = [R(1, 1, S.READY), R(2, 2, S.READY), R(3, 2, S.STARTING)]
+    assert scaling.active_versions(replicas, latest_version=2, target=2, blue_green=False) == [1, 2]

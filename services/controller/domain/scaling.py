@@ -16,7 +16,14 @@ class ScalePlan:
     teardown: tuple[int, ...] = ()
 
 
-def plan(replicas: Sequence[st.ReplicaView], *, target: int, latest_version: int, stopped: bool = False) -> ScalePlan:
+def plan(
+    replicas: Sequence[st.ReplicaView],
+    *,
+    target: int,
+    latest_version: int,
+    stopped: bool = False,
+    blue_green: bool = False,
+) -> ScalePlan:
     """Decide launches and scale-down victims for one service.
 
     Keeps `target` non-terminal latest-version replicas, and old-version replicas while the new
@@ -27,6 +34,8 @@ def plan(replicas: Sequence[st.ReplicaView], *, target: int, latest_version: int
         target: replicas wanted.
         latest_version: the newest version; only it is launched.
         stopped: the stop rule fired for the latest version: launch nothing.
+        blue_green: keep every old replica until the new version has `target` READY, then
+            remove them all at once.
     """
     live = [r for r in replicas if not st.is_terminal(r.status)]
     latest = [r for r in live if r.version == latest_version]
@@ -34,6 +43,28 @@ def plan(replicas: Sequence[st.ReplicaView], *, target: int, latest_version: int
     launch = 0 if stopped else max(target - len(latest), 0)
     victims = st.scale_down_victims(latest, len(latest) - target)
     new_ready = sum(1 for r in latest if r.status is st.ReplicaStatus.READY)
-    keep_old = max(target - new_ready, 0)
+    if blue_green:
+        keep_old = len(old) if new_ready < target else 0
+    else:
+        keep_old = max(target - new_ready, 0)
     victims += st.scale_down_victims(old, len(old) - keep_old)
     return ScalePlan(launch=launch, teardown=tuple(r.replica_id for r in victims))
+
+
+def active_versions(
+    replicas: Sequence[st.ReplicaView], *, latest_version: int, target: int, blue_green: bool
+) -> list[int]:
+    """Versions that may get traffic (spec.md section 7.1).
+
+    Rolling: every version with a READY replica. Blue-green: the old versions until the latest
+    has `target` READY replicas, then the latest alone.
+    """
+    ready = [r for r in replicas if r.status is st.ReplicaStatus.READY]
+    versions = sorted({r.version for r in ready})
+    if not blue_green:
+        return versions
+    latest_ready = sum(1 for r in ready if r.version == latest_version)
+    old = [v for v in versions if v != latest_version]
+    if latest_ready >= max(target, 1) or not old:
+        return [latest_version] if latest_ready else []
+    return old
