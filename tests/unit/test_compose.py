@@ -232,7 +232,8 @@ def test_watch_printer_prints_one_line_per_status_change() -> None:
     assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 1, failed)) == [
         "hello: replica 2 FAILED (app exited with code 1) (1/1 ready)"
     ]
-    assert printer.lines(_event(resources_pb2.SERVICE_STATUS_READY, 1, 1, removed=[2])) == ["hello: replica 2 removed (1/1 ready)"]
+    removed = _event(resources_pb2.SERVICE_STATUS_READY, 1, 1, removed=[2])
+    assert printer.lines(removed) == ["hello: replica 2 removed (1/1 ready)"]
     # After a reconnect, a snapshot without replica 1 means it went away meanwhile.
     assert printer.lines(_event(resources_pb2.SERVICE_STATUS_SHUTTING_DOWN, 0, 0, snapshot=True)) == [
         "hello: replica 1 removed (0/0 ready)",
