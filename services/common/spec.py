@@ -135,6 +135,8 @@ _UNSUPPORTED_RESOURCES = {
     "volumes": "volumes are not supported; use file_mounts",
 }
 _CLOUD_ALIASES = {"k8s": "kubernetes"}
+# Marker in a resources mapping's "given" set: its ports were present but invalid.
+_BAD_PORTS = "!ports"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,13 +330,15 @@ def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
 # Parsing.
 
 
-def parse(yaml_text: str, *, name: str = "") -> spec_pb2.ServiceSpec:
+def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec_pb2.ServiceSpec:
     """Parses and validates a SkyPilot-style service task YAML.
 
     Args:
         yaml_text: The task YAML.
         name: The service name given with the request. If empty, the YAML's `name:` is the
-            service name and is checked as one; if both are empty no name is checked.
+            service name and is checked as one.
+        require_name: If True, a spec with neither `name` nor a YAML `name:` is a violation on
+            `service_name` (create); if False no name is needed (update, dry runs).
 
     Returns:
         The ServiceSpec, with defaults filled in and `yaml` set to `yaml_text`.
@@ -357,6 +361,8 @@ def parse(yaml_text: str, *, name: str = "") -> spec_pb2.ServiceSpec:
         c.extend(validate_service_name(name, field="service_name"))
     elif out.name:
         c.extend(validate_service_name(out.name, field="name"))
+    elif require_name:
+        c.add("service_name", "a service name is required: pass one or set name: in the YAML")
 
     envs = _env_map(c, config.get("envs"), "envs", secret=False)
     secrets = _env_map(c, config.get("secrets"), "secrets", secret=True)
@@ -405,10 +411,12 @@ def parse(yaml_text: str, *, name: str = "") -> spec_pb2.ServiceSpec:
 class _Alternative:
     """One launchable set of resources with where each field came from, for error paths."""
 
-    def __init__(self, resources: spec_pb2.Resources, path: str, given: set[str]) -> None:
+    def __init__(self, resources: spec_pb2.Resources, path: str, given: set[str], *, bad_ports: bool) -> None:
         self.resources = resources
         self.path = path
         self.given = given
+        # True when the ports this alternative uses were invalid (and already reported).
+        self.bad_ports = bad_ports
 
     def field(self, key: str) -> str:
         """Path of `key`: on the entry when the entry set it, else on the top level."""
@@ -745,7 +753,8 @@ def _parse_resources(c: _Checker, raw: Any, out: spec_pb2.Resources) -> list[_Al
     for kind in lists:
         entries = section[kind]
         if not isinstance(entries, list) or not entries:
-            c.add(f"resources.{kind}", f"must be a non-empty list of resource mappings, got {_kind(entries)}")
+            got = "an empty list" if entries == [] else _kind(entries)
+            c.add(f"resources.{kind}", f"must be a non-empty list of resource mappings, got {got}")
             continue
         for i, raw_entry in enumerate(entries):
             path = f"resources.{kind}[{i}]"
@@ -757,9 +766,10 @@ def _parse_resources(c: _Checker, raw: Any, out: spec_pb2.Resources) -> list[_Al
             # Each entry is a whole alternative: top-level keys are defaults it overrides.
             merged = _merge_resources(out, parsed, entry_given)
             getattr(out, kind).append(merged)
-            alternatives.append(_Alternative(merged, path, entry_given))
+            bad = _BAD_PORTS in entry_given or ("ports" not in entry_given and _BAD_PORTS in given)
+            alternatives.append(_Alternative(merged, path, entry_given, bad_ports=bad))
     if not lists:
-        alternatives.append(_Alternative(out, "resources", given))
+        alternatives.append(_Alternative(out, "resources", given, bad_ports=_BAD_PORTS in given))
     elif alternatives and all(a.resources.use_spot == alternatives[0].resources.use_spot for a in alternatives):
         out.use_spot = alternatives[0].resources.use_spot
     spot = {a.resources.use_spot for a in alternatives}
@@ -791,6 +801,8 @@ def _resource_fields(
         if ports is not None:
             out.ports.extend(ports)
             given.add("ports")
+        else:
+            given.add(_BAD_PORTS)
     if present("use_spot"):
         flag = c.boolean(section["use_spot"], f"{path}.use_spot")
         if flag is not None:
@@ -870,6 +882,8 @@ def _serving_port(c: _Checker, alternatives: list[_Alternative], service_port: i
     """Resolves the one port replicas serve on, checking it against every alternative."""
     if not alternatives:
         return service_port
+    if any(a.bad_ports for a in alternatives):
+        return None
     if service_port is not None:
         ok = True
         for alt in alternatives:
@@ -1042,8 +1056,11 @@ def _commands(c: _Checker, raw: Any, path: str) -> str | None:
         return None
     if isinstance(raw, str):
         return raw
-    if isinstance(raw, list) and all(isinstance(line, str) for line in raw):
-        return "\n".join(raw)
+    if isinstance(raw, list):
+        if all(isinstance(line, str) for line in raw):
+            return "\n".join(raw)
+        c.add(path, "must be a string or a list of strings; an item is not a string")
+        return None
     c.add(path, f"must be a string or a list of strings, got {_kind(raw)}")
     return None
 
@@ -1197,7 +1214,7 @@ def _short(text: Any, limit: int = 64) -> str:
 
 def _kind(value: Any) -> str:
     """Names a value's YAML type without showing the value (it may be a secret)."""
-    kinds: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    kinds: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a decimal number", str: "a string"}
     if value is None:
         return "null"
     if isinstance(value, list):
