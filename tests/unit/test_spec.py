@@ -436,6 +436,7 @@ BAD = {
     ),
     "negative_replicas": ("service:\n  replicas: -2\n" + PORT, {"service.replicas"}),
     "float_replicas": ("service:\n  replicas: 1.5\n" + PORT, {"service.replicas"}),
+    "string_replicas": ("service:\n  replicas: '2'\n" + PORT, {"service.replicas"}),
     "bool_replicas": ("service:\n  replicas: true\n" + PORT, {"service.replicas"}),
     "max_below_min": (
         "service:\n  replica_policy: {min_replicas: 3, max_replicas: 2, target_qps_per_replica: 1}\n" + PORT,
@@ -706,6 +707,26 @@ def test_alias_bomb_is_rejected() -> None:
     assert _fields(text) == {"yaml"}
 
 
+def test_recursive_alias_is_rejected() -> None:
+    assert _fields("loop: &a [*a]\nservice: {}\n" + PORT) == {"yaml"}
+
+
+def test_merge_keys_may_override() -> None:
+    text = _yaml("""
+        service:
+          replica_policy:
+            <<: &base {min_replicas: 1, max_replicas: 3, target_qps_per_replica: 1}
+            max_replicas: 2
+        resources: {ports: 80}
+        """)
+    assert spec.parse(text).service.replica_policy.max_replicas == 2
+
+
+def test_secrets_win_over_envs_in_substitution() -> None:
+    text = "service: {readiness_probe: {path: /, headers: {X-T: $T}}}\n" + PORT + "envs: {T: env}\nsecrets: {T: sec}\n"
+    assert spec.parse(text).service.readiness_probe.headers["X-T"] == "sec"
+
+
 def test_oversized_yaml_is_rejected() -> None:
     text = "service: {}\n" + PORT + "run: |\n" + ("  echo hi\n" * 120_000)
     assert _fields(text) == {"yaml"}
@@ -809,6 +830,18 @@ def test_is_in_place_update(new: str, expected: bool) -> None:
     old = spec.parse(BASE)
     assert spec.is_in_place_update(old, spec.parse(new)) is expected
     assert spec.is_in_place_update(spec.parse(new), old) is expected
+
+
+def test_equivalent_spellings_are_in_place() -> None:
+    old = spec.parse("service: {}\nresources: {ports: 80, accelerators: A100, cpus: 2}\nenvs: {N: 1}\n")
+    new = spec.parse("service: {}\nresources: {ports: '80', accelerators: {A100: 1}, cpus: '2'}\nenvs: {N: '1'}\n")
+    assert spec.is_in_place_update(old, new)
+
+
+def test_ordered_reordered_is_not_in_place() -> None:
+    old = spec.parse("service: {}\nresources: {ports: 80, ordered: [{cloud: aws}, {cloud: gcp}]}\n")
+    new = spec.parse("service: {}\nresources: {ports: 80, ordered: [{cloud: gcp}, {cloud: aws}]}\n")
+    assert not spec.is_in_place_update(old, new)
 
 
 def test_workdir_in_both_specs_is_never_in_place() -> None:
