@@ -89,12 +89,8 @@ class Controller:
             errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
                 request id, which returns the existing service).
         """
-        parsed = spec.parse(yaml_text, name=name)
+        parsed = spec.parse(yaml_text, name=name, require_name=True)
         name = spec.effective_name(parsed, name)
-        if not name:
-            raise errors.ValidationError(
-                [errors.FieldViolation("service_name", "required: set service_name or `name:` in the YAML")]
-            )
         existing = self._db.get_service(name)
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
