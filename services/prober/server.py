@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import resource
+import socket
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
 from services.common import config, grpc_server, logs
+from services.prober import probing, servicer, streams
 
 SERVICE_NAME = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
 
@@ -18,9 +23,46 @@ class Settings:
     listen_addr: str = config.PROBER_ADDR
     """host:port to serve on; port 0 picks a free port."""
     shutdown_grace_s: float = 3.0
-    """Seconds in-flight RPCs get on SIGTERM."""
+    """Seconds in-flight RPCs get on SIGTERM (probe streams are ended at once, so clients move)."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    prober_id: str = ""
+    """Identity stamped on every result; empty means hostname:pid."""
+    fast_interval_s: float = 0.1
+    """Probe interval of a starting target that does not set its own."""
+    interval_s: float = 10.0
+    """Probe interval of a target that does not set its own."""
+    timeout_s: float = 15.0
+    """Probe timeout of a target that does not set its own."""
+    min_interval_s: float = 0.001
+    """Shortest interval honoured; shorter ones are raised to it."""
+    max_concurrent_probes: int = 1000
+    """Probes in flight at once over all streams; the rest wait (not counted in their timeout)."""
+    keepalive_s: float = 30.0
+    """How long an idle connection to a replica is kept for reuse."""
+    verify_tls: bool = True
+    """Verify the TLS certificates of https replicas."""
+    batch_max: int = 500
+    """Results per ProbeResponse at most."""
+    flush_interval_s: float = 0.002
+    """How long a batch waits for more results after its first one."""
+    max_targets_per_stream: int = 50_000
+    """Targets one stream may hold; more are refused as invalid."""
+
+
+@dataclasses.dataclass
+class Built(grpc_server.Built):
+    """The prober's server plus the engine whose streams and HTTP client it must close."""
+
+    engine: streams.Engine | None = None
+
+    async def stop(self, grace: float | None) -> None:
+        """End every probe stream first (clients move at once), then stop the server."""
+        if self.engine is not None:
+            self.engine.drain()
+        await super().stop(grace)
+        if self.engine is not None:
+            await self.engine.close()
 
 
 def load_settings(**overrides: object) -> Settings:
@@ -28,13 +70,46 @@ def load_settings(**overrides: object) -> Settings:
     return config.load(Settings, "prober", **overrides)
 
 
-async def build_server(settings: Settings) -> grpc_server.Built:
+def prober_id(settings: Settings) -> str:
+    """The prober's identity: the setting, or hostname:pid."""
+    return settings.prober_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+async def build_server(settings: Settings) -> Built:
     """Create the prober server; the caller starts and stops it."""
+    http = probing.HttpProber(
+        max_concurrent=settings.max_concurrent_probes,
+        keepalive_s=settings.keepalive_s,
+        verify_tls=settings.verify_tls,
+    )
+    engine = streams.Engine(
+        http,
+        probing.Defaults(
+            timeout_s=settings.timeout_s,
+            interval_s=settings.interval_s,
+            fast_interval_s=settings.fast_interval_s,
+            min_interval_s=settings.min_interval_s,
+        ),
+        streams.StreamSettings(
+            batch_max=settings.batch_max,
+            flush_interval_s=settings.flush_interval_s,
+            max_targets=settings.max_targets_per_stream,
+        ),
+    )
     server = grpc_server.new_server(domain="prober.replicaplane")
     prober_service_pb2_grpc.add_ProberServiceServicer_to_server(
-        prober_service_pb2_grpc.ProberServiceServicer(), server
+        servicer.ProberServicer(engine, prober_id(settings)), server
     )
-    return grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    return Built(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)}, engine=engine)
+
+
+def _raise_fd_limit() -> None:
+    # Each probe in flight and each pooled connection holds a file descriptor.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def serve(settings: Settings) -> None:
@@ -46,4 +121,5 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("prober")
+    _raise_fd_limit()
     asyncio.run(serve(load_settings()))
