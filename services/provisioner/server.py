@@ -1,12 +1,16 @@
-"""Composition root of the provisioner: settings, servicer, server lifecycle."""
+"""Composition root of the provisioner: settings, backend, core, servicer, server lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
-from services.common import config, grpc_server, logs
+from services.common import config, errors, grpc_server, logs
+from services.provisioner import backend as backend_mod
+from services.provisioner import local, logstore, manager, servicer, store
+from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
 
@@ -21,6 +25,34 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    state_dir: str = "~/.replicaplane/provisioner"
+    """Where records, logs and replica working directories live; replicas are re-found from it."""
+    backend: str = "local"
+    """Which backend runs replicas; only "local" (process groups on this machine) exists."""
+    max_in_flight: float = 8
+    """Launches in flight at once; a teardown counts 1/2. More wait in FIFO order."""
+    launch_attempts: int = 3
+    """Launch attempts before a launch fails."""
+    launch_backoff_initial_s: float = 60.0
+    """Gap after the first failed launch attempt (jittered +-40 %)."""
+    launch_backoff_multiplier: float = 1.6
+    """Growth of the launch backoff per attempt."""
+    launch_backoff_max_s: float = 300.0
+    """Cap of the launch backoff."""
+    teardown_attempts: int = 3
+    """Teardown attempts before a teardown fails."""
+    teardown_backoff_initial_s: float = 5.0
+    """Gap after the first failed teardown attempt (x1.6 per attempt, jittered)."""
+    teardown_backoff_max_s: float = 25.0
+    """Cap of the teardown backoff."""
+    cancel_timeout_s: float = 15.0
+    """How long cancelling an in-flight launch may take before teardown goes ahead anyway."""
+    kill_grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when a replica is torn down."""
+    zones: str = zone_config.DEFAULT_ZONES
+    """Simulated zones of the local backend, as name:price_per_hour pairs."""
+    watch_history: int = 10_000
+    """Watch events kept for resuming; an older resume point gets a new snapshot."""
 
 
 def load_settings(**overrides: object) -> Settings:
@@ -28,17 +60,81 @@ def load_settings(**overrides: object) -> Settings:
     return config.load(Settings, "provisioner", **overrides)
 
 
-async def build_server(settings: Settings) -> grpc_server.Built:
-    """Create the provisioner server; the caller starts and stops it."""
+@dataclasses.dataclass
+class Server(grpc_server.Built):
+    """The built provisioner server; stopping it also stops the core (replicas keep running)."""
+
+    provisioner: manager.Provisioner | None = None
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop serving, then stop operations and watchers."""
+        await super().stop(grace)
+        if self.provisioner is not None:
+            await self.provisioner.close()
+
+
+def make_backend(settings: Settings) -> backend_mod.Backend:
+    """The backend the settings name.
+
+    Raises:
+        errors.ValidationError: an unknown backend or malformed zones.
+    """
+    if settings.backend != "local":
+        raise errors.ValidationError(
+            [errors.FieldViolation("provisioner.backend", f"unknown backend {settings.backend!r}; use local")]
+        )
+    return local.LocalBackend(settings.state_dir, zone_list=zone_config.parse(settings.zones))
+
+
+def options(settings: Settings) -> manager.Options:
+    """The core's options from the settings."""
+    return manager.Options(
+        max_in_flight=settings.max_in_flight,
+        launch_attempts=settings.launch_attempts,
+        launch_backoff_initial_s=settings.launch_backoff_initial_s,
+        launch_backoff_multiplier=settings.launch_backoff_multiplier,
+        launch_backoff_max_s=settings.launch_backoff_max_s,
+        teardown_attempts=settings.teardown_attempts,
+        teardown_backoff_initial_s=settings.teardown_backoff_initial_s,
+        teardown_backoff_max_s=settings.teardown_backoff_max_s,
+        cancel_timeout_s=settings.cancel_timeout_s,
+        kill_grace_s=settings.kill_grace_s,
+        watch_history=settings.watch_history,
+    )
+
+
+def _prepare_state_dir(path: str) -> str:
+    state_dir = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    return state_dir
+
+
+async def build_server(settings: Settings, *, backend: backend_mod.Backend | None = None) -> Server:
+    """Create the provisioner server and re-find existing replicas; the caller starts and stops it.
+
+    Args:
+        settings: the settings.
+        backend: runs replicas; by default the one `settings.backend` names.
+    """
+    state_dir = _prepare_state_dir(settings.state_dir)
+    provisioner = manager.Provisioner(
+        backend=backend or make_backend(settings),
+        records=store.RecordStore(state_dir),
+        logs=logstore.LogStore(state_dir),
+        options=options(settings),
+    )
+    await provisioner.start()
     server = grpc_server.new_server(domain="provisioner.replicaplane")
     provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
-        provisioner_service_pb2_grpc.ProvisionerServiceServicer(), server
+        servicer.ProvisionerServicer(provisioner), server
     )
-    return grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    fields = {f.name: getattr(built, f.name) for f in dataclasses.fields(built)}
+    return Server(**fields, provisioner=provisioner)
 
 
 async def serve(settings: Settings) -> None:
-    """Run until SIGTERM."""
+    """Run until SIGTERM; replicas keep running and are re-found on the next start."""
     built = await build_server(settings)
     await grpc_server.serve_until_signal(built, grace=settings.shutdown_grace_s, port_file=settings.port_file)
 

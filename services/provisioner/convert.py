@@ -1,0 +1,165 @@
+"""Conversions between provisioner protos and the plain domain types."""
+
+from __future__ import annotations
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as service_pb2
+from replicaplane.provisioner.v1 import resources_pb2
+from services.provisioner import model
+
+_RECORDED_RESOURCES = (
+    "cloud",
+    "region",
+    "zone",
+    "cpus",
+    "memory",
+    "accelerators",
+    "instance_type",
+    "image_id",
+)
+
+
+def timestamp(seconds: float) -> timestamp_pb2.Timestamp | None:
+    """A Timestamp for wall-clock `seconds`; None when unset (0)."""
+    if not seconds:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    """A Duration of `seconds`."""
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def seconds(d: duration_pb2.Duration) -> float:
+    """`d` in seconds."""
+    return d.seconds + d.nanos / 1e9
+
+
+def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
+    """The parts of a ServiceSpec the provisioner runs; hardware fields are recorded only."""
+    res = spec.resources
+    ports = tuple(res.ports)
+    serving = spec.service.port or (ports[0] if ports else 0)
+    recorded = {f: str(getattr(res, f)) for f in _RECORDED_RESOURCES if getattr(res, f)}
+    if res.disk_size:
+        recorded["disk_size"] = str(res.disk_size)
+    if res.any_of:
+        recorded["any_of"] = str(len(res.any_of))
+    if res.ordered:
+        recorded["ordered"] = str(len(res.ordered))
+    return model.ReplicaSpec(
+        setup=spec.setup,
+        run=spec.run,
+        envs=dict(spec.envs),
+        secrets=dict(spec.secrets),
+        workdir=spec.workdir,
+        file_mounts=dict(spec.file_mounts),
+        ports=ports,
+        serving_port=serving,
+        use_spot=res.use_spot,
+        num_nodes=spec.num_nodes or 1,
+        resources=recorded,
+    )
+
+
+def launch_request(req: service_pb2.LaunchRequest) -> model.LaunchRequest:
+    """The domain launch request. `use_spot` of the request wins over the spec's."""
+    return model.LaunchRequest(
+        name=req.name,
+        service=req.service,
+        replica_id=req.replica_id,
+        version=req.version,
+        spec=replica_spec(req.spec),
+        use_spot=req.use_spot,
+        zone=req.zone,
+    )
+
+
+def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
+    """The proto of a replica."""
+    return resources_pb2.ProvisionedReplica(
+        name=r.name,
+        service=r.service,
+        replica_id=r.replica_id,
+        version=r.version,
+        state=resources_pb2.ReplicaState.Value(f"REPLICA_STATE_{r.state.value}"),
+        app_state=resources_pb2.AppState.Value(f"APP_STATE_{r.app_state.value}"),
+        endpoint=r.endpoint,
+        zone=r.zone,
+        is_spot=r.is_spot,
+        exit_code=r.exit_code,
+        attempt=r.attempt,
+        failure_reason=r.failure_reason,
+        backend=r.backend,
+        create_time=timestamp(r.create_time),
+        start_time=timestamp(r.start_time),
+        price_per_hour=r.price_per_hour,
+    )
+
+
+def launch_event(e: model.LaunchEvent) -> service_pb2.LaunchResponse:
+    """The response carrying a launch event."""
+    return service_pb2.LaunchResponse(
+        event=resources_pb2.LaunchEvent(
+            sequence=e.sequence,
+            time=timestamp(e.time),
+            type=resources_pb2.LaunchEventType.Value(f"LAUNCH_EVENT_TYPE_{e.type.value}"),
+            attempt=e.attempt,
+            message=e.message,
+            retry_delay=duration(e.retry_delay_s) if e.retry_delay_s else None,
+            endpoint=e.endpoint,
+            replica=replica(e.replica),
+            permanent=e.permanent,
+            capacity_unavailable=e.capacity_unavailable,
+        )
+    )
+
+
+def terminate_event(e: model.TerminateEvent) -> service_pb2.TerminateResponse:
+    """The response carrying a teardown event."""
+    return service_pb2.TerminateResponse(
+        event=resources_pb2.TerminateEvent(
+            sequence=e.sequence,
+            time=timestamp(e.time),
+            type=resources_pb2.TerminateEventType.Value(f"TERMINATE_EVENT_TYPE_{e.type.value}"),
+            message=e.message,
+            delay=duration(e.delay_s) if e.delay_s else None,
+            attempt=e.attempt,
+        )
+    )
+
+
+def replica_event(e: model.ReplicaEvent) -> service_pb2.WatchReplicasResponse:
+    """The response carrying a watch event."""
+    return service_pb2.WatchReplicasResponse(
+        event=resources_pb2.ReplicaEvent(
+            sequence=e.sequence,
+            time=timestamp(e.time),
+            type=resources_pb2.ReplicaEventType.Value(f"REPLICA_EVENT_TYPE_{e.type.value}"),
+            replica=replica(e.replica) if e.replica else None,
+            message=e.message,
+        )
+    )
+
+
+def zone(z: model.Zone, now: float) -> resources_pb2.Zone:
+    """The proto of a zone at time `now`."""
+    refusing = z.refusing(now)
+    return resources_pb2.Zone(
+        name=z.name,
+        price_per_hour=z.price_per_hour,
+        refusing_launches=refusing,
+        refuse_until_time=timestamp(z.refuse_until) if refusing else None,
+    )
+
+
+def log_kind(kind: int) -> model.LogKind:
+    """The log a StreamLogs request names; unspecified means the app output."""
+    return model.LogKind.LAUNCH if kind == resources_pb2.LOG_KIND_LAUNCH else model.LogKind.APP

@@ -1,0 +1,421 @@
+"""The `local` backend: each replica is a process group on this machine, on a loopback port.
+
+Per replica, under `<state_dir>/local/<name>/`: `handle.json` (what is needed to find the
+replica again after a restart), `work/` (its working directory, a copy of the spec's
+`workdir`) and `exit_code` (written by the wrapper when the app exits).
+
+A launch attempt runs `setup` with bash as its own process group (output to the launch log),
+then starts `run` under a tiny bash wrapper as another process group (output to the app log).
+The wrapper writes the app's exit code to a file, so the code survives a provisioner restart.
+Exits are noticed through a pidfd on the wrapper. Every replica process carries two
+environment markers (owner state dir and replica token), so strays that left their process
+group are still found and killed, and processes of unknown replicas are killed on start.
+Zones and preemption are simulated (see zones.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from services.provisioner import backend, model, ports, procs, zones
+
+log = logging.getLogger(__name__)
+
+OWNER_ENV = "REPLICAPLANE_OWNER"
+"""Environment marker on every replica process: the owning provisioner's state dir."""
+TOKEN_ENV = "REPLICAPLANE_REPLICA_TOKEN"
+"""Environment marker on every replica process: the replica incarnation's token."""
+
+# Runs the app as a child and records its exit code; killed together with it on teardown.
+_WRAPPER = 'bash -c "$1"; code=$?; printf "%s" "$code" > "$2"; exit "$code"'
+_EXIT_FILE = "exit_code"
+_HANDLE_FILE = "handle.json"
+
+
+@dataclasses.dataclass
+class _Handle:
+    """Persisted facts about one replica incarnation."""
+
+    name: str
+    token: str
+    replica_id: int
+    zone: str
+    price_per_hour: float
+    is_spot: bool
+    port: int
+    port_map: dict[str, int] = dataclasses.field(default_factory=dict)
+    setup_pgid: int = 0
+    pgid: int = 0
+    start_ticks: int = 0
+    start_time: float = 0.0
+    app_state: str = model.AppState.UNSPECIFIED.value
+    exit_code: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class LocalBackend(backend.Backend):
+    """Replicas as local process groups; see the module docstring."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        zone_list: list[model.Zone] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
+        self._root = os.path.join(self._state_dir, "local")
+        self._zones = zones.ZoneTable(zone_list or zones.parse(zones.DEFAULT_ZONES))
+        self._clock = clock
+        self._ports = ports.PortAllocator()
+        self._handles: dict[str, _Handle] = {}
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._watcher = procs.ExitWatcher()
+        self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load handles, watch the apps still running, report the ones that ended, kill strays."""
+        os.makedirs(self._root, mode=0o700, exist_ok=True)
+        for name in sorted(os.listdir(self._root)):
+            handle = self._load_handle(name)
+            if handle is None:
+                continue
+            self._handles[name] = handle
+            for port in (handle.port, *handle.port_map.values()):
+                self._ports.hold(port)
+            if handle.pgid and handle.app_state == model.AppState.RUNNING.value:
+                self._watch_app(handle)
+        known = {h.token for h in self._handles.values()}
+        strays = [
+            pid
+            for pid in procs.pids_with_env(OWNER_ENV, self._state_dir)
+            if procs.env_value(pid, TOKEN_ENV) not in known
+        ]
+        if strays:
+            log.warning("killing %d processes of replicas this provisioner does not know", len(strays))
+            procs.signal_pids(strays, signal.SIGKILL)
+
+    async def close(self) -> None:
+        """Stop watching; the replica processes keep running and are re-found on start()."""
+        self._watcher.close()
+
+    # ---- backend interface -----------------------------------------------------------------
+
+    async def create(self, request: backend.CreateRequest) -> backend.BackendReplica:
+        """Prepare the working directory, run setup, start the app; see the module docstring."""
+        launch = request.launch
+        spec = launch.spec
+        if spec.num_nodes > 1:
+            raise backend.LaunchError(
+                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas", permanent=True
+            )
+        try:
+            zone = self._zones.pick(launch.zone, self._clock())
+        except zones.UnknownZoneError as exc:
+            raise backend.LaunchError(str(exc), permanent=True) from None
+        except zones.NoCapacityError as exc:
+            raise backend.LaunchError(str(exc), permanent=True, capacity_unavailable=True) from None
+        if launch.name in self._handles:
+            # Leftovers of an earlier attempt that could not be removed then.
+            await self.delete(launch.name, grace_s=0)
+
+        declared = ports.declared(spec.ports, spec.serving_port)
+        port_map = {p: self._ports.allocate() for p in declared}
+        port = port_map[declared[0]] if declared else self._ports.allocate()
+        handle = _Handle(
+            name=launch.name,
+            token=uuid.uuid4().hex,
+            replica_id=launch.replica_id,
+            zone=zone.name,
+            price_per_hour=zone.price_per_hour,
+            is_spot=launch.use_spot,
+            port=port,
+            port_map={str(k): v for k, v in port_map.items()},
+        )
+        self._handles[launch.name] = handle
+        root = self._dir(launch.name)
+        try:
+            await asyncio.to_thread(self._prepare_dir, root, spec, request.launch_log)
+            self._save_handle(handle)
+            self._ensure_current(handle)
+            env = self._environment(launch, spec, port_map, port, handle.token)
+            work = os.path.join(root, "work")
+            if spec.setup.strip():
+                _note(request.launch_log, "running setup")
+                setup = self._spawn(
+                    ["bash", "-c", ports.substitute(spec.setup, port_map)], work, env, request.launch_log
+                )
+                handle.setup_pgid = setup.pid
+                self._save_handle(handle)
+                # On cancellation the except clause below kills (and reaps) the setup group.
+                await procs.wait_exit(setup.pid)
+                code = setup.wait()
+                self._children.pop(setup.pid, None)
+                self._ensure_current(handle)
+                if code != 0:
+                    raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
+                _note(request.launch_log, "setup succeeded")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, _EXIT_FILE))
+            run = ports.substitute(spec.run, port_map)
+            _note(request.launch_log, f"starting the app on port {port} in zone {zone.name}")
+            wrapper = self._spawn(
+                ["bash", "-c", _WRAPPER, "replicaplane-run", run, os.path.join(root, _EXIT_FILE)],
+                work,
+                env,
+                request.app_log,
+            )
+            handle.pgid = wrapper.pid
+            handle.start_ticks = procs.start_ticks(wrapper.pid)
+            handle.start_time = self._clock()
+            handle.app_state = model.AppState.RUNNING.value
+            self._save_handle(handle)
+            self._watch_app(handle)
+            return self._describe(handle)
+        except asyncio.CancelledError:
+            await self._kill_processes(handle, grace_s=0)
+            raise
+        except OSError as exc:
+            raise backend.LaunchError(f"could not start the replica: {exc}") from exc
+
+    async def delete(self, name: str, *, grace_s: float) -> None:
+        """Stop the replica's process groups (SIGTERM, grace, SIGKILL) and remove its files."""
+        handle = self._handles.get(name)
+        if handle is None:
+            await asyncio.to_thread(shutil.rmtree, self._dir(name), True)
+            return
+        if not await self._kill_processes(handle, grace_s=grace_s):
+            raise backend.TeardownError(f"processes of replica {name} did not exit after SIGKILL")
+        if self._handles.get(name) is handle:
+            del self._handles[name]
+        for port in (handle.port, *handle.port_map.values()):
+            self._ports.release(port)
+        await asyncio.to_thread(shutil.rmtree, self._dir(name), True)
+
+    def get(self, name: str) -> backend.BackendReplica | None:
+        """The replica `name`, if this backend runs it."""
+        handle = self._handles.get(name)
+        return self._describe(handle) if handle else None
+
+    def list(self) -> list[backend.BackendReplica]:
+        """Every replica this backend runs, by name."""
+        return [self._describe(h) for _, h in sorted(self._handles.items())]
+
+    async def watch(self) -> AsyncIterator[backend.BackendEvent]:
+        """App exits and disappearances, as they happen."""
+        while True:
+            yield await self._events.get()
+
+    def zones(self) -> list[model.Zone]:
+        """Simulated zones, cheapest first."""
+        return self._zones.list()
+
+    def set_zone_availability(self, zone: str, refuse_for_s: float) -> model.Zone:
+        """Make `zone` refuse launches for `refuse_for_s` seconds (0 accepts again)."""
+        return self._zones.set_refusal(zone, refuse_for_s, self._clock())
+
+    async def preempt(self, name: str) -> None:
+        """SIGKILL the replica's processes at once, as a spot preemption would."""
+        handle = self._handles.get(name)
+        if handle is None:
+            return
+        await self._kill_processes(handle, grace_s=0)
+        handle.app_state = model.AppState.PREEMPTED.value
+        self._save_handle(handle)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> str:
+        return os.path.join(self._root, name)
+
+    def _ensure_current(self, handle: _Handle) -> None:
+        """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
+        if self._handles.get(handle.name) is not handle:
+            raise backend.LaunchError("the replica was deleted during its launch", permanent=True)
+
+    def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str) -> None:
+        if os.path.exists(root):
+            shutil.rmtree(root, ignore_errors=True)
+        work = os.path.join(root, "work")
+        os.makedirs(os.path.dirname(root), mode=0o700, exist_ok=True)
+        if spec.workdir:
+            source = os.path.expanduser(spec.workdir)
+            if not os.path.isdir(source):
+                raise backend.LaunchError(f"workdir {spec.workdir} is not a directory", permanent=True)
+            shutil.copytree(source, work, symlinks=True)
+        os.makedirs(work, mode=0o700, exist_ok=True)
+        for destination, source in sorted(spec.file_mounts.items()):
+            if "://" in source:
+                _note(launch_log, f"file mount {destination}: {source} is not a local path; skipped")
+                continue
+            local = os.path.expanduser(source)
+            if not os.path.exists(local):
+                raise backend.LaunchError(f"file mount source {source} does not exist", permanent=True)
+            target = os.path.join(work, destination.removeprefix("~/").lstrip("/"))
+            os.makedirs(os.path.dirname(target) or work, exist_ok=True)
+            if os.path.isdir(local):
+                shutil.copytree(local, target, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.copy2(local, target)
+
+    def _environment(
+        self,
+        launch: model.LaunchRequest,
+        spec: model.ReplicaSpec,
+        port_map: dict[int, int],
+        port: int,
+        token: str,
+    ) -> dict[str, str]:
+        # The provisioner's own settings stay out of replicas.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
+        env["PYTHONUNBUFFERED"] = "1"  # app output reaches the log as it is written
+        env.update({k: ports.substitute(v, port_map) for k, v in spec.envs.items()})
+        env.update(spec.secrets)
+        env.update(
+            {
+                "PORT": str(port),
+                "REPLICA_ID": str(launch.replica_id),
+                "SKYPILOT_SERVE_REPLICA_ID": str(launch.replica_id),
+                OWNER_ENV: self._state_dir,
+                TOKEN_ENV: token,
+            }
+        )
+        return env
+
+    def _spawn(
+        self, args: list[str], cwd: str, env: dict[str, str], log_path: str
+    ) -> subprocess.Popen[bytes]:
+        with open(log_path, "ab") as out:
+            child = subprocess.Popen(
+                args,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._children[child.pid] = child
+        return child
+
+    def _reap(self, pid: int) -> int | None:
+        child = self._children.get(pid)
+        if child is None:
+            return None
+        code = child.poll()
+        if code is not None:
+            del self._children[pid]
+        return code
+
+    def _watch_app(self, handle: _Handle) -> None:
+        pgid, token = handle.pgid, handle.token
+        alive = procs.leader_alive(pgid, handle.start_ticks) or pgid in self._children
+        if not alive or not self._watcher.watch(pgid, lambda: self._app_ended(handle.name, token)):
+            self._app_ended(handle.name, token)
+
+    def _app_ended(self, name: str, token: str) -> None:
+        handle = self._handles.get(name)
+        if handle is None or handle.token != token or handle.app_state != model.AppState.RUNNING.value:
+            return
+        self._reap(handle.pgid)
+        try:
+            with open(os.path.join(self._dir(name), _EXIT_FILE), encoding="utf-8") as fh:
+                code: int | None = int(fh.read().strip())
+        except (OSError, ValueError):
+            code = None
+        if code is None:
+            handle.app_state = model.AppState.VANISHED.value
+            message = "the replica's process group vanished without a teardown"
+        else:
+            handle.app_state = model.AppState.EXITED.value
+            handle.exit_code = code
+            message = f"app exited with code {code}"
+        self._save_handle(handle)
+        self._events.put_nowait(
+            backend.BackendEvent(
+                name=name,
+                token=token,
+                app_state=model.AppState(handle.app_state),
+                exit_code=handle.exit_code,
+                time=self._clock(),
+                message=message,
+            )
+        )
+
+    async def _kill_processes(self, handle: _Handle, *, grace_s: float) -> bool:
+        """Kill the app and setup groups and any stray process of this incarnation."""
+        self._watcher.cancel(handle.pgid)
+        ok = True
+        for pgid in (handle.pgid, handle.setup_pgid):
+            if pgid:
+                ok = await procs.kill_group(pgid, grace_s=grace_s, reap=lambda p=pgid: self._reap(p)) and ok
+        for _ in range(50):  # bounded: strays get SIGKILL and die within milliseconds
+            strays = procs.pids_with_env(TOKEN_ENV, handle.token)
+            if not strays:
+                break
+            procs.signal_pids(strays, signal.SIGKILL)
+            await asyncio.sleep(0.02)
+        else:
+            ok = False
+        return ok
+
+    def _describe(self, handle: _Handle) -> backend.BackendReplica:
+        return backend.BackendReplica(
+            name=handle.name,
+            token=handle.token,
+            endpoint=handle.endpoint,
+            zone=handle.zone,
+            price_per_hour=handle.price_per_hour,
+            is_spot=handle.is_spot,
+            app_state=model.AppState(handle.app_state),
+            exit_code=handle.exit_code,
+            start_time=handle.start_time,
+        )
+
+    def _save_handle(self, handle: _Handle) -> None:
+        root = self._dir(handle.name)
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        path = os.path.join(root, _HANDLE_FILE)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(handle), fh)
+        os.replace(tmp, path)
+
+    def _load_handle(self, name: str) -> _Handle | None:
+        path = os.path.join(self._dir(name), _HANDLE_FILE)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            return _Handle(**data)
+        except (OSError, ValueError, TypeError):
+            log.warning("ignoring unreadable replica handle %s", path)
+            return None
+
+
+def _describe_code(code: int) -> str:
+    return f"{code} (signal {-code})" if code < 0 else str(code)
+
+
+def _note(path: str, text: str) -> None:
+    """Append a provisioner line to a launch log."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as fh:
+        fh.write(f"[{stamp}Z provisioner] {text}\n")

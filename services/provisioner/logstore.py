@@ -1,0 +1,80 @@
+"""Replica logs on disk: the launch log (provisioner steps and setup output) and the app log.
+
+Logs live under `<state_dir>/logs/<name>/`, apart from the replica's working files, so they
+outlive its teardown when asked to (failed replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+
+from services.provisioner import model
+
+CHUNK_BYTES = 64 * 1024
+FOLLOW_POLL_S = 0.1
+
+
+class LogStore:
+    """Paths, notes and streaming of replica logs."""
+
+    def __init__(self, state_dir: str) -> None:
+        self._root = os.path.join(os.path.abspath(os.path.expanduser(state_dir)), "logs")
+        os.makedirs(self._root, mode=0o700, exist_ok=True)
+
+    def path(self, name: str, kind: model.LogKind) -> str:
+        """The file of log `kind` of replica `name`."""
+        return os.path.join(self._root, name, f"{kind.value}.log")
+
+    def prepare(self, name: str) -> None:
+        """Create the log directory of replica `name`."""
+        os.makedirs(os.path.join(self._root, name), mode=0o700, exist_ok=True)
+
+    def note(self, name: str, text: str) -> None:
+        """Append a timestamped provisioner line to the launch log of replica `name`."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        with (
+            contextlib.suppress(OSError),
+            open(self.path(name, model.LogKind.LAUNCH), "a", encoding="utf-8") as fh,
+        ):
+            fh.write(f"[{stamp}Z provisioner] {text}\n")
+
+    def exists(self, name: str, kind: model.LogKind) -> bool:
+        """Whether log `kind` of replica `name` exists."""
+        return os.path.exists(self.path(name, kind))
+
+    def delete(self, name: str) -> None:
+        """Remove every log of replica `name`."""
+        shutil.rmtree(os.path.join(self._root, name), ignore_errors=True)
+
+    async def stream(
+        self, name: str, kind: model.LogKind, *, live: Callable[[], bool] | None = None
+    ) -> AsyncIterator[bytes]:
+        """Yield the log's bytes; while `live()` is true, keep yielding what is appended.
+
+        Following checks for new output every 100 ms and ends once `live()` turns false and
+        everything written was sent (or when the file is removed).
+        """
+        try:
+            fh = open(self.path(name, kind), "rb")  # noqa: SIM115, ASYNC230 - local file, closed below
+        except FileNotFoundError:
+            return
+        try:
+            while True:
+                chunk = fh.read(CHUNK_BYTES)
+                if chunk:
+                    yield chunk
+                    continue
+                if live is None or not live():
+                    # One last read: output written just before the replica stopped.
+                    rest = fh.read()
+                    if rest:
+                        yield rest
+                    return
+                await asyncio.sleep(FOLLOW_POLL_S)
+        finally:
+            fh.close()

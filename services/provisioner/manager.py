@@ -1,0 +1,709 @@
+"""The provisioner's core: launch and teardown operations, retries, slots, watch and re-attach.
+
+Plain Python (no gRPC). Every replica is keyed by its name. A launch or teardown runs as its
+own task and appends events to the replica's event log; RPC streams only follow those logs,
+so a client that goes away never stops the work, and a later call replays from any point.
+Records are persisted after every step, so a restarted provisioner finds its replicas again:
+running ones are watched, launches and teardowns that were in flight are resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import tenacity
+
+from services.common import errors
+from services.provisioner import backend as backend_mod
+from services.provisioner import events, logstore, model, retries, slots, store
+
+log = logging.getLogger(__name__)
+
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_PAGE_SIZE = 10_000
+DEFAULT_PAGE_SIZE = 1_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Tuning of the provisioner core (see server.Settings for each field's meaning)."""
+
+    max_in_flight: float = 8
+    launch_attempts: int = 3
+    launch_backoff_initial_s: float = 60.0
+    launch_backoff_multiplier: float = 1.6
+    launch_backoff_max_s: float = 300.0
+    teardown_attempts: int = 3
+    teardown_backoff_initial_s: float = 5.0
+    teardown_backoff_multiplier: float = 1.6
+    teardown_backoff_max_s: float = 25.0
+    backoff_jitter: float = retries.DEFAULT_JITTER
+    cancel_timeout_s: float = 15.0
+    kill_grace_s: float = 5.0
+    watch_history: int = 10_000
+
+
+@dataclasses.dataclass
+class _Entry:
+    """Everything known of one replica."""
+
+    request: model.LaunchRequest
+    replica: model.Replica
+    launch: events.EventLog[model.LaunchEvent]
+    teardown: events.EventLog[model.TerminateEvent]
+    token: str = ""
+    teardown_start: int = 0
+    drain_s: float = 0.0
+    keep_logs: bool = True
+    launch_task: asyncio.Task[None] | None = None
+    teardown_task: asyncio.Task[None] | None = None
+    # App events that arrived before the launch recorded RUNNING, by backend token.
+    pending: dict[str, backend_mod.BackendEvent] = dataclasses.field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "request": self.request.to_dict(),
+            "replica": self.replica.to_dict(),
+            "token": self.token,
+            "teardown_start": self.teardown_start,
+            "drain_s": self.drain_s,
+            "keep_logs": self.keep_logs,
+            "launch_events": [e.to_dict() for e in self.launch.events],
+            "teardown_events": [e.to_dict() for e in self.teardown.events],
+        }
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> _Entry:
+        return cls(
+            request=model.LaunchRequest.from_dict(data["request"]),
+            replica=model.Replica.from_dict(data["replica"]),
+            launch=events.EventLog(model.LaunchEvent.from_dict(e) for e in data.get("launch_events", [])),
+            teardown=events.EventLog(
+                model.TerminateEvent.from_dict(e) for e in data.get("teardown_events", [])
+            ),
+            token=data.get("token", ""),
+            teardown_start=data.get("teardown_start", 0),
+            drain_s=data.get("drain_s", 0.0),
+            keep_logs=data.get("keep_logs", True),
+        )
+
+
+def validate(request: model.LaunchRequest) -> None:
+    """Check the shape of a launch request.
+
+    Raises:
+        errors.ValidationError: every problem found, each naming its field.
+    """
+    violations = []
+    if not _SERVICE_NAME.match(request.service) or len(request.service) > 63:
+        violations.append(
+            errors.FieldViolation("service", "must match [a-z]([-a-z0-9]*[a-z0-9])?, at most 63 chars")
+        )
+    if request.replica_id < 1:
+        violations.append(errors.FieldViolation("replica_id", "must be at least 1"))
+    if request.name != f"{request.service}-{request.replica_id}":
+        violations.append(errors.FieldViolation("name", "must be {service}-{replica_id}"))
+    errors.require(violations, subject="launch request")
+
+
+def _retryable_launch(exc: BaseException) -> bool:
+    return isinstance(exc, backend_mod.LaunchError) and not exc.permanent
+
+
+class Provisioner:
+    """Launches and tears down replicas through a backend; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        backend: backend_mod.Backend,
+        records: store.RecordStore,
+        logs: logstore.LogStore,
+        options: Options | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._backend = backend
+        self._records = records
+        self._logs = logs
+        self._opts = options or Options()
+        self._clock = clock
+        self._slots = slots.Slots(self._opts.max_in_flight)
+        self._entries: dict[str, _Entry] = {}
+        self._hub = events.WatchHub(self._snapshot, history=self._opts.watch_history, clock=clock)
+        self._consumer: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load records, re-find replicas through the backend, resume interrupted operations."""
+        await self._backend.start()
+        for data in self._records.load_all():
+            try:
+                entry = _Entry.from_record(data)
+            except (KeyError, TypeError, ValueError):
+                log.warning("ignoring a malformed replica record")
+                continue
+            self._entries[entry.request.name] = entry
+        for found in self._backend.list():
+            if found.name not in self._entries:
+                log.warning("tearing down replica %s: the backend runs it but no record exists", found.name)
+                try:
+                    await self._backend.delete(found.name, grace_s=self._opts.kill_grace_s)
+                except backend_mod.TeardownError as exc:
+                    log.warning("could not tear down unknown replica %s: %s", found.name, exc)
+        self._consumer = asyncio.get_running_loop().create_task(self._consume())
+        for entry in list(self._entries.values()):
+            self._resume(entry)
+
+    def _resume(self, entry: _Entry) -> None:
+        replica = entry.replica
+        if replica.state in (model.ReplicaState.QUEUED, model.ReplicaState.PROVISIONING):
+            self._logs.note(replica.name, "provisioner restarted during the launch; starting it again")
+            self._start_launch(entry, resumed=True)
+        elif replica.state == model.ReplicaState.TERMINATING:
+            last = entry.teardown.last
+            if last is None or not last.terminal:
+                self._start_teardown(entry, drain_s=0.0, keep_logs=entry.keep_logs)
+        elif replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING:
+            found = self._backend.get(replica.name)
+            if found is None or found.token != entry.token:
+                self._app_changed(
+                    entry, model.AppState.VANISHED, 0, "the replica was gone when the provisioner restarted"
+                )
+
+    async def close(self) -> None:
+        """Stop operations (they resume on the next start) and watchers; replicas keep running."""
+        self._closing = True
+        tasks = [
+            t for e in self._entries.values() for t in (e.launch_task, e.teardown_task) if t and not t.done()
+        ]
+        if self._consumer:
+            tasks.append(self._consumer)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        for entry in self._entries.values():
+            entry.launch.close()
+            entry.teardown.close()
+        self._hub.close()
+        await self._backend.close()
+
+    # ---- launch ----------------------------------------------------------------------------
+
+    async def launch(
+        self, request: model.LaunchRequest, *, after_sequence: int = 0, attach_only: bool = False
+    ) -> AsyncIterator[model.LaunchEvent]:
+        """Start (or attach to) the launch of `request.name` and yield its events.
+
+        Args:
+            request: what to launch; ignored when the name is already known.
+            after_sequence: yield only events after this one.
+            attach_only: never start a launch.
+
+        Raises:
+            errors.NotFoundError: `attach_only` and no such replica.
+            errors.ValidationError: a malformed request for a new replica.
+            errors.FailedPreconditionError: the replica is being torn down.
+        """
+        entry = self._entries.get(request.name)
+        if entry is None:
+            if attach_only:
+                raise errors.NotFoundError(
+                    f"replica {request.name} not found", reason="REPLICA_NOT_FOUND", replica=request.name
+                )
+            validate(request)
+            entry = self._new_entry(request)
+            self._start_launch(entry, resumed=False)
+        elif entry.replica.state == model.ReplicaState.TERMINATING:
+            raise errors.FailedPreconditionError(
+                f"replica {request.name} is being torn down", subject=request.name, replica=request.name
+            )
+        async for event in entry.launch.follow(after_sequence):
+            yield event
+
+    def _new_entry(self, request: model.LaunchRequest) -> _Entry:
+        replica = model.Replica(
+            name=request.name,
+            service=request.service,
+            replica_id=request.replica_id,
+            version=request.version,
+            is_spot=request.use_spot,
+            zone=request.zone,
+            backend=self._backend.name,
+            create_time=self._clock(),
+        )
+        entry = _Entry(request=request, replica=replica, launch=events.EventLog(), teardown=events.EventLog())
+        self._entries[request.name] = entry
+        self._logs.prepare(request.name)
+        self._logs.note(
+            request.name, f"launch of replica {request.name} (version {request.version}) requested"
+        )
+        return entry
+
+    def _start_launch(self, entry: _Entry, *, resumed: bool) -> None:
+        entry.launch.set_active(True)
+        entry.launch_task = asyncio.get_running_loop().create_task(self._run_launch(entry, resumed=resumed))
+
+    async def _run_launch(self, entry: _Entry, *, resumed: bool) -> None:
+        name = entry.request.name
+        try:
+            if resumed:
+                await self._remove_leftovers(entry, grace_s=0)
+            entry.replica.state = model.ReplicaState.QUEUED
+            waiting = self._slots.waiting if self._slots.would_wait(slots.LAUNCH) else 0
+            message = "resumed after a provisioner restart" if resumed else "accepted"
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.QUEUED,
+                message=f"{message}; {waiting} launches ahead" if waiting else message,
+            )
+            retrying = tenacity.AsyncRetrying(
+                stop=tenacity.stop_after_attempt(max(1, self._opts.launch_attempts)),
+                wait=retries.wait_jittered_exponential(
+                    self._opts.launch_backoff_initial_s,
+                    self._opts.launch_backoff_multiplier,
+                    self._opts.launch_backoff_max_s,
+                    self._opts.backoff_jitter,
+                ),
+                retry=tenacity.retry_if_exception(_retryable_launch),
+                before_sleep=lambda state: self._launch_retrying(entry, state),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._launch_attempt(entry, attempt.retry_state.attempt_number)
+        except backend_mod.LaunchError as exc:
+            entry.replica.state = model.ReplicaState.FAILED
+            entry.replica.failure_reason = exc.message
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.FAILED,
+                message=exc.message,
+                permanent=exc.permanent,
+                capacity_unavailable=exc.capacity_unavailable,
+            )
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            await self._remove_leftovers(entry, grace_s=0)
+            entry.replica.state = model.ReplicaState.TERMINATED
+            entry.replica.failure_reason = "launch cancelled"
+            self._emit_launch(
+                entry, model.LaunchEventType.CANCELLED, message="launch cancelled; leftovers torn down"
+            )
+        except Exception:
+            log.exception("launch of %s failed unexpectedly", name)
+            entry.replica.state = model.ReplicaState.FAILED
+            entry.replica.failure_reason = "internal error in the provisioner"
+            self._emit_launch(entry, model.LaunchEventType.FAILED, message=entry.replica.failure_reason)
+        finally:
+            if not self._closing:
+                entry.launch.set_active(False)
+
+    async def _launch_attempt(self, entry: _Entry, attempt: int) -> None:
+        if attempt > 1 and self._slots.would_wait(slots.LAUNCH):
+            entry.replica.state = model.ReplicaState.QUEUED
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.QUEUED,
+                attempt=attempt,
+                message=f"{self._slots.waiting} launches ahead",
+            )
+        async with self._slots.hold(slots.LAUNCH):
+            entry.replica.state = model.ReplicaState.PROVISIONING
+            entry.replica.attempt = attempt
+            entry.pending.clear()
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.PROVISIONING,
+                attempt=attempt,
+                message=f"attempt {attempt} of {self._opts.launch_attempts}",
+            )
+            request = backend_mod.CreateRequest(
+                launch=entry.request,
+                attempt=attempt,
+                launch_log=self._logs.path(entry.request.name, model.LogKind.LAUNCH),
+                app_log=self._logs.path(entry.request.name, model.LogKind.APP),
+            )
+            try:
+                created = await self._backend.create(request)
+            except backend_mod.LaunchError as exc:
+                await self._attempt_failed(entry, attempt, exc)
+                raise
+            except Exception as exc:
+                log.exception("backend error launching %s", entry.request.name)
+                failure = backend_mod.LaunchError(f"backend error: {type(exc).__name__}")
+                await self._attempt_failed(entry, attempt, failure)
+                raise failure from exc
+            replica = entry.replica
+            entry.token = created.token
+            replica.state = model.ReplicaState.RUNNING
+            replica.app_state = model.AppState.RUNNING
+            replica.endpoint = created.endpoint
+            replica.zone = created.zone
+            replica.price_per_hour = created.price_per_hour
+            replica.is_spot = created.is_spot
+            replica.start_time = created.start_time or self._clock()
+            replica.failure_reason = ""
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.RUNNING,
+                attempt=attempt,
+                endpoint=created.endpoint,
+                message=f"running at {created.endpoint} in zone {created.zone}",
+            )
+            self._hub.publish(model.ReplicaEventType.APP_RUNNING, replica, "app started")
+            early = entry.pending.pop(created.token, None)
+            entry.pending.clear()
+            if early is not None:
+                self._app_changed(entry, early.app_state, early.exit_code, early.message)
+
+    async def _attempt_failed(self, entry: _Entry, attempt: int, exc: backend_mod.LaunchError) -> None:
+        entry.replica.failure_reason = exc.message
+        self._emit_launch(
+            entry,
+            model.LaunchEventType.ATTEMPT_FAILED,
+            attempt=attempt,
+            message=exc.message,
+            permanent=exc.permanent,
+            capacity_unavailable=exc.capacity_unavailable,
+        )
+        await self._remove_leftovers(entry, grace_s=self._opts.kill_grace_s)
+
+    def _launch_retrying(self, entry: _Entry, state: tenacity.RetryCallState) -> None:
+        delay = state.next_action.sleep if state.next_action else 0.0
+        self._emit_launch(
+            entry,
+            model.LaunchEventType.RETRYING,
+            attempt=state.attempt_number,
+            retry_delay_s=delay,
+            message=f"retrying in {delay:.1f} s",
+        )
+
+    async def _remove_leftovers(self, entry: _Entry, *, grace_s: float) -> None:
+        try:
+            await self._backend.delete(entry.request.name, grace_s=grace_s)
+        except Exception as exc:  # the next attempt or the teardown tries again
+            log.warning("could not remove leftovers of %s: %s", entry.request.name, exc)
+            self._logs.note(entry.request.name, f"could not remove leftovers: {exc}")
+
+    def _emit_launch(self, entry: _Entry, type_: model.LaunchEventType, **fields: Any) -> None:
+        event = model.LaunchEvent(
+            sequence=entry.launch.last_sequence + 1,
+            time=self._clock(),
+            type=type_,
+            replica=entry.replica.copy(),
+            **fields,
+        )
+        entry.launch.append(event)
+        self._save(entry)
+        detail = f": {event.message}" if event.message else ""
+        self._logs.note(entry.request.name, f"launch {type_.value.lower()}{detail}")
+
+    async def cancel_launch(self, name: str) -> bool:
+        """Cancel the in-flight launch of `name` and wait (bounded) for its leftovers to go.
+
+        Returns:
+            True if a launch was in flight.
+        """
+        entry = self._entries.get(name)
+        if entry is None or entry.launch_task is None or entry.launch_task.done():
+            return False
+        await self._cancel_and_wait(entry)
+        return True
+
+    async def _cancel_and_wait(self, entry: _Entry) -> None:
+        task = entry.launch_task
+        if task is None or task.done():
+            return
+        task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self._opts.cancel_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "launch of %s did not stop within %.0f s", entry.request.name, self._opts.cancel_timeout_s
+            )
+
+    # ---- teardown --------------------------------------------------------------------------
+
+    async def terminate(
+        self, name: str, *, drain_s: float = 0.0, keep_logs: bool = False, after_sequence: int = 0
+    ) -> AsyncIterator[model.TerminateEvent]:
+        """Start (or attach to) the teardown of `name` and yield its events.
+
+        A replica that does not exist yields one TERMINATED event. A call with
+        `after_sequence` inside a finished, failed teardown replays its end; otherwise a new
+        teardown starts when none is in progress.
+        """
+        entry = self._entries.get(name)
+        if entry is None:
+            yield model.TerminateEvent(
+                sequence=after_sequence + 1,
+                time=self._clock(),
+                type=model.TerminateEventType.TERMINATED,
+                message="no such replica",
+            )
+            return
+        log_ = entry.teardown
+        if not log_.active:
+            last = log_.last
+            replaying = last is not None and entry.teardown_start <= after_sequence < last.sequence
+            if not replaying:
+                self._start_teardown(entry, drain_s=drain_s, keep_logs=keep_logs)
+        after = max(after_sequence, entry.teardown_start - 1) if log_.active else after_sequence
+        async for event in log_.follow(after):
+            yield event
+
+    def _start_teardown(self, entry: _Entry, *, drain_s: float, keep_logs: bool) -> None:
+        entry.teardown_start = entry.teardown.last_sequence + 1
+        entry.drain_s = max(0.0, drain_s)
+        entry.keep_logs = keep_logs
+        entry.teardown.set_active(True)
+        entry.teardown_task = asyncio.get_running_loop().create_task(self._run_teardown(entry))
+
+    async def _run_teardown(self, entry: _Entry) -> None:
+        name = entry.request.name
+        try:
+            await self._cancel_and_wait(entry)
+            replica = entry.replica
+            app_up = (
+                replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING
+            )
+            replica.state = model.ReplicaState.TERMINATING
+            self._save(entry)
+            if entry.drain_s > 0 and app_up:
+                self._emit_teardown(
+                    entry,
+                    model.TerminateEventType.DRAINING,
+                    delay_s=entry.drain_s,
+                    message=f"draining {entry.drain_s:g} s",
+                )
+                await asyncio.sleep(entry.drain_s)
+            if self._slots.would_wait(slots.TEARDOWN):
+                self._emit_teardown(
+                    entry, model.TerminateEventType.QUEUED, message=f"{self._slots.waiting} ahead"
+                )
+            async with self._slots.hold(slots.TEARDOWN):
+                self._emit_teardown(entry, model.TerminateEventType.TERMINATING, attempt=1)
+                retrying = tenacity.AsyncRetrying(
+                    stop=tenacity.stop_after_attempt(max(1, self._opts.teardown_attempts)),
+                    wait=retries.wait_jittered_exponential(
+                        self._opts.teardown_backoff_initial_s,
+                        self._opts.teardown_backoff_multiplier,
+                        self._opts.teardown_backoff_max_s,
+                        self._opts.backoff_jitter,
+                    ),
+                    retry=tenacity.retry_if_exception_type(backend_mod.TeardownError),
+                    before_sleep=lambda state: self._teardown_retrying(entry, state),
+                    reraise=True,
+                )
+                async for attempt in retrying:
+                    with attempt:
+                        await self._teardown_attempt(entry)
+            replica.state = model.ReplicaState.TERMINATED
+            self._emit_teardown(entry, model.TerminateEventType.TERMINATED, message="torn down")
+            self._hub.publish(model.ReplicaEventType.TERMINATED, replica, "torn down")
+            if self._entries.get(name) is entry:
+                del self._entries[name]
+            self._records.delete(name)
+            if not entry.keep_logs:
+                self._logs.delete(name)
+        except backend_mod.TeardownError as exc:
+            entry.replica.failure_reason = f"teardown failed: {exc}"
+            self._emit_teardown(entry, model.TerminateEventType.FAILED, message=entry.replica.failure_reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("teardown of %s failed unexpectedly", name)
+            entry.replica.failure_reason = "teardown failed: internal error in the provisioner"
+            self._emit_teardown(entry, model.TerminateEventType.FAILED, message=entry.replica.failure_reason)
+        finally:
+            if not self._closing:
+                entry.teardown.set_active(False)
+
+    async def _teardown_attempt(self, entry: _Entry) -> None:
+        try:
+            await self._backend.delete(entry.request.name, grace_s=self._opts.kill_grace_s)
+        except backend_mod.TeardownError:
+            raise
+        except Exception as exc:
+            log.exception("backend error tearing down %s", entry.request.name)
+            raise backend_mod.TeardownError(f"backend error: {type(exc).__name__}") from exc
+
+    def _teardown_retrying(self, entry: _Entry, state: tenacity.RetryCallState) -> None:
+        delay = state.next_action.sleep if state.next_action else 0.0
+        outcome = state.outcome.exception() if state.outcome else None
+        self._emit_teardown(
+            entry,
+            model.TerminateEventType.RETRYING,
+            attempt=state.attempt_number + 1,
+            delay_s=delay,
+            message=f"attempt {state.attempt_number} failed: {outcome}; retrying in {delay:.1f} s",
+        )
+
+    def _emit_teardown(self, entry: _Entry, type_: model.TerminateEventType, **fields: Any) -> None:
+        event = model.TerminateEvent(
+            sequence=entry.teardown.last_sequence + 1, time=self._clock(), type=type_, **fields
+        )
+        entry.teardown.append(event)
+        self._save(entry)
+        detail = f": {event.message}" if event.message else ""
+        self._logs.note(entry.request.name, f"teardown {type_.value.lower()}{detail}")
+
+    # ---- app state -------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        async for event in self._backend.watch():
+            entry = self._entries.get(event.name)
+            if entry is None:
+                continue
+            if event.token != entry.token:
+                if entry.replica.state == model.ReplicaState.PROVISIONING:
+                    entry.pending[event.token] = event  # the launch has not recorded RUNNING yet
+                continue
+            self._app_changed(entry, event.app_state, event.exit_code, event.message)
+
+    def _app_changed(
+        self,
+        entry: _Entry,
+        app_state: model.AppState,
+        exit_code: int,
+        message: str,
+        *,
+        preempted: bool = False,
+    ) -> None:
+        replica = entry.replica
+        if replica.state != model.ReplicaState.RUNNING:
+            return  # being torn down: the teardown reports the end
+        if replica.app_state != model.AppState.RUNNING and not preempted:
+            return  # already reported
+        replica.app_state = app_state
+        replica.exit_code = exit_code
+        self._save(entry)
+        type_ = {
+            model.AppState.EXITED: model.ReplicaEventType.APP_EXITED,
+            model.AppState.VANISHED: model.ReplicaEventType.VANISHED,
+            model.AppState.PREEMPTED: model.ReplicaEventType.PREEMPTED,
+        }[app_state]
+        self._hub.publish(type_, replica, message)
+        self._logs.note(replica.name, message)
+
+    async def preempt(self, name: str) -> model.Replica:
+        """Simulate a preemption of replica `name`: kill it and report PREEMPTED.
+
+        Raises:
+            errors.NotFoundError: no such replica.
+            errors.FailedPreconditionError: the replica is not running (or being torn down).
+        """
+        entry = self._get_entry(name)
+        replica = entry.replica
+        if replica.app_state == model.AppState.PREEMPTED:
+            return replica.copy()
+        if replica.state != model.ReplicaState.RUNNING:
+            raise errors.FailedPreconditionError(
+                f"replica {name} is {replica.state.value.lower()}, not running", subject=name, replica=name
+            )
+        await self._backend.preempt(name)
+        self._app_changed(
+            entry,
+            model.AppState.PREEMPTED,
+            replica.exit_code,
+            "replica preempted (simulated)",
+            preempted=True,
+        )
+        return replica.copy()
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def _get_entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise errors.NotFoundError(f"replica {name} not found", reason="REPLICA_NOT_FOUND", replica=name)
+        return entry
+
+    def get(self, name: str) -> model.Replica:
+        """The replica `name`.
+
+        Raises:
+            errors.NotFoundError: no such replica.
+        """
+        return self._get_entry(name).replica.copy()
+
+    def list(
+        self, *, service: str = "", page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[model.Replica], str]:
+        """One page of replicas in name order, and the token of the next page ("" at the end).
+
+        Raises:
+            errors.ValidationError: a negative page size or a malformed page token.
+        """
+        if page_size < 0:
+            raise errors.ValidationError([errors.FieldViolation("page_size", "must not be negative")])
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        start = ""
+        if page_token:
+            try:
+                start = base64.urlsafe_b64decode(page_token.encode()).decode()
+            except (ValueError, UnicodeDecodeError):
+                raise errors.ValidationError([errors.FieldViolation("page_token", "malformed")]) from None
+        names = sorted(
+            n for n, e in self._entries.items() if (not service or e.replica.service == service) and n > start
+        )
+        page = names[:size]
+        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(names) > size else ""
+        return [self._entries[n].replica.copy() for n in page], token
+
+    def _snapshot(self) -> list[model.Replica]:
+        return [self._entries[n].replica.copy() for n in sorted(self._entries)]
+
+    def watch(self, after_sequence: int = 0) -> AsyncIterator[model.ReplicaEvent]:
+        """Replica changes after `after_sequence`, a snapshot first when needed (see WatchHub)."""
+        return self._hub.follow(after_sequence)
+
+    def zones(self) -> list[model.Zone]:
+        """The backend's zones, cheapest first."""
+        return self._backend.zones()
+
+    def set_zone_availability(self, zone: str, refuse_for_s: float) -> model.Zone:
+        """Make `zone` refuse launches for `refuse_for_s` seconds; 0 accepts again."""
+        return self._backend.set_zone_availability(zone, refuse_for_s)
+
+    async def stream_logs(self, name: str, kind: model.LogKind, *, follow: bool) -> AsyncIterator[bytes]:
+        """The bytes of a replica's log; with `follow`, new output while the replica lives.
+
+        Raises:
+            errors.NotFoundError: no such log (never launched, or removed at teardown).
+        """
+        if not self._logs.exists(name, kind):
+            raise errors.NotFoundError(
+                f"no {kind.value} log for replica {name}", reason="LOG_NOT_FOUND", replica=name
+            )
+        live = (lambda: self._live(name, kind)) if follow else None
+        async for chunk in self._logs.stream(name, kind, live=live):
+            yield chunk
+
+    def _live(self, name: str, kind: model.LogKind) -> bool:
+        entry = self._entries.get(name)
+        if entry is None or self._closing:
+            return False
+        if kind == model.LogKind.LAUNCH:
+            return entry.launch.active or entry.teardown.active
+        return (
+            entry.replica.state == model.ReplicaState.RUNNING
+            and entry.replica.app_state == model.AppState.RUNNING
+        )
+
+    def _save(self, entry: _Entry) -> None:
+        try:
+            self._records.save(entry.request.name, entry.to_record())
+        except OSError:
+            log.exception("could not persist replica %s", entry.request.name)

@@ -1,0 +1,276 @@
+"""Plain-Python domain types of the provisioner: replicas, launch requests, events, zones."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class ReplicaState(enum.Enum):
+    """Where a replica's lifecycle stands (mirrors provisioner.v1.ReplicaState)."""
+
+    QUEUED = "QUEUED"
+    PROVISIONING = "PROVISIONING"
+    RUNNING = "RUNNING"
+    TERMINATING = "TERMINATING"
+    TERMINATED = "TERMINATED"
+    FAILED = "FAILED"
+
+
+class AppState(enum.Enum):
+    """Where a replica's app stands (mirrors provisioner.v1.AppState)."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"
+    VANISHED = "VANISHED"
+    PREEMPTED = "PREEMPTED"
+
+
+class LaunchEventType(enum.Enum):
+    """What a launch step was (mirrors provisioner.v1.LaunchEventType)."""
+
+    QUEUED = "QUEUED"
+    PROVISIONING = "PROVISIONING"
+    ATTEMPT_FAILED = "ATTEMPT_FAILED"
+    RETRYING = "RETRYING"
+    RUNNING = "RUNNING"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+LAUNCH_TERMINAL = frozenset({LaunchEventType.RUNNING, LaunchEventType.FAILED, LaunchEventType.CANCELLED})
+
+
+class TerminateEventType(enum.Enum):
+    """What a teardown step was (mirrors provisioner.v1.TerminateEventType)."""
+
+    QUEUED = "QUEUED"
+    DRAINING = "DRAINING"
+    TERMINATING = "TERMINATING"
+    RETRYING = "RETRYING"
+    TERMINATED = "TERMINATED"
+    FAILED = "FAILED"
+
+
+TERMINATE_TERMINAL = frozenset({TerminateEventType.TERMINATED, TerminateEventType.FAILED})
+
+
+class ReplicaEventType(enum.Enum):
+    """What changed in a watched replica (mirrors provisioner.v1.ReplicaEventType)."""
+
+    SNAPSHOT = "SNAPSHOT"
+    APP_RUNNING = "APP_RUNNING"
+    APP_EXITED = "APP_EXITED"
+    VANISHED = "VANISHED"
+    PREEMPTED = "PREEMPTED"
+    TERMINATED = "TERMINATED"
+    SNAPSHOT_END = "SNAPSHOT_END"
+
+
+class LogKind(enum.Enum):
+    """Which log of a replica."""
+
+    LAUNCH = "launch"
+    APP = "app"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica runs: the parts of a service spec the provisioner needs.
+
+    Attributes:
+        setup: shell commands run once before `run`; empty for none.
+        run: shell command that starts the app.
+        envs: environment of `setup` and `run`.
+        secrets: secret environment; never logged.
+        workdir: local directory copied into the replica's working directory; empty for none.
+        file_mounts: destination path -> local source path.
+        ports: the ports the spec declares (`resources.ports`).
+        serving_port: the port the replica serves on; 0 when the spec names none.
+        use_spot: the spec's `resources.use_spot`.
+        num_nodes: nodes per replica; only 1 can be launched.
+        resources: hardware and placement fields (cloud, cpus, accelerators, ...), recorded only.
+    """
+
+    setup: str = ""
+    run: str = ""
+    envs: dict[str, str] = dataclasses.field(default_factory=dict)
+    secrets: dict[str, str] = dataclasses.field(default_factory=dict)
+    workdir: str = ""
+    file_mounts: dict[str, str] = dataclasses.field(default_factory=dict)
+    ports: tuple[int, ...] = ()
+    serving_port: int = 0
+    use_spot: bool = False
+    num_nodes: int = 1
+    resources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["ports"] = list(self.ports)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaSpec:
+        """The inverse of to_dict()."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["ports"] = tuple(values.get("ports", ()))
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRequest:
+    """A request to launch replica `name` (`{service}-{replica_id}`) of a service version."""
+
+    name: str
+    service: str
+    replica_id: int
+    version: int
+    spec: ReplicaSpec
+    use_spot: bool = False
+    zone: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["spec"] = self.spec.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchRequest:
+        """The inverse of to_dict()."""
+        return cls(**{**data, "spec": ReplicaSpec.from_dict(data["spec"])})
+
+
+@dataclasses.dataclass
+class Replica:
+    """What the provisioner knows of one replica (mirrors provisioner.v1.ProvisionedReplica)."""
+
+    name: str
+    service: str
+    replica_id: int
+    version: int
+    state: ReplicaState = ReplicaState.QUEUED
+    app_state: AppState = AppState.UNSPECIFIED
+    endpoint: str = ""
+    zone: str = ""
+    is_spot: bool = False
+    exit_code: int = 0
+    attempt: int = 0
+    failure_reason: str = ""
+    backend: str = ""
+    create_time: float = 0.0
+    start_time: float = 0.0
+    price_per_hour: float = 0.0
+
+    def copy(self) -> Replica:
+        """A snapshot that later changes do not affect."""
+        return dataclasses.replace(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["state"] = self.state.value
+        data["app_state"] = self.app_state.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Replica:
+        """The inverse of to_dict()."""
+        return cls(
+            **{
+                **data,
+                "state": ReplicaState(data["state"]),
+                "app_state": AppState(data["app_state"]),
+            }
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEvent:
+    """One step of a launch; `replica` is the replica after the step."""
+
+    sequence: int
+    time: float
+    type: LaunchEventType
+    replica: Replica
+    attempt: int = 0
+    message: str = ""
+    retry_delay_s: float = 0.0
+    endpoint: str = ""
+    permanent: bool = False
+    capacity_unavailable: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the launch stream ends after this event."""
+        return self.type in LAUNCH_TERMINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["type"] = self.type.value
+        data["replica"] = self.replica.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchEvent:
+        """The inverse of to_dict()."""
+        return cls(
+            **{**data, "type": LaunchEventType(data["type"]), "replica": Replica.from_dict(data["replica"])}
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TerminateEvent:
+    """One step of a teardown."""
+
+    sequence: int
+    time: float
+    type: TerminateEventType
+    message: str = ""
+    delay_s: float = 0.0
+    attempt: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the teardown stream ends after this event."""
+        return self.type in TERMINATE_TERMINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["type"] = self.type.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TerminateEvent:
+        """The inverse of to_dict()."""
+        return cls(**{**data, "type": TerminateEventType(data["type"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaEvent:
+    """A change of a managed replica, on the watch stream. `replica` is None for SNAPSHOT_END."""
+
+    sequence: int
+    time: float
+    type: ReplicaEventType
+    replica: Replica | None
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Zone:
+    """A placement zone; `refuse_until` is a wall-clock time, 0 when the zone accepts launches."""
+
+    name: str
+    price_per_hour: float
+    refuse_until: float = 0.0
+
+    def refusing(self, now: float) -> bool:
+        """Whether the zone refuses launches at `now`."""
+        return self.refuse_until > now

@@ -1,0 +1,91 @@
+"""gRPC adapter of the provisioner: request proto -> domain call -> response proto."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
+from services.provisioner import convert, manager
+
+
+class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
+    """Thin adapter over manager.Provisioner; domain errors map to statuses in the interceptor."""
+
+    def __init__(self, provisioner: manager.Provisioner) -> None:
+        self._p = provisioner
+
+    async def Launch(
+        self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchResponse]:
+        events = self._p.launch(
+            convert.launch_request(request),
+            after_sequence=request.after_sequence,
+            attach_only=request.attach_only,
+        )
+        async for event in events:
+            yield convert.launch_event(event)
+
+    async def Terminate(
+        self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TerminateResponse]:
+        events = self._p.terminate(
+            request.name,
+            drain_s=convert.seconds(request.drain),
+            keep_logs=request.keep_logs,
+            after_sequence=request.after_sequence,
+        )
+        async for event in events:
+            yield convert.terminate_event(event)
+
+    async def CancelLaunch(
+        self, request: pb.CancelLaunchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelLaunchResponse:
+        return pb.CancelLaunchResponse(cancelled=await self._p.cancel_launch(request.name))
+
+    async def GetReplica(
+        self, request: pb.GetReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetReplicaResponse:
+        return pb.GetReplicaResponse(replica=convert.replica(self._p.get(request.name)))
+
+    async def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListReplicasResponse:
+        replicas, token = self._p.list(
+            service=request.service, page_size=request.page_size, page_token=request.page_token
+        )
+        return pb.ListReplicasResponse(replicas=[convert.replica(r) for r in replicas], next_page_token=token)
+
+    async def WatchReplicas(
+        self, request: pb.WatchReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchReplicasResponse]:
+        async for event in self._p.watch(request.after_sequence):
+            yield convert.replica_event(event)
+
+    async def StreamLogs(
+        self, request: pb.StreamLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamLogsResponse]:
+        async for chunk in self._p.stream_logs(
+            request.name, convert.log_kind(request.kind), follow=request.follow
+        ):
+            yield pb.StreamLogsResponse(data=chunk)
+
+    async def PreemptReplica(
+        self, request: pb.PreemptReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreemptReplicaResponse:
+        return pb.PreemptReplicaResponse(replica=convert.replica(await self._p.preempt(request.name)))
+
+    async def SetZoneAvailability(
+        self, request: pb.SetZoneAvailabilityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetZoneAvailabilityResponse:
+        zone = self._p.set_zone_availability(request.zone, convert.seconds(request.refuse_for))
+        return pb.SetZoneAvailabilityResponse(zone=convert.zone(zone, time.time()))
+
+    async def ListZones(
+        self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListZonesResponse:
+        now = time.time()
+        return pb.ListZonesResponse(zones=[convert.zone(z, now) for z in self._p.zones()])
