@@ -19,6 +19,7 @@ import time
 
 from aiohttp import web
 
+from services.common import grpc_server
 from tests.helpers import procs
 
 
@@ -112,10 +113,7 @@ async def _serve_fast(port_file: str) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_FastProtocol, "127.0.0.1", 0, backlog=4096)
     port = server.sockets[0].getsockname()[1]
-    tmp = f"{port_file}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(str(port))
-    os.replace(tmp, port_file)
+    grpc_server.write_port_file(port_file, port)
     async with server:
         await server.serve_forever()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import errno
 
 import aiohttp
@@ -68,9 +67,7 @@ def test_non_http_urls_are_refused(url: str) -> None:
 
 
 def test_every_violation_is_reported_together() -> None:
-    found = violations(
-        spec(target_id="", url="ftp://x", path="health", method="PUT", timeout_s=-1, interval_s=-2)
-    )
+    found = violations(spec(target_id="", url="ftp://x", path="health", method="PUT", timeout_s=-1, interval_s=-2))
     assert set(found) == {"target_id", "url", "path", "method", "timeout", "interval"}
 
 
@@ -107,7 +104,7 @@ def _target() -> probing.Target:
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
-        (asyncio.TimeoutError(), "timeout after 2.5s"),
+        (TimeoutError(), "timeout after 2.5s"),
         (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), "connection refused"),
         (OSError(errno.EHOSTUNREACH, "no route"), "connection failed: EHOSTUNREACH"),
         (aiohttp.ServerDisconnectedError(), "server disconnected"),
