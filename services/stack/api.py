@@ -128,9 +128,7 @@ class WatchPrinter:
         return out
 
 
-async def wait_serving(
-    addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True
-) -> None:
+async def wait_serving(addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
     """Wait until the gRPC health check of `service` at `addr` says SERVING.
 
     Raises:
@@ -208,9 +206,7 @@ class Controller:
         failures = 0
         while True:
             try:
-                call = self._stub.WatchService(
-                    pb.WatchServiceRequest(service_name=name, after_sequence=after)
-                )
+                call = self._stub.WatchService(pb.WatchServiceRequest(service_name=name, after_sequence=after))
                 async for resp in call:
                     failures = 0
                     after = resp.sequence

@@ -70,9 +70,7 @@ def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
     return addr
 
 
-def plan(
-    *, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, str] | None = None
-) -> list[ProcessSpec]:
+def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, str] | None = None) -> list[ProcessSpec]:
     """The processes of a local stack, in start order (provisioner, probers, controller).
 
     Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared

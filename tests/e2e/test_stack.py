@@ -1,0 +1,201 @@
+"""The local stack end to end: `python -m services.stack up` with the example, then `down`, and
+nothing left running: no service process, no replica process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as pb
+from replicaplane.controller.v1 import controller_service_pb2_grpc, resources_pb2
+
+pytestmark = pytest.mark.e2e
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (held together while picked, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def stack_env(tmp_path) -> dict[str, str]:
+    controller, provisioner, prober = free_ports(3)
+    return {
+        **os.environ,
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
+        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
+        "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
+    }
+
+
+def stack(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.stack", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_log(path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def logs(state_dir) -> str:
+    """Everything the stack and its services wrote, for failure messages."""
+    parts = [f"== stack.log\n{read_log(state_dir / 'stack.log')}"]
+    for log in sorted((state_dir / "logs").glob("*.log")) if (state_dir / "logs").exists() else []:
+        parts.append(f"== {log.name}\n{read_log(log)[-4000:]}")
+    return "\n".join(parts)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def processes_touching(path: str, needles: list[str]) -> list[str]:
+    """Live processes whose working directory is under `path` or whose command line names
+    `path` or one of `needles`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid() or not alive(int(entry)):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if cwd.startswith(path) or path in cmd or any(n in cmd for n in needles):
+            found.append(f"{entry}: {cmd} (cwd {cwd})")
+    return found
+
+
+@pytest.fixture
+def state_dir(tmp_path) -> Iterator:
+    """A state dir whose stack is always stopped at the end, whatever the test did."""
+    state = tmp_path / "state"
+    yield state
+    if (state / "stack.json").exists() or (state / "stack.pid").exists():
+        stack("down", "--state-dir", str(state), env=dict(os.environ), timeout=200)
+
+
+def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -> None:
+    env = stack_env(tmp_path)
+    up = stack("up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, env=env, timeout=240)
+    assert up.returncode == 0, f"{up.stdout}{up.stderr}\n{logs(state_dir)}"
+    state = json.loads((state_dir / "stack.json").read_text())
+    assert state["services"] == ["hello"]
+    pids = {p["name"]: p["pid"] for p in state["processes"]}
+    assert sorted(pids) == ["controller", "prober-1", "provisioner"]
+
+    endpoints: dict[int, str] = {}
+    with grpc.insecure_channel(state["controller"]) as channel:
+        stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            service = stub.GetService(pb.GetServiceRequest(service_name="hello"), timeout=10).service
+            if service.status == resources_pb2.SERVICE_STATUS_READY and service.ready_replicas == 2:
+                break
+            time.sleep(0.25)
+        else:
+            pytest.fail(f"hello not READY with 2 replicas in 120 s: {service}\n{logs(state_dir)}")
+        for replica in stub.ListReplicas(pb.ListReplicasRequest(service_name="hello"), timeout=10).replicas:
+            if replica.status == resources_pb2.REPLICA_STATUS_READY:
+                endpoints[replica.replica_id] = replica.endpoint
+    assert len(endpoints) == 2
+
+    for replica_id, endpoint in endpoints.items():
+        with urllib.request.urlopen(f"{endpoint}/", timeout=10) as resp:
+            body = json.loads(resp.read())
+        assert body["message"] == f"hello from replica {replica_id}"
+
+    down = stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
+    assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{logs(state_dir)}"
+    assert "stack stopped" in down.stdout
+
+    assert not [name for name, pid in pids.items() if alive(pid)]
+    ports = [endpoint.rpartition(":")[2] for endpoint in endpoints.values()]
+    assert processes_touching(str(tmp_path), [f"app.py --port {port}" for port in ports]) == []
+    for endpoint in endpoints.values():
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{endpoint}/health", timeout=2)
+    assert not (state_dir / "stack.pid").exists()
+
+
+def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> None:
+    env = stack_env(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--probers", "2"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        state: dict = {}
+        while time.monotonic() < deadline and not state.get("ready"):
+            assert proc.poll() is None, f"{proc.stdout.read()}\n{logs(state_dir)}"
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                state = json.loads((state_dir / "stack.json").read_text())
+            time.sleep(0.1)
+        assert state.get("ready"), logs(state_dir)
+        assert [p["name"] for p in state["processes"]] == ["provisioner", "prober-1", "prober-2", "controller"]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "stack stopped" in out
+    assert not [p for p in state["processes"] if alive(p["pid"])]
+    assert processes_touching(str(tmp_path), []) == []
+    assert not (state_dir / "stack.json").exists()
+
+
+def test_down_cleans_up_after_a_killed_stack(state_dir, tmp_path) -> None:
+    env = stack_env(tmp_path)
+    up = stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=120)
+    assert up.returncode == 0, f"{up.stdout}\n{logs(state_dir)}"
+    again = stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=60)
+    assert again.returncode == 1
+    assert "already running" in again.stdout
+
+    state = json.loads((state_dir / "stack.json").read_text())
+    os.kill(state["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(state["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    down = stack("down", "--state-dir", str(state_dir), env=env, timeout=120)
+    assert down.returncode == 0, down.stdout
+    assert "cleaning up after a stack that is gone" in down.stdout
+    assert not [p for p in state["processes"] if alive(p["pid"])]
+    assert processes_touching(str(tmp_path), []) == []
