@@ -61,6 +61,13 @@ def read_spec(yaml_path: str) -> str:
         return resolve_workdir(fh.read(), os.path.dirname(os.path.abspath(yaml_path)))
 
 
+def spec_name(yaml_path: str) -> str:
+    """The `name:` of a service YAML file, or "" if it has none."""
+    with open(yaml_path, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    return str(doc.get("name") or "") if isinstance(doc, dict) else ""
+
+
 def _short(enum_value_name: str, prefix: str) -> str:
     return enum_value_name.removeprefix(prefix)
 
@@ -247,7 +254,6 @@ class Controller:
                 await self._stub.GetService(pb.GetServiceRequest(service_name=name), timeout=5)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    out(f"{name}: deleted")
                     return True
             await asyncio.sleep(0.25)
         out(f"{name}: still not deleted after {timeout:.0f} s")

@@ -207,8 +207,8 @@ class Stack:
             await asyncio.sleep(0.5)
         return message
 
-    async def cleanup(self, delete_timeout: float) -> None:
-        """Delete the created services (so no replica is left), then stop the processes."""
+    async def delete_services(self, delete_timeout: float) -> None:
+        """Delete the created services and wait until they are gone, so no replica is left."""
         controller = self.procs.get("controller")
         if self.created and controller is not None and controller.poll() is None:
             client = api.Controller(self.controller_addr)
@@ -222,6 +222,9 @@ class Stack:
                 self.out("warning: some services were not confirmed deleted; their replicas may still run")
         elif self.created:
             self.out("warning: the controller is not running, so services could not be deleted")
+
+    async def stop_processes(self) -> None:
+        """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
         # Controller first, so it stops calling the others; the provisioner last.
         order = sorted(self.specs, key=lambda s: {"controller": 0, "prober": 1}.get(s.component, 2))
         pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
@@ -238,7 +241,12 @@ async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
     client = api.Controller(stack.controller_addr)
     try:
         if example:
-            stack.created.append(await client.create(example, stack.out))
+            # Recorded before the call, so a stop during an in-flight create still deletes it.
+            if name := await asyncio.to_thread(api.spec_name, example):
+                stack.created.append(name)
+                stack.save()
+            if (created := await client.create(example, stack.out)) not in stack.created:
+                stack.created.append(created)
         stack.ready = True
         stack.save()
         stack.out(f"stack ready: controller at {stack.controller_addr}; Ctrl-C (or make down) stops it")
@@ -298,10 +306,16 @@ async def up(
         else:
             out("stopping")
     finally:
-        for task in (main, exits, stopped):
+        for task in (exits, stopped):
             task.cancel()
+        if not stack.ready:  # still starting: cancel an in-flight create before deleting by name
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+        # While the deletes run, the watch (if running) keeps printing the teardown.
+        await stack.delete_services(delete_timeout)
+        main.cancel()
         await asyncio.gather(main, exits, stopped, return_exceptions=True)
-        await stack.cleanup(delete_timeout)
+        await stack.stop_processes()
         files.remove()
     return rc
 
