@@ -259,13 +259,10 @@ class Provisioner:
             if resumed:
                 await self._remove_leftovers(entry, grace_s=0)
             entry.replica.state = model.ReplicaState.QUEUED
-            waiting = self._slots.waiting if self._slots.would_wait(slots.LAUNCH) else 0
             message = "resumed after a provisioner restart" if resumed else "accepted"
-            self._emit_launch(
-                entry,
-                model.LaunchEventType.QUEUED,
-                message=f"{message}; {waiting} launches ahead" if waiting else message,
-            )
+            if self._slots.would_wait(slots.LAUNCH):
+                message += f"; waiting for a launch slot ({self._slots.waiting} queued ahead)"
+            self._emit_launch(entry, model.LaunchEventType.QUEUED, message=message)
             retrying = tenacity.AsyncRetrying(
                 stop=tenacity.stop_after_attempt(max(1, self._opts.launch_attempts)),
                 wait=retries.wait_jittered_exponential(

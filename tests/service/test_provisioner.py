@@ -1,0 +1,271 @@
+"""The provisioner over gRPC with the local backend and real replica processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
+from replicaplane.provisioner.v1 import resources_pb2
+from services.common import grpc_errors
+from services.provisioner import procs, server
+from tests.helpers import provisioner_client as client
+from tests.helpers import provisioner_procs
+
+L, T, R = client.L, client.T, client.R
+
+
+def _settings(state_dir: str, **overrides: object) -> server.Settings:
+    values: dict[str, object] = {
+        "listen_addr": "127.0.0.1:0",
+        "state_dir": state_dir,
+        "launch_backoff_initial_s": 0.05,
+        "launch_backoff_max_s": 0.1,
+        "teardown_backoff_initial_s": 0.05,
+        "teardown_backoff_max_s": 0.1,
+        "kill_grace_s": 1.0,
+        "cancel_timeout_s": 5.0,
+    }
+    values.update(overrides)
+    return server.Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def state_dir(tmp_path) -> str:
+    return str(tmp_path / "state")
+
+
+@pytest.fixture
+async def built(state_dir: str) -> AsyncIterator[server.Server]:
+    srv = await server.build_server(_settings(state_dir))
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(None)
+        provisioner_procs.kill_replicas(state_dir)  # whatever a failing test left running
+
+
+@pytest.fixture
+async def stub(built: server.Server) -> AsyncIterator[pb_grpc.ProvisionerServiceStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{built.port}") as channel:
+        yield pb_grpc.ProvisionerServiceStub(channel)
+
+
+async def _launch(stub: pb_grpc.ProvisionerServiceStub, request: pb.LaunchRequest) -> list:
+    return await client.collect(stub.Launch(request))
+
+
+async def _watch(stub: pb_grpc.ProvisionerServiceStub) -> grpc.aio.UnaryStreamCall:
+    """A watch call already past its snapshot."""
+    call = stub.WatchReplicas(pb.WatchReplicasRequest())
+    await client.next_event(call, R.REPLICA_EVENT_TYPE_SNAPSHOT_END)
+    return call
+
+
+async def test_three_concurrent_launches_run_on_distinct_endpoints_that_answer(stub, state_dir) -> None:
+    results = await asyncio.gather(*(_launch(stub, client.launch_request(i)) for i in (1, 2, 3)))
+    endpoints = set()
+    for i, events in zip((1, 2, 3), results, strict=True):
+        assert client.types(events) == ["QUEUED", "PROVISIONING", "RUNNING"]
+        running = events[-1]
+        assert running.replica.state == resources_pb2.REPLICA_STATE_RUNNING
+        assert running.endpoint == running.replica.endpoint
+        body = json.loads(await client.wait_http(running.endpoint + "/health"))
+        assert body["replica_id"] == str(i)
+        # The spec says 8080; each replica got its own port, substituted in the command.
+        assert f"http://127.0.0.1:{body['port']}" == running.endpoint
+        endpoints.add(running.endpoint)
+    assert len(endpoints) == 3
+    listed = await stub.ListReplicas(pb.ListReplicasRequest(service="svc"))
+    assert [r.name for r in listed.replicas] == ["svc-1", "svc-2", "svc-3"]
+    assert (await stub.GetReplica(pb.GetReplicaRequest(name="svc-2"))).replica.endpoint in endpoints
+
+
+async def test_failing_setup_makes_three_attempts_with_backoff_then_fails(stub, state_dir) -> None:
+    request = client.launch_request(1, spec_=client.spec("true", setup="echo preparing; exit 7"))
+    events = await _launch(stub, request)
+    assert client.types(events) == [
+        "QUEUED",
+        "PROVISIONING",
+        "ATTEMPT_FAILED",
+        "RETRYING",
+        "PROVISIONING",
+        "ATTEMPT_FAILED",
+        "RETRYING",
+        "PROVISIONING",
+        "ATTEMPT_FAILED",
+        "FAILED",
+    ]
+    delays = [e.retry_delay.ToNanoseconds() / 1e9 for e in events if e.type == L.LAUNCH_EVENT_TYPE_RETRYING]
+    assert len(delays) == 2 and all(0 < d <= 0.1 for d in delays)
+    assert events[-1].message == "setup exited with code 7"
+    assert not events[-1].permanent
+    assert events[-1].replica.state == resources_pb2.REPLICA_STATE_FAILED
+    # A failed replica's logs outlive its teardown when kept.
+    await client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1", keep_logs=True)))
+    chunks = await client.collect(
+        stub.StreamLogs(pb.StreamLogsRequest(name="svc-1", kind=resources_pb2.LOG_KIND_LAUNCH))
+    )
+    text = b"".join(c.data for c in chunks).decode()
+    assert text.count("preparing") == 3
+    assert "setup exited with code 7" in text
+
+
+async def test_cancel_mid_launch_leaves_no_process_behind(stub, state_dir) -> None:
+    request = client.launch_request(1, spec_=client.spec(setup="sleep 30"))
+    launch = asyncio.create_task(_launch(stub, request))
+    async with asyncio.timeout(10):
+        while not provisioner_procs.replica_pids(state_dir):  # setup is running
+            await asyncio.sleep(0.02)
+    response = await stub.CancelLaunch(pb.CancelLaunchRequest(name="svc-1"))
+    assert response.cancelled
+    events = await launch
+    assert client.types(events)[-1] == "CANCELLED"
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+    assert not (await stub.CancelLaunch(pb.CancelLaunchRequest(name="svc-1"))).cancelled
+
+
+async def test_terminate_with_drain_emits_the_drain_and_kills_the_group(stub, state_dir) -> None:
+    events = await _launch(stub, client.launch_request(1))
+    await client.wait_http(events[-1].endpoint)
+    pids = provisioner_procs.replica_pids(state_dir)
+    assert pids
+    watch = await _watch(stub)
+    teardown = await client.collect(
+        stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(0.2)))
+    )
+    assert client.types(teardown) == ["DRAINING", "TERMINATING", "TERMINATED"]
+    assert teardown[0].delay.ToNanoseconds() == 200_000_000
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+    assert (await client.next_event(watch, R.REPLICA_EVENT_TYPE_TERMINATED)).replica.name == "svc-1"
+    watch.cancel()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetReplica(pb.GetReplicaRequest(name="svc-1"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # Gone now: terminating again is one TERMINATED event.
+    again = await client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1")))
+    assert client.types(again) == ["TERMINATED"]
+
+
+async def test_preempt_is_reported_on_the_watch_and_kills_the_replica(stub, state_dir) -> None:
+    await _launch(stub, client.launch_request(1, use_spot=True))
+    watch = await _watch(stub)
+    response = await stub.PreemptReplica(pb.PreemptReplicaRequest(name="svc-1"))
+    assert response.replica.app_state == resources_pb2.APP_STATE_PREEMPTED
+    event = await client.next_event(watch, R.REPLICA_EVENT_TYPE_PREEMPTED)
+    assert event.replica.name == "svc-1" and event.replica.is_spot
+    watch.cancel()
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+    # A preempted replica tears down at once (no drain).
+    teardown = await client.collect(
+        stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(30)))
+    )
+    assert client.types(teardown) == ["TERMINATING", "TERMINATED"]
+
+
+async def test_app_exit_and_disappearance_are_pushed_on_the_watch(stub, state_dir) -> None:
+    watch = await _watch(stub)
+    exiting = client.launch_request(1, spec_=client.spec("sleep 0.2; exit 3"))
+    events = await _launch(stub, exiting)
+    assert client.types(events)[-1] == "RUNNING"  # RUNNING means started; the exit comes on the watch
+    exited = await client.next_event(watch, R.REPLICA_EVENT_TYPE_APP_EXITED)
+    assert (exited.replica.name, exited.replica.exit_code) == ("svc-1", 3)
+    assert exited.replica.app_state == resources_pb2.APP_STATE_EXITED
+
+    await _launch(stub, client.launch_request(2, spec_=client.spec("sleep 30")))
+    pgids = {procs.read_stat(p).pgid for p in provisioner_procs.replica_pids(state_dir)}
+    assert len(pgids) == 1  # the wrapper and the app share one process group
+    os.killpg(pgids.pop(), signal.SIGKILL)  # from outside: the whole group disappears
+    vanished = await client.next_event(watch, R.REPLICA_EVENT_TYPE_VANISHED)
+    assert vanished.replica.name == "svc-2"
+    assert vanished.replica.app_state == resources_pb2.APP_STATE_VANISHED
+    watch.cancel()
+
+
+async def test_zone_refusal_fails_launches_at_once_as_capacity_unavailable(stub, state_dir) -> None:
+    zones = (await stub.ListZones(pb.ListZonesRequest())).zones
+    assert [z.name for z in zones] == ["zone-a", "zone-b", "zone-c"]
+    refused = await stub.SetZoneAvailability(
+        pb.SetZoneAvailabilityRequest(zone="zone-a", refuse_for=client.duration(60))
+    )
+    assert refused.zone.refusing_launches and refused.zone.refuse_until_time.seconds > 0
+
+    events = await _launch(stub, client.launch_request(1, zone="zone-a", use_spot=True))
+    assert client.types(events) == ["QUEUED", "PROVISIONING", "ATTEMPT_FAILED", "FAILED"]
+    assert events[-1].permanent and events[-1].capacity_unavailable
+
+    events = await _launch(stub, client.launch_request(2, use_spot=True))
+    assert events[-1].replica.zone == "zone-b"  # cheapest zone that accepts
+    assert events[-1].replica.price_per_hour == pytest.approx(1.2)
+
+    await stub.SetZoneAvailability(pb.SetZoneAvailabilityRequest(zone="zone-a"))
+    events = await _launch(stub, client.launch_request(3))
+    assert events[-1].replica.zone == "zone-a"
+
+
+async def test_launch_is_idempotent_by_name_and_replays(stub, state_dir) -> None:
+    first = await _launch(stub, client.launch_request(1))
+    again = await _launch(stub, client.launch_request(1))
+    assert [e.sequence for e in again] == [e.sequence for e in first]
+    assert again[-1].endpoint == first[-1].endpoint
+    tail = await _launch(stub, client.launch_request(1, after_sequence=2, attach_only=True))
+    assert client.types(tail) == ["RUNNING"]
+    # One replica: one process group (the wrapper and the app).
+    assert len({procs.read_stat(p).pgid for p in provisioner_procs.replica_pids(state_dir)}) == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _launch(stub, client.launch_request(9, attach_only=True))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_bad_requests_are_invalid_argument_with_field_violations(stub, state_dir) -> None:
+    request = client.launch_request(1)
+    request.name = "wrong"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _launch(stub, request)
+    decoded = grpc_errors.RpcError(info.value)
+    assert decoded.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in decoded.field_violations] == ["name"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SetZoneAvailability(pb.SetZoneAvailabilityRequest(zone="nowhere"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.PreemptReplica(pb.PreemptReplicaRequest(name="svc-7"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-7")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_replica_environment_workdir_and_followed_app_log(stub, state_dir, tmp_path) -> None:
+    workdir = tmp_path / "app"
+    workdir.mkdir()
+    (workdir / "data.txt").write_text("from the workdir\n")
+    run = 'cat data.txt; echo "PORT=$PORT ID=$REPLICA_ID SKY=$SKYPILOT_SERVE_REPLICA_ID URL=$URL"; sleep 0.5'
+    spec = client.spec(run, envs={"URL": "http://localhost:8080/x"}, workdir=str(workdir))
+    events = await _launch(stub, client.launch_request(4, spec_=spec))
+    port = events[-1].endpoint.rsplit(":", 1)[1]
+    # Follow the app log while the app runs; the stream ends once the app exited.
+    chunks = await client.collect(
+        stub.StreamLogs(pb.StreamLogsRequest(name="svc-4", follow=True)), timeout=10
+    )
+    text = b"".join(c.data for c in chunks).decode()
+    assert "from the workdir" in text
+    assert f"PORT={port} ID=4 SKY=4 URL=http://localhost:{port}/x" in text
+    assert port != "8080"
+
+
+async def test_health_check_serves(built) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{built.port}") as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=server.SERVICE_NAME)
+        )
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
