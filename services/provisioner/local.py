@@ -156,6 +156,9 @@ class LocalBackend(backend.Backend):
             await asyncio.to_thread(self._prepare_dir, root, spec, request.launch_log)
             self._save_handle(handle)
             self._ensure_current(handle)
+            if spec.resources:
+                recorded = ", ".join(f"{k}={v}" for k, v in sorted(spec.resources.items()))
+                _note(request.launch_log, f"recorded, not enforced by the local backend: {recorded}")
             env = self._environment(launch, spec, port_map, port, handle.token)
             work = os.path.join(root, "work")
             if spec.setup.strip():

@@ -179,6 +179,17 @@ class Provisioner:
                     entry, model.AppState.VANISHED, 0, "the replica was gone when the provisioner restarted"
                 )
 
+    def end_streams(self) -> None:
+        """End every open stream (shutdown), so a graceful server stop does not wait on them.
+
+        Clients see their stream end without a terminal event and re-attach with
+        `after_sequence`, as after any cut stream; the work itself goes on.
+        """
+        for entry in self._entries.values():
+            entry.launch.close()
+            entry.teardown.close()
+        self._hub.close()
+
     async def close(self) -> None:
         """Stop operations (they resume on the next start) and watchers; replicas keep running."""
         self._closing = True
@@ -405,6 +416,13 @@ class Provisioner:
         self._save(entry)
         detail = f": {event.message}" if event.message else ""
         self._logs.note(entry.request.name, f"launch {type_.value.lower()}{detail}")
+        log.log(
+            logging.INFO if event.terminal else logging.DEBUG,
+            "%s: launch %s%s",
+            entry.request.name,
+            type_.value,
+            detail,
+        )
 
     async def cancel_launch(self, name: str) -> bool:
         """Cancel the in-flight launch of `name` and wait (bounded) for its leftovers to go.
@@ -555,6 +573,8 @@ class Provisioner:
         self._save(entry)
         detail = f": {event.message}" if event.message else ""
         self._logs.note(entry.request.name, f"teardown {type_.value.lower()}{detail}")
+        level = logging.INFO if event.terminal else logging.DEBUG
+        log.log(level, "%s: teardown %s%s", entry.request.name, type_.value, detail)
 
     # ---- app state -------------------------------------------------------------------------
 
@@ -593,6 +613,7 @@ class Provisioner:
         }[app_state]
         self._hub.publish(type_, replica, message)
         self._logs.note(replica.name, message)
+        log.info("%s: %s", replica.name, message)
 
     async def preempt(self, name: str) -> model.Replica:
         """Simulate a preemption of replica `name`: kill it and report PREEMPTED.

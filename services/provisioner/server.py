@@ -67,8 +67,11 @@ class Server(grpc_server.Built):
     provisioner: manager.Provisioner | None = None
 
     async def stop(self, grace: float | None) -> None:
-        """Stop serving, then stop operations and watchers."""
-        await super().stop(grace)
+        """End open streams, stop serving, then stop operations and watchers."""
+        await self.health.enter_graceful_shutdown()
+        if self.provisioner is not None:
+            self.provisioner.end_streams()
+        await self.server.stop(grace)
         if self.provisioner is not None:
             await self.provisioner.close()
 
@@ -87,7 +90,32 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
 
 
 def options(settings: Settings) -> manager.Options:
-    """The core's options from the settings."""
+    """The core's options from the settings.
+
+    Raises:
+        errors.ValidationError: a value out of range, naming each.
+    """
+    violations = []
+    if settings.max_in_flight < 0.5:
+        violations.append(errors.FieldViolation("provisioner.max_in_flight", "must be at least 0.5"))
+    for name in ("launch_attempts", "teardown_attempts", "watch_history"):
+        if getattr(settings, name) < 1:
+            violations.append(errors.FieldViolation(f"provisioner.{name}", "must be at least 1"))
+    for name in (
+        "launch_backoff_initial_s",
+        "launch_backoff_max_s",
+        "teardown_backoff_initial_s",
+        "teardown_backoff_max_s",
+        "cancel_timeout_s",
+        "kill_grace_s",
+    ):
+        if getattr(settings, name) < 0:
+            violations.append(errors.FieldViolation(f"provisioner.{name}", "must not be negative"))
+    if settings.launch_backoff_multiplier < 1:
+        violations.append(
+            errors.FieldViolation("provisioner.launch_backoff_multiplier", "must be at least 1")
+        )
+    errors.require(violations, subject="provisioner settings")
     return manager.Options(
         max_in_flight=settings.max_in_flight,
         launch_attempts=settings.launch_attempts,
@@ -116,19 +144,24 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
         settings: the settings.
         backend: runs replicas; by default the one `settings.backend` names.
     """
+    opts = options(settings)
     state_dir = _prepare_state_dir(settings.state_dir)
     provisioner = manager.Provisioner(
         backend=backend or make_backend(settings),
         records=store.RecordStore(state_dir),
         logs=logstore.LogStore(state_dir),
-        options=options(settings),
+        options=opts,
     )
     await provisioner.start()
-    server = grpc_server.new_server(domain="provisioner.replicaplane")
-    provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
-        servicer.ProvisionerServicer(provisioner), server
-    )
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    try:
+        server = grpc_server.new_server(domain="provisioner.replicaplane")
+        provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
+            servicer.ProvisionerServicer(provisioner), server
+        )
+        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    except BaseException:
+        await provisioner.close()
+        raise
     fields = {f.name: getattr(built, f.name) for f in dataclasses.fields(built)}
     return Server(**fields, provisioner=provisioner)
 

@@ -226,6 +226,17 @@ async def test_launch_is_idempotent_by_name_and_replays(stub, state_dir) -> None
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_launch_goes_on_when_its_client_goes_away(stub, state_dir) -> None:
+    request = client.launch_request(1, spec_=client.spec(setup="sleep 0.3"))
+    call = stub.Launch(request)
+    first = await call.read()
+    assert first.event.type == L.LAUNCH_EVENT_TYPE_QUEUED
+    call.cancel()
+    rest = await client.collect(stub.Launch(client.launch_request(1, after_sequence=1, attach_only=True)))
+    assert client.types(rest) == ["PROVISIONING", "RUNNING"]
+    assert [e.sequence for e in rest] == [2, 3]
+
+
 async def test_bad_requests_are_invalid_argument_with_field_violations(stub, state_dir) -> None:
     request = client.launch_request(1)
     request.name = "wrong"

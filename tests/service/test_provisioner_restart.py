@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import grpc
 
@@ -154,22 +153,21 @@ async def test_restart_refinds_running_replicas_reports_the_gone_and_leaks_nothi
         provisioner_procs.kill_replicas(state_dir)
 
 
-def test_sigterm_keeps_replicas_running(tmp_path) -> None:
+async def test_sigterm_ends_streams_cleanly_and_keeps_replicas_running(tmp_path) -> None:
     state_dir = str(tmp_path / "state")
     svc = service_procs.start_service("provisioner", env=_env(state_dir), workdir=str(tmp_path))
     try:
-
-        async def launch() -> str:
-            async with grpc.aio.insecure_channel(svc.addr) as channel:
-                stub = pb_grpc.ProvisionerServiceStub(channel)
-                events = await client.collect(stub.Launch(client.launch_request(1)))
-                return events[-1].endpoint
-
-        endpoint = asyncio.run(launch())
-        assert svc.stop() == 0
-        time.sleep(0.2)
+        async with grpc.aio.insecure_channel(svc.addr) as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            events = await client.collect(stub.Launch(client.launch_request(1)))
+            endpoint = events[-1].endpoint
+            watch = stub.WatchReplicas(pb.WatchReplicasRequest())
+            await client.next_event(watch, R.REPLICA_EVENT_TYPE_SNAPSHOT_END)
+            assert await asyncio.to_thread(svc.stop) == 0
+            # The open watch ends like any cut stream: the client re-attaches elsewhere or later.
+            assert await watch.read() is grpc.aio.EOF
         assert provisioner_procs.replica_pids(state_dir)
-        asyncio.run(client.wait_http(endpoint))
+        await client.wait_http(endpoint)
     finally:
         svc.stop()
         provisioner_procs.kill_replicas(state_dir)

@@ -11,7 +11,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import resources_pb2
 from services.common import errors
-from services.provisioner import convert, manager, model, ports, retries, zones
+from services.provisioner import convert, manager, model, ports, retries, server, zones
 
 # ---- ports ------------------------------------------------------------------------------------
 
@@ -170,3 +170,20 @@ def test_enum_names_match_protos() -> None:
         assert resources_pb2.TerminateEventType.Value(f"TERMINATE_EVENT_TYPE_{t.value}")
     for t in model.ReplicaEventType:
         assert resources_pb2.ReplicaEventType.Value(f"REPLICA_EVENT_TYPE_{t.value}")
+
+
+def test_settings_out_of_range_are_reported_together() -> None:
+    settings = server.Settings(max_in_flight=0, launch_attempts=0, kill_grace_s=-1)
+    with pytest.raises(errors.ValidationError) as info:
+        server.options(settings)
+    fields = {v.field for v in info.value.violations}
+    assert fields == {"provisioner.max_in_flight", "provisioner.launch_attempts", "provisioner.kill_grace_s"}
+
+
+def test_settings_come_from_the_environment() -> None:
+    env = {"REPLICAPLANE_PROVISIONER_MAX_IN_FLIGHT": "2.5", "REPLICAPLANE_PROVISIONER_ZONES": "x:1,y:2"}
+    settings = server.load_settings(environ=env)
+    assert settings.max_in_flight == 2.5
+    assert [z.name for z in zones.parse(settings.zones)] == ["x", "y"]
+    with pytest.raises(errors.ValidationError):
+        server.make_backend(server.Settings(backend="kubernetes"))
