@@ -49,11 +49,11 @@ def _parser() -> argparse.ArgumentParser:
 async def _create(args: argparse.Namespace) -> int:
     client = api.Controller(args.controller)
     try:
-        name = await client.create(args.yaml, runner._say)
+        name = await client.create(args.yaml, runner.say)
         if args.follow:
-            await client.follow(name, api.WatchPrinter(), runner._say)
+            await client.follow(name, api.WatchPrinter(), runner.say)
     except api.StackError as exc:
-        runner._say(f"error: {exc}")
+        runner.say(f"error: {exc}")
         return 1
     finally:
         await client.close()

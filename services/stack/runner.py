@@ -26,7 +26,8 @@ STOP_TIMEOUT_S = 10.0
 """How long a service process gets to exit after SIGTERM before SIGKILL."""
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
+    """Print a progress line with the time of day."""
     print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
 
@@ -38,23 +39,27 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
+_HAVE_PROC = os.path.isdir("/proc/self")
+
+
 def _cmdline(pid: int) -> str | None:
-    """The command line of a live process, or None if it is gone (zombies count as gone)."""
+    """The command line of a live process, "" if unknown, None if it is gone (zombies are gone)."""
+    if not _HAVE_PROC:  # not Linux: a signal-0 probe, without the command line
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
             if fh.read().rpartition(")")[2].split()[0] == "Z":
                 return None
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+    except (OSError, IndexError):
         return None
-    except OSError:
-        # No /proc (not Linux): fall back to a signal 0 probe.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return ""
 
 
 def is_ours(pid: int, marker: str) -> bool:
@@ -264,7 +269,7 @@ async def up(
     example: str | None,
     ready_timeout: float = 30.0,
     delete_timeout: float = 90.0,
-    out: api.Out = _say,
+    out: api.Out = say,
 ) -> int:
     """Run the stack until SIGTERM or SIGINT, then clean up.
 
@@ -320,7 +325,7 @@ async def up(
     return rc
 
 
-def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out = _say) -> int:
+def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out = say) -> int:
     """Run `python -m services.stack <argv>` in the background and wait until it is ready.
 
     Returns:
@@ -363,7 +368,7 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
     return 1
 
 
-def down(*, state_dir: str, timeout: float, out: api.Out = _say) -> int:
+def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     """Stop the stack running from `state_dir`, the same way Ctrl-C does.
 
     If the stack process itself is gone (killed), its children are cleaned up from the state

@@ -167,6 +167,11 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             time.sleep(0.1)
         assert state.get("ready"), logs(state_dir)
         assert [p["name"] for p in state["processes"]] == ["provisioner", "prober-1", "prober-2", "controller"]
+        # The container health check command, against a live and a dead address.
+        service = "replicaplane.controller.v1.ControllerService"
+        assert stack("health", state["controller"], "--service", service, env=env, timeout=30).returncode == 0
+        dead = f"127.0.0.1:{free_ports(1)[0]}"
+        assert stack("health", dead, "--timeout", "1", env=env, timeout=30).returncode == 1
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
