@@ -35,7 +35,7 @@ def free_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def stack_env(tmp_path) -> dict[str, str]:
+def stack_env() -> dict[str, str]:
     controller, provisioner, prober = free_ports(3)
     return {
         **os.environ,
@@ -105,7 +105,7 @@ def state_dir(tmp_path) -> Iterator:
 
 
 def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -> None:
-    env = stack_env(tmp_path)
+    env = stack_env()
     up = stack("up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, env=env, timeout=240)
     assert up.returncode == 0, f"{up.stdout}{up.stderr}\n{logs(state_dir)}"
     state = json.loads((state_dir / "stack.json").read_text())
@@ -148,7 +148,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
 
 
 def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> None:
-    env = stack_env(tmp_path)
+    env = stack_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--probers", "2"],
         cwd=REPO,
@@ -186,7 +186,7 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
 
 
 def test_down_cleans_up_after_a_killed_stack(state_dir, tmp_path) -> None:
-    env = stack_env(tmp_path)
+    env = stack_env()
     up = stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=120)
     assert up.returncode == 0, f"{up.stdout}\n{logs(state_dir)}"
     again = stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=60)
