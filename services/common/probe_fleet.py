@@ -15,6 +15,7 @@ exactly which prober each stream is on, so the spread is even and a lost prober 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -89,6 +90,7 @@ class _Stream:
     removes: set[str] = dataclasses.field(default_factory=set)
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    call: grpc.aio.StreamStreamCall | None = None
 
     def queue_upsert(self, target: pb.ProbeTarget) -> None:
         self.removes.discard(target.target_id)
@@ -159,6 +161,7 @@ class ProbeFleet:
         self._unassigned: set[str] = set()
         self._probers: dict[str, _Prober] = {}
         self._live: list[_Stream] = []
+        self._prober_load: collections.Counter[str] = collections.Counter()
         self._stale = True
         self._reported_stale: bool | None = None
         self._started = False
@@ -195,10 +198,16 @@ class ProbeFleet:
         self._stopping = True
         if self._resolver is not None:
             self._resolver.cancel()
-        tasks = [s.task for p in self._probers.values() for s in p.streams if s.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        streams = [s for p in self._probers.values() for s in p.streams]
+        for stream in streams:
+            if stream.call is not None:
+                stream.call.cancel()
+            if stream.task is not None:
+                stream.task.cancel()
+        tasks = [s.task for s in streams if s.task is not None]
+        if tasks:
+            # Bounded: a stop must never hang on a prober that does not answer.
+            await asyncio.wait(tasks, timeout=self._connect_timeout_s)
         for prober in self._probers.values():
             await prober.channel.close()
         self._probers.clear()
@@ -219,9 +228,9 @@ class ProbeFleet:
         """Stop probing `target_id`; no result for it is delivered after this returns."""
         self._targets.pop(target_id, None)
         self._unassigned.discard(target_id)
-        stream = self._assigned.pop(target_id, None)
+        stream = self._assigned.get(target_id)
         if stream is not None:
-            stream.targets.discard(target_id)
+            self._unassign(target_id, stream)
             stream.queue_remove(target_id)
         if self._pending_unavailable:
             self._pending_unavailable = [r for r in self._pending_unavailable if r.target_id != target_id]
@@ -232,16 +241,26 @@ class ProbeFleet:
 
     # Assignment ---------------------------------------------------------------------------
 
+    def _key(self, stream: _Stream) -> tuple[int, int]:
+        # Even over streams first, then over probers: ties go to the least-loaded prober.
+        return len(stream.targets), self._prober_load[stream.addr]
+
     def _least_loaded(self) -> _Stream | None:
         if not self._live:
             return None
-        return min(self._live, key=lambda s: len(s.targets))
+        return min(self._live, key=self._key)
 
     def _assign(self, target_id: str, stream: _Stream) -> None:
         self._unassigned.discard(target_id)
         self._assigned[target_id] = stream
         stream.targets.add(target_id)
+        self._prober_load[stream.addr] += 1
         stream.queue_upsert(self._targets[target_id])
+
+    def _unassign(self, target_id: str, stream: _Stream) -> None:
+        self._assigned.pop(target_id, None)
+        stream.targets.discard(target_id)
+        self._prober_load[stream.addr] -= 1
 
     def _place(self, target_ids: list[str], *, reason: str, prober_id: str) -> None:
         """Put targets on the least-loaded live streams, or mark them unavailable."""
@@ -259,15 +278,23 @@ class ProbeFleet:
             self._mark_unavailable(homeless, reason, prober_id)
 
     def _rebalance(self) -> None:
-        """Move targets from the most to the least loaded live streams until even."""
+        """Move targets until streams differ by at most one target, and probers too.
+
+        Each move lowers (spread over streams, spread over probers), so this ends.
+        """
         while len(self._live) > 1:
-            most = max(self._live, key=lambda s: len(s.targets))
-            least = min(self._live, key=lambda s: len(s.targets))
-            surplus = (len(most.targets) - len(least.targets)) // 2
-            if surplus < 1:
+            most = max(self._live, key=self._key)
+            least = min(self._live, key=self._key)
+            gap = len(most.targets) - len(least.targets)
+            if gap >= 2:
+                count = gap // 2
+            elif gap == 1 and self._prober_load[most.addr] - self._prober_load[least.addr] >= 2:
+                count = 1
+            else:
                 return
-            for _ in range(surplus):
-                target_id = most.targets.pop()
+            for _ in range(count):
+                target_id = next(iter(most.targets))
+                self._unassign(target_id, most)
                 most.queue_remove(target_id)
                 self._assign(target_id, least)
 
@@ -287,11 +314,10 @@ class ProbeFleet:
         stream.live = False
         self._live.remove(stream)
         moved = list(stream.targets)
-        stream.targets.clear()
+        for target_id in moved:
+            self._unassign(target_id, stream)
         stream.upserts.clear()
         stream.removes.clear()
-        for target_id in moved:
-            self._assigned.pop(target_id, None)
         if not self._live:
             self._set_stale(True)
         self._place(moved, reason="prober went away", prober_id=stream.prober_id)
@@ -366,6 +392,7 @@ class ProbeFleet:
                 if stream.task is not None:
                     stream.task.cancel()
                 self._went_dead(stream)
+            self._prober_load.pop(addr, None)
             closing = loop.create_task(prober.channel.close())
             self._background.add(closing)
             closing.add_done_callback(self._background.discard)
@@ -393,11 +420,10 @@ class ProbeFleet:
         stub = prober_service_pb2_grpc.ProberServiceStub(prober.channel)
         backoff = self._backoff_min_s
         while not self._stopping:
-            call = stub.Probe()
+            call = stream.call = stub.Probe()
             writer: asyncio.Task[None] | None = None
             try:
-                metadata = await asyncio.wait_for(call.initial_metadata(), self._connect_timeout_s)
-                ident = dict(metadata or ()).get(PROBER_ID_METADATA)
+                ident = await self._accepted(call)
                 if ident is None or call.done():
                     raise ConnectionError("stream not accepted")
                 stream.prober_id = str(ident)
@@ -423,6 +449,24 @@ class ProbeFleet:
                 return
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _accepted(self, call: grpc.aio.StreamStreamCall) -> str | None:
+        """Wait for the prober to accept `call`; its prober id, or None if it did not.
+
+        Not asyncio.wait_for: cancelling grpc's initial_metadata() waits for the metadata, so
+        a timeout or a stop() would hang on a prober that never answers. Cancel the call.
+        """
+        waiting = asyncio.ensure_future(call.initial_metadata())
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=self._connect_timeout_s)
+        finally:
+            if not waiting.done():
+                call.cancel()
+                waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if not done:
+            raise TimeoutError("stream not accepted in time")
+        value = dict(waiting.result() or ()).get(PROBER_ID_METADATA)
+        return None if value is None else str(value)
 
     async def _write(self, stream: _Stream, call: grpc.aio.StreamStreamCall) -> None:
         """Send the stream's queued target changes, coalesced into few messages."""
