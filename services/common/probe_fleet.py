@@ -217,6 +217,8 @@ class ProbeFleet:
         copy = pb.ProbeTarget()
         copy.CopyFrom(target)
         target_id = copy.target_id
+        if self._targets.get(target_id) == copy and target_id in self._assigned:
+            return  # unchanged: the prober already has it
         self._targets[target_id] = copy
         stream = self._assigned.get(target_id)
         if stream is not None:
