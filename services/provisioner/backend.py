@@ -149,6 +149,4 @@ class Backend(abc.ABC):
 
     async def preempt(self, name: str) -> None:
         """Kill replica `name` abruptly, as a spot preemption does; no exit event follows."""
-        raise errors.FailedPreconditionError(
-            f"backend {self.name} does not simulate preemption", subject=name
-        )
+        raise errors.FailedPreconditionError(f"backend {self.name} does not simulate preemption", subject=name)

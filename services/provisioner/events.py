@@ -145,9 +145,7 @@ class WatchHub:
         """Sequence of the last event published (or the start point)."""
         return self._last
 
-    def publish(
-        self, type_: model.ReplicaEventType, replica: model.Replica, message: str = ""
-    ) -> model.ReplicaEvent:
+    def publish(self, type_: model.ReplicaEventType, replica: model.Replica, message: str = "") -> model.ReplicaEvent:
         """Record a change of `replica` (copied) and wake watchers."""
         self._last += 1
         event = model.ReplicaEvent(self._last, self._clock(), type_, replica.copy(), message)

@@ -303,9 +303,7 @@ class LocalBackend(backend.Backend):
         )
         return env
 
-    def _spawn(
-        self, args: list[str], cwd: str, env: dict[str, str], log_path: str
-    ) -> subprocess.Popen[bytes]:
+    def _spawn(self, args: list[str], cwd: str, env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
         with open(log_path, "ab") as out:
             child = subprocess.Popen(
                 args,

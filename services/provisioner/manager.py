@@ -85,9 +85,7 @@ class _Entry:
             request=model.LaunchRequest.from_dict(data["request"]),
             replica=model.Replica.from_dict(data["replica"]),
             launch=events.EventLog(model.LaunchEvent.from_dict(e) for e in data.get("launch_events", [])),
-            teardown=events.EventLog(
-                model.TerminateEvent.from_dict(e) for e in data.get("teardown_events", [])
-            ),
+            teardown=events.EventLog(model.TerminateEvent.from_dict(e) for e in data.get("teardown_events", [])),
             token=data.get("token", ""),
             teardown_start=data.get("teardown_start", 0),
             drain_s=data.get("drain_s", 0.0),
@@ -103,9 +101,7 @@ def validate(request: model.LaunchRequest) -> None:
     """
     violations = []
     if not _SERVICE_NAME.match(request.service) or len(request.service) > 63:
-        violations.append(
-            errors.FieldViolation("service", "must match [a-z]([-a-z0-9]*[a-z0-9])?, at most 63 chars")
-        )
+        violations.append(errors.FieldViolation("service", "must match [a-z]([-a-z0-9]*[a-z0-9])?, at most 63 chars"))
     if request.replica_id < 1:
         violations.append(errors.FieldViolation("replica_id", "must be at least 1"))
     if request.name != f"{request.service}-{request.replica_id}":
@@ -193,9 +189,7 @@ class Provisioner:
     async def close(self) -> None:
         """Stop operations (they resume on the next start) and watchers; replicas keep running."""
         self._closing = True
-        tasks = [
-            t for e in self._entries.values() for t in (e.launch_task, e.teardown_task) if t and not t.done()
-        ]
+        tasks = [t for e in self._entries.values() for t in (e.launch_task, e.teardown_task) if t and not t.done()]
         if self._consumer:
             tasks.append(self._consumer)
         for task in tasks:
@@ -255,9 +249,7 @@ class Provisioner:
         entry = _Entry(request=request, replica=replica, launch=events.EventLog(), teardown=events.EventLog())
         self._entries[request.name] = entry
         self._logs.prepare(request.name)
-        self._logs.note(
-            request.name, f"launch of replica {request.name} (version {request.version}) requested"
-        )
+        self._logs.note(request.name, f"launch of replica {request.name} (version {request.version}) requested")
         return entry
 
     def _start_launch(self, entry: _Entry, *, resumed: bool) -> None:
@@ -305,9 +297,7 @@ class Provisioner:
             await self._remove_leftovers(entry, grace_s=0)
             entry.replica.state = model.ReplicaState.TERMINATED
             entry.replica.failure_reason = "launch cancelled"
-            self._emit_launch(
-                entry, model.LaunchEventType.CANCELLED, message="launch cancelled; leftovers torn down"
-            )
+            self._emit_launch(entry, model.LaunchEventType.CANCELLED, message="launch cancelled; leftovers torn down")
         except Exception:
             log.exception("launch of %s failed unexpectedly", name)
             entry.replica.state = model.ReplicaState.FAILED
@@ -324,7 +314,7 @@ class Provisioner:
                 entry,
                 model.LaunchEventType.QUEUED,
                 attempt=attempt,
-                message=f"{self._slots.waiting} launches ahead",
+                message=f"waiting for a launch slot ({self._slots.waiting} queued ahead)",
             )
         async with self._slots.hold(slots.LAUNCH):
             entry.replica.state = model.ReplicaState.PROVISIONING
@@ -444,9 +434,7 @@ class Provisioner:
         try:
             await asyncio.wait_for(asyncio.shield(task), self._opts.cancel_timeout_s)
         except TimeoutError:
-            log.warning(
-                "launch of %s did not stop within %.0f s", entry.request.name, self._opts.cancel_timeout_s
-            )
+            log.warning("launch of %s did not stop within %.0f s", entry.request.name, self._opts.cancel_timeout_s)
 
     # ---- teardown --------------------------------------------------------------------------
 
@@ -490,9 +478,7 @@ class Provisioner:
         try:
             await self._cancel_and_wait(entry)
             replica = entry.replica
-            app_up = (
-                replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING
-            )
+            app_up = replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING
             replica.state = model.ReplicaState.TERMINATING
             self._save(entry)
             if entry.drain_s > 0 and app_up:
@@ -505,7 +491,9 @@ class Provisioner:
                 await asyncio.sleep(entry.drain_s)
             if self._slots.would_wait(slots.TEARDOWN):
                 self._emit_teardown(
-                    entry, model.TerminateEventType.QUEUED, message=f"{self._slots.waiting} ahead"
+                    entry,
+                    model.TerminateEventType.QUEUED,
+                    message=f"waiting for a teardown slot ({self._slots.waiting} queued ahead)",
                 )
             async with self._slots.hold(slots.TEARDOWN):
                 self._emit_teardown(entry, model.TerminateEventType.TERMINATING, attempt=1)
@@ -656,9 +644,7 @@ class Provisioner:
         """
         return self._get_entry(name).replica.copy()
 
-    def list(
-        self, *, service: str = "", page_size: int = 0, page_token: str = ""
-    ) -> tuple[list[model.Replica], str]:
+    def list(self, *, service: str = "", page_size: int = 0, page_token: str = "") -> tuple[list[model.Replica], str]:
         """One page of replicas in name order, and the token of the next page ("" at the end).
 
         Raises:
@@ -702,9 +688,7 @@ class Provisioner:
             errors.NotFoundError: no such log (never launched, or removed at teardown).
         """
         if not self._logs.exists(name, kind):
-            raise errors.NotFoundError(
-                f"no {kind.value} log for replica {name}", reason="LOG_NOT_FOUND", replica=name
-            )
+            raise errors.NotFoundError(f"no {kind.value} log for replica {name}", reason="LOG_NOT_FOUND", replica=name)
         live = (lambda: self._live(name, kind)) if follow else None
         async for chunk in self._logs.stream(name, kind, live=live):
             yield chunk
@@ -715,10 +699,7 @@ class Provisioner:
             return False
         if kind == model.LogKind.LAUNCH:
             return entry.launch.active or entry.teardown.active
-        return (
-            entry.replica.state == model.ReplicaState.RUNNING
-            and entry.replica.app_state == model.AppState.RUNNING
-        )
+        return entry.replica.state == model.ReplicaState.RUNNING and entry.replica.app_state == model.AppState.RUNNING
 
     def _save(self, entry: _Entry) -> None:
         try:

@@ -219,9 +219,7 @@ class LaunchEvent:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchEvent:
         """The inverse of to_dict()."""
-        return cls(
-            **{**data, "type": LaunchEventType(data["type"]), "replica": Replica.from_dict(data["replica"])}
-        )
+        return cls(**{**data, "type": LaunchEventType(data["type"]), "replica": Replica.from_dict(data["replica"])})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,9 +112,7 @@ def options(settings: Settings) -> manager.Options:
         if getattr(settings, name) < 0:
             violations.append(errors.FieldViolation(f"provisioner.{name}", "must not be negative"))
     if settings.launch_backoff_multiplier < 1:
-        violations.append(
-            errors.FieldViolation("provisioner.launch_backoff_multiplier", "must be at least 1")
-        )
+        violations.append(errors.FieldViolation("provisioner.launch_backoff_multiplier", "must be at least 1"))
     errors.require(violations, subject="provisioner settings")
     return manager.Options(
         max_in_flight=settings.max_in_flight,

@@ -68,9 +68,7 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def StreamLogs(
         self, request: pb.StreamLogsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamLogsResponse]:
-        async for chunk in self._p.stream_logs(
-            request.name, convert.log_kind(request.kind), follow=request.follow
-        ):
+        async for chunk in self._p.stream_logs(request.name, convert.log_kind(request.kind), follow=request.follow):
             yield pb.StreamLogsResponse(data=chunk)
 
     async def PreemptReplica(
@@ -84,8 +82,6 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
         zone = self._p.set_zone_availability(request.zone, convert.seconds(request.refuse_for))
         return pb.SetZoneAvailabilityResponse(zone=convert.zone(zone, time.time()))
 
-    async def ListZones(
-        self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListZonesResponse:
+    async def ListZones(self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext) -> pb.ListZonesResponse:
         now = time.time()
         return pb.ListZonesResponse(zones=[convert.zone(z, now) for z in self._p.zones()])

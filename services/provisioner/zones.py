@@ -36,9 +36,7 @@ def parse(text: str) -> list[model.Zone]:
             violations.append(errors.FieldViolation("zones", f"{entry!r}: price is not a number"))
             continue
         if not name or price < 0:
-            violations.append(
-                errors.FieldViolation("zones", f"{entry!r}: expected name:price with price >= 0")
-            )
+            violations.append(errors.FieldViolation("zones", f"{entry!r}: expected name:price with price >= 0"))
         elif any(z.name == name for z in zones):
             violations.append(errors.FieldViolation("zones", f"{name!r} is listed twice"))
         else:

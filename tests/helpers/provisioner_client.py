@@ -101,9 +101,7 @@ async def wait_http(url: str, timeout: float = 15.0) -> bytes:
             await asyncio.sleep(0.05)
 
 
-async def next_event(
-    call: grpc.aio.UnaryStreamCall, type_: int, timeout: float = 10.0
-) -> resources_pb2.ReplicaEvent:
+async def next_event(call: grpc.aio.UnaryStreamCall, type_: int, timeout: float = 10.0) -> resources_pb2.ReplicaEvent:
     """The next event of `type_` on a watch call (skipping others), within `timeout` seconds."""
     async with asyncio.timeout(timeout):
         while True:

@@ -98,9 +98,7 @@ class FakeBackend(backend.Backend):
     def exit(self, name: str, code: int) -> None:
         """Report that the app of `name` exited with `code`."""
         token = self.running[name].token
-        self._events.put_nowait(
-            backend.BackendEvent(name, token, model.AppState.EXITED, code, 0.0, f"exit {code}")
-        )
+        self._events.put_nowait(backend.BackendEvent(name, token, model.AppState.EXITED, code, 0.0, f"exit {code}"))
 
     def vanish(self, name: str) -> None:
         """Report that `name` vanished."""

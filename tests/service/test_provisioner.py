@@ -140,9 +140,7 @@ async def test_terminate_with_drain_emits_the_drain_and_kills_the_group(stub, st
     pids = provisioner_procs.replica_pids(state_dir)
     assert pids
     watch = await _watch(stub)
-    teardown = await client.collect(
-        stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(0.2)))
-    )
+    teardown = await client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(0.2))))
     assert client.types(teardown) == ["DRAINING", "TERMINATING", "TERMINATED"]
     assert teardown[0].delay.ToNanoseconds() == 200_000_000
     assert provisioner_procs.wait_no_replicas(state_dir) == []
@@ -166,9 +164,7 @@ async def test_preempt_is_reported_on_the_watch_and_kills_the_replica(stub, stat
     watch.cancel()
     assert provisioner_procs.wait_no_replicas(state_dir) == []
     # A preempted replica tears down at once (no drain).
-    teardown = await client.collect(
-        stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(30)))
-    )
+    teardown = await client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(30))))
     assert client.types(teardown) == ["TERMINATING", "TERMINATED"]
 
 
@@ -265,9 +261,7 @@ async def test_replica_environment_workdir_and_followed_app_log(stub, state_dir,
     events = await _launch(stub, client.launch_request(4, spec_=spec))
     port = events[-1].endpoint.rsplit(":", 1)[1]
     # Follow the app log while the app runs; the stream ends once the app exited.
-    chunks = await client.collect(
-        stub.StreamLogs(pb.StreamLogsRequest(name="svc-4", follow=True)), timeout=10
-    )
+    chunks = await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-4", follow=True)), timeout=10)
     text = b"".join(c.data for c in chunks).decode()
     assert "from the workdir" in text
     assert f"PORT={port} ID=4 SKY=4 URL=http://localhost:{port}/x" in text

@@ -55,9 +55,7 @@ async def _until(predicate, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
-async def _snapshot(
-    stub: pb_grpc.ProvisionerServiceStub, after: int
-) -> dict[str, resources_pb2.ProvisionedReplica]:
+async def _snapshot(stub: pb_grpc.ProvisionerServiceStub, after: int) -> dict[str, resources_pb2.ProvisionedReplica]:
     call = stub.WatchReplicas(pb.WatchReplicasRequest(after_sequence=after))
     replicas = {}
     async with asyncio.timeout(10):

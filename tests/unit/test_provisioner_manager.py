@@ -129,9 +129,7 @@ async def test_permanent_errors_fail_at_once(prov: manager.Provisioner, fake: Fa
     assert len(fake.creates) == 1
 
 
-async def test_unexpected_backend_errors_are_retryable_failures(
-    prov: manager.Provisioner, fake: FakeBackend
-) -> None:
+async def test_unexpected_backend_errors_are_retryable_failures(prov: manager.Provisioner, fake: FakeBackend) -> None:
     fake.outcomes["svc-1"] = [RuntimeError("bug")]
     events = await _all(prov.launch(_request()))
     failed = [e for e in events if e.type == L.ATTEMPT_FAILED]
@@ -160,12 +158,8 @@ async def test_attach_only_for_an_unknown_name_is_not_found(prov: manager.Provis
         await _all(prov.launch(_request(), attach_only=True))
 
 
-async def test_bad_request_is_rejected_before_anything_starts(
-    prov: manager.Provisioner, fake: FakeBackend
-) -> None:
-    bad = model.LaunchRequest(
-        name="other-1", service="svc", replica_id=1, version=1, spec=model.ReplicaSpec()
-    )
+async def test_bad_request_is_rejected_before_anything_starts(prov: manager.Provisioner, fake: FakeBackend) -> None:
+    bad = model.LaunchRequest(name="other-1", service="svc", replica_id=1, version=1, spec=model.ReplicaSpec())
     with pytest.raises(errors.ValidationError):
         await _all(prov.launch(bad))
     assert fake.creates == []
@@ -188,9 +182,7 @@ async def test_cancel_stops_an_in_flight_launch_and_removes_leftovers(
     assert not await prov.cancel_launch("nope")
 
 
-async def test_terminate_cancels_an_in_flight_launch_first(
-    prov: manager.Provisioner, fake: FakeBackend
-) -> None:
+async def test_terminate_cancels_an_in_flight_launch_first(prov: manager.Provisioner, fake: FakeBackend) -> None:
     fake.gates["svc-1"] = asyncio.Event()
     launch = asyncio.create_task(_all(prov.launch(_request())))
     await asyncio.wait_for(fake.started.wait(), 5)
@@ -224,9 +216,7 @@ async def test_terminate_drains_then_tears_down_and_reports_on_watch(
     assert not (tmp_path / "logs" / "svc-1").exists()
 
 
-async def test_failed_replicas_keep_their_logs(
-    prov: manager.Provisioner, fake: FakeBackend, tmp_path
-) -> None:
+async def test_failed_replicas_keep_their_logs(prov: manager.Provisioner, fake: FakeBackend, tmp_path) -> None:
     fake.outcomes["svc-1"] = [backend.LaunchError("bad", permanent=True)]
     await _all(prov.launch(_request()))
     await _all(prov.terminate("svc-1", keep_logs=True))
@@ -259,9 +249,7 @@ async def test_teardown_that_keeps_failing_fails_and_can_be_asked_again(
     assert again[0].sequence == failed[-1].sequence + 1
 
 
-async def test_concurrency_cap_queues_fifo_and_hands_over_at_once(
-    prov: manager.Provisioner, fake: FakeBackend
-) -> None:
+async def test_concurrency_cap_queues_fifo_and_hands_over_at_once(prov: manager.Provisioner, fake: FakeBackend) -> None:
     limited = manager.Provisioner(
         backend=fake,
         records=prov._records,
@@ -300,9 +288,7 @@ async def test_app_exit_is_pushed_on_the_watch(prov: manager.Provisioner, fake: 
     await watch.aclose()
 
 
-async def test_app_exit_before_running_is_read_still_ends_running(
-    prov: manager.Provisioner, fake: FakeBackend
-) -> None:
+async def test_app_exit_before_running_is_read_still_ends_running(prov: manager.Provisioner, fake: FakeBackend) -> None:
     watch = await _live_watch(prov)
     fake.exit_during_create["svc-1"] = 1
     events = await _all(prov.launch(_request()))
