@@ -35,8 +35,26 @@ def free_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def stack_env() -> dict[str, str]:
-    controller, provisioner, prober = free_ports(3)
+def free_port_run(n: int, avoid: list[int]) -> int:
+    """The first of `n` consecutive free loopback ports, none in `avoid` (prober i listens on the
+    first + i - 1)."""
+    for _ in range(50):
+        first = free_ports(1)[0]
+        if set(range(first, first + n)) & set(avoid):
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first, first + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def stack_env(probers: int = 1) -> dict[str, str]:
+    controller, provisioner = free_ports(2)
+    prober = free_port_run(probers, avoid=[controller, provisioner])
     return {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
@@ -148,7 +166,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
 
 
 def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> None:
-    env = stack_env()
+    env = stack_env(probers=2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--probers", "2"],
         cwd=REPO,
