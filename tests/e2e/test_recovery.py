@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -32,12 +34,7 @@ async def slow_cluster(tmp_path) -> AsyncIterator[cl.Cluster]:
 
 
 def _replica_ids_of_processes(tag: str) -> list[tuple[str, int]]:
-    out = []
-    for pid in cl.replica_pids(tag):
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
-        out.append((env[b"SERVICE_NAME"].decode(), int(env[b"REPLICA_ID"])))
-    return sorted(out)
+    return _replica_ids_of_processes_for(cl.replica_pids(tag))
 
 
 async def test_kill_controller_mid_flight_then_recover(slow_cluster: cl.Cluster) -> None:
@@ -71,9 +68,26 @@ async def test_kill_controller_mid_flight_then_recover(slow_cluster: cl.Cluster)
     burst = (await c.stub.ListReplicas(api.ListReplicasRequest(service_name="burst"))).replicas
     assert sorted(r.replica_id for r in burst) == [1, 2, 3, 4]  # re-attached, not relaunched anew
     steady_now = (await c.stub.ListReplicas(api.ListReplicasRequest(service_name="steady"))).replicas
-    new_ids = {r.replica_id for r in steady_now} - ids_before["steady"]
-    assert new_ids and min(new_ids) > max(ids_before["steady"])  # never reused
+    assert {r.replica_id for r in steady_now} == ids_before["steady"] - {1}  # 1 finished its teardown
     await asyncio.sleep(0.5)
     processes = _replica_ids_of_processes(c.tag)
     expected = sorted([("burst", i) for i in (1, 2, 3, 4)] + [("steady", r.replica_id) for r in steady_now])
     assert processes == expected  # none leaked, none duplicated
+
+    # The id counter survived the crash: the next replacement gets a fresh id.
+    victim = max(r.replica_id for r in steady_now)
+    pid = next(p for p in cl.replica_pids(c.tag) if ("steady", victim) in _replica_ids_of_processes_for([p]))
+    os.kill(pid, signal.SIGKILL)
+    w = cl.Watch(c.stub, "steady")
+    await w.until(lambda w: any(rid > victim and r.status == READY for rid, r in w.replicas.items()), timeout=30)
+    assert max(w.replicas) == max(ids_before["steady"]) + 1
+    w.cancel()
+
+
+def _replica_ids_of_processes_for(pids: list[int]) -> list[tuple[str, int]]:
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+        out.append((env[b"SERVICE_NAME"].decode(), int(env[b"REPLICA_ID"])))
+    return sorted(out)
