@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.controller.domain import status as st
-from services.controller.domain.status import Facts, LaunchPhase as L, ReplicaStatus as S, TeardownPhase as D
+from services.controller.domain.status import Facts
+from services.controller.domain.status import LaunchPhase as L
+from services.controller.domain.status import ReplicaStatus as S
+from services.controller.domain.status import TeardownPhase as D
 
 ROWS = [
     # (row, facts, expected)
@@ -50,7 +53,7 @@ def test_every_row_is_covered() -> None:
 
 def test_terminal_and_failed_sets() -> None:
     assert st.FAILED_STATUSES < st.TERMINAL_STATUSES
-    assert st.TERMINAL_STATUSES - st.FAILED_STATUSES == {S.SHUTTING_DOWN, S.PREEMPTED}
+    assert {S.SHUTTING_DOWN, S.PREEMPTED} == st.TERMINAL_STATUSES - st.FAILED_STATUSES
     assert set(st.SCALE_DOWN_ORDER) == set(S) - st.TERMINAL_STATUSES - {S.UNSPECIFIED}
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from services.controller.domain import scaling
-from services.controller.domain.status import ReplicaStatus as S, ReplicaView as R
+from services.controller.domain.status import ReplicaStatus as S
+from services.controller.domain.status import ReplicaView as R
 
 
 def test_launches_up_to_target() -> None:
