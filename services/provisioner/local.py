@@ -368,6 +368,7 @@ class LocalBackend(backend.Backend):
         for pgid in (handle.pgid, handle.setup_pgid):
             if pgid:
                 ok = await procs.kill_group(pgid, grace_s=grace_s, reap=lambda p=pgid: self._reap(p)) and ok
+                self._reap(pgid)  # it may have turned zombie right after the last look
         for _ in range(50):  # bounded: strays get SIGKILL and die within milliseconds
             strays = procs.pids_with_env(TOKEN_ENV, handle.token)
             if not strays:

@@ -135,6 +135,7 @@ class Provisioner:
         self._hub = events.WatchHub(self._snapshot, history=self._opts.watch_history, clock=clock)
         self._consumer: asyncio.Task[None] | None = None
         self._closing = False
+        self._streams_ended = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -181,6 +182,7 @@ class Provisioner:
         Clients see their stream end without a terminal event and re-attach with
         `after_sequence`, as after any cut stream; the work itself goes on.
         """
+        self._streams_ended = True
         for entry in self._entries.values():
             entry.launch.close()
             entry.teardown.close()
@@ -254,18 +256,22 @@ class Provisioner:
 
     def _start_launch(self, entry: _Entry, *, resumed: bool) -> None:
         entry.launch.set_active(True)
+        if not resumed:
+            self._emit_queued(entry, "accepted")  # at once: the caller's first event
         entry.launch_task = asyncio.get_running_loop().create_task(self._run_launch(entry, resumed=resumed))
+
+    def _emit_queued(self, entry: _Entry, message: str) -> None:
+        entry.replica.state = model.ReplicaState.QUEUED
+        if self._slots.would_wait(slots.LAUNCH):
+            message += f"; waiting for a launch slot ({self._slots.waiting} queued ahead)"
+        self._emit_launch(entry, model.LaunchEventType.QUEUED, message=message)
 
     async def _run_launch(self, entry: _Entry, *, resumed: bool) -> None:
         name = entry.request.name
         try:
             if resumed:
                 await self._remove_leftovers(entry, grace_s=0)
-            entry.replica.state = model.ReplicaState.QUEUED
-            message = "resumed after a provisioner restart" if resumed else "accepted"
-            if self._slots.would_wait(slots.LAUNCH):
-                message += f"; waiting for a launch slot ({self._slots.waiting} queued ahead)"
-            self._emit_launch(entry, model.LaunchEventType.QUEUED, message=message)
+                self._emit_queued(entry, "resumed after a provisioner restart")
             retrying = tenacity.AsyncRetrying(
                 stop=tenacity.stop_after_attempt(max(1, self._opts.launch_attempts)),
                 wait=retries.wait_jittered_exponential(
@@ -695,7 +701,7 @@ class Provisioner:
 
     def _live(self, name: str, kind: model.LogKind) -> bool:
         entry = self._entries.get(name)
-        if entry is None or self._closing:
+        if entry is None or self._closing or self._streams_ended:
             return False
         if kind == model.LogKind.LAUNCH:
             return entry.launch.active or entry.teardown.active

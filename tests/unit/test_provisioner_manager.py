@@ -388,3 +388,28 @@ async def test_restart_resumes_an_interrupted_teardown(fake: FakeBackend, tmp_pa
         assert "svc-1" not in fake.running
     finally:
         await second.close()
+
+
+async def test_a_teardown_waits_for_a_slot_and_says_so(fake: FakeBackend, tmp_path) -> None:
+    limited = manager.Provisioner(
+        backend=fake,
+        records=store.RecordStore(str(tmp_path)),
+        logs=logstore.LogStore(str(tmp_path)),
+        options=manager.Options(max_in_flight=1, kill_grace_s=0),
+    )
+    await limited.start()
+    try:
+        await _all(limited.launch(_request(1)))
+        gate = fake.gates["svc-2"] = asyncio.Event()
+        second = asyncio.create_task(_all(limited.launch(_request(2))))
+        await asyncio.wait_for(fake.started.wait(), 5)
+        teardown = asyncio.create_task(_all(limited.terminate("svc-1")))
+        await asyncio.sleep(0.02)
+        assert not teardown.done() and "svc-1" in fake.running
+        gate.set()
+        events = await asyncio.wait_for(teardown, 5)
+        assert [e.type for e in events] == [T.QUEUED, T.TERMINATING, T.TERMINATED]
+        assert "waiting for a teardown slot" in events[0].message
+        await second
+    finally:
+        await limited.close()
