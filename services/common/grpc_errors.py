@@ -33,6 +33,8 @@ def _pack(message: Any) -> any_pb2.Any:
 
 def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
     """Build the google.rpc.Status for an exception; unknown exceptions become INTERNAL."""
+    if isinstance(exc, NotImplementedError):
+        return status_pb2.Status(code=code_pb2.UNIMPLEMENTED, message="method not implemented")
     if not isinstance(exc, errors.ReplicaplaneError):
         return status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
     code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
@@ -64,7 +66,7 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, domain: str) -> None:
-    if not isinstance(exc, errors.ReplicaplaneError):
+    if not isinstance(exc, errors.ReplicaplaneError | NotImplementedError):
         log.exception("unhandled error in RPC")
     status = rpc_status.to_status(to_status(exc, domain=domain))
     await context.abort(status.code, status.details, status.trailing_metadata)

@@ -39,6 +39,13 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+class RedactingFormatter(logging.Formatter):
+    """Formats a record, then redacts the whole text: message, traceback and stack."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
+
+
 def setup(component: str, level: str | None = None) -> None:
     """Configure root logging for a service process.
 
@@ -47,7 +54,7 @@ def setup(component: str, level: str | None = None) -> None:
         level: log level name; defaults to REPLICAPLANE_LOG_LEVEL or INFO.
     """
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {component} %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter(f"%(asctime)s {component} %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

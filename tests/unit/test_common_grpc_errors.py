@@ -62,3 +62,8 @@ def test_unexpected_exception_is_internal_and_reveals_nothing() -> None:
     assert status.code == code_pb2.INTERNAL
     assert status.message == "internal error"
     assert not status.details
+
+
+def test_not_implemented_is_unimplemented() -> None:
+    status = grpc_errors.to_status(NotImplementedError("Method not implemented!"), domain="d")
+    assert status.code == code_pb2.UNIMPLEMENTED

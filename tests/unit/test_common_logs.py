@@ -70,11 +70,6 @@ def test_setup_level_comes_from_the_environment(root_logging, monkeypatch) -> No
     assert root_logging.level == logging.WARNING
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RedactingFilter cleans only the message; a traceback's exception text is printed as is "
-    "(fix: redact in the handler's Formatter.format, which covers exc_text)",
-)
 def test_setup_redacts_secrets_in_tracebacks(root_logging, capsys) -> None:
     logs.setup("controller")
     try:
