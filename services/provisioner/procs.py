@@ -24,6 +24,7 @@ class ProcInfo:
     pid: int
     ppid: int
     pgid: int
+    sid: int
     state: str
     start_ticks: int
 
@@ -43,7 +44,7 @@ def read_stat(pid: int) -> ProcInfo | None:
     # The command name is in parentheses and may contain spaces; fields follow the last ')'.
     fields = raw[raw.rfind(")") + 2 :].split()
     try:
-        return ProcInfo(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+        return ProcInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]), fields[0], int(fields[19]))
     except (IndexError, ValueError):
         return None
 

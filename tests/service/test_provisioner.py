@@ -154,6 +154,18 @@ async def test_terminate_with_drain_emits_the_drain_and_kills_the_group(stub, st
     assert client.types(again) == ["TERMINATED"]
 
 
+async def test_teardown_kills_apps_that_ignore_sigterm_and_strays_that_left_the_group(stub, state_dir) -> None:
+    # The app ignores SIGTERM (SIGKILL after the 1 s grace); a child escaped into its own session.
+    run = "trap '' TERM; setsid sleep 30 & sleep 30"
+    await _launch(stub, client.launch_request(1, spec_=client.spec(run)))
+    async with asyncio.timeout(10):
+        while len({procs.read_stat(p).sid for p in provisioner_procs.replica_pids(state_dir)}) < 2:
+            await asyncio.sleep(0.02)
+    teardown = await client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1")))
+    assert client.types(teardown) == ["TERMINATING", "TERMINATED"]
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+
+
 async def test_preempt_is_reported_on_the_watch_and_kills_the_replica(stub, state_dir) -> None:
     await _launch(stub, client.launch_request(1, use_spot=True))
     watch = await _watch(stub)
