@@ -55,8 +55,10 @@ def kill_tagged(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def app_yaml(name: str, tag: str, *, replicas: int = 2, app_args: str = "", probe: str = "", extra: str = "") -> str:
-    """A service YAML running tests/helpers/apps/httpapp.py."""
+def app_yaml(
+    name: str, tag: str, *, replicas: int = 2, app_args: str = "", probe: str = "", extra: str = "", run: str = ""
+) -> str:
+    """A service YAML running tests/helpers/apps/httpapp.py (or `run`, if given)."""
     probe = probe or (
         "    path: /health\n    initial_delay_seconds: 20\n"
         "    consecutive_failure_threshold_timeout: 1\n    endpoint_probe_interval_seconds: 0.2\n"
@@ -69,7 +71,7 @@ def app_yaml(name: str, tag: str, *, replicas: int = 2, app_args: str = "", prob
         f"  replicas: {replicas}\n"
         "resources:\n"
         "  ports: 8080\n"
-        f"run: {sys.executable} {APP} --port 8080 --tag {tag} {app_args}\n"
+        f"run: {run or f'{sys.executable} {APP} --port 8080 --tag {tag} {app_args}'}\n"
         f"{extra}"
     )
 
