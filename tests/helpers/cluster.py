@@ -15,7 +15,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
-from tests.helpers import procs
+from tests.helpers import procs, provisioner_procs
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apps", "httpapp.py")
 
@@ -88,13 +88,14 @@ class Cluster:
         controller_env: dict[str, str] | None = None,
     ) -> None:
         self.tmp = tmp
+        self.provisioner_state_dir = os.path.join(tmp, "prov")
         self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
         self.tag = uuid.uuid4().hex[:12]
         self.provisioner = procs.start_service(
             "provisioner",
             env={
                 **PROVISIONER_ENV,
-                "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(tmp, "prov"),
+                "REPLICAPLANE_PROVISIONER_STATE_DIR": self.provisioner_state_dir,
                 **(provisioner_env or {}),
             },
             workdir=self._dir("provisioner"),
@@ -147,6 +148,7 @@ class Cluster:
         for svc in [self.controller, *self.probers, self.provisioner]:
             svc.stop()
         kill_tagged(self.tag)
+        provisioner_procs.kill_replicas(self.provisioner_state_dir)
 
 
 class Watch:
