@@ -84,6 +84,7 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
         """Apply target changes as they come; stream result batches until the client leaves."""
         stream = self._engine.open_stream()
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator, stream))
+        log.info("probe stream opened by %s", context.peer())
         try:
             await context.send_initial_metadata(((PROBER_ID_METADATA, self._prober_id),))
             while (batch := await stream.next_batch()) is not None:
@@ -92,6 +93,7 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
                 )
         finally:
             reader.cancel()
+            log.info("probe stream of %s closed (%d targets)", context.peer(), stream.target_count)
             self._engine.close_stream(stream)
 
     @staticmethod
