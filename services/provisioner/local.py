@@ -61,10 +61,11 @@ class _Handle:
     start_time: float = 0.0
     app_state: str = model.AppState.UNSPECIFIED.value
     exit_code: int = 0
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class LocalBackend(backend.Backend):
@@ -78,12 +79,19 @@ class LocalBackend(backend.Backend):
         *,
         zone_list: list[model.Zone] | None = None,
         clock: Callable[[], float] = time.time,
+        replica_host: str = "127.0.0.1",
+        advertise_host: str = "",
     ) -> None:
         self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
         self._root = os.path.join(self._state_dir, "local")
         self._zones = zones.ZoneTable(zone_list or zones.parse(zones.DEFAULT_ZONES))
         self._clock = clock
-        self._ports = ports.PortAllocator()
+        self._replica_host = replica_host
+        # Endpoints name a host the probers can reach: the bind address unless it is a wildcard.
+        self._advertise_host = advertise_host or (
+            "127.0.0.1" if replica_host in ("0.0.0.0", "", "::") else replica_host
+        )
+        self._ports = ports.PortAllocator(replica_host)
         self._handles: dict[str, _Handle] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
@@ -149,6 +157,7 @@ class LocalBackend(backend.Backend):
             is_spot=launch.use_spot,
             port=port,
             port_map={str(k): v for k, v in port_map.items()},
+            host=self._advertise_host,
         )
         self._handles[launch.name] = handle
         root = self._dir(launch.name)
@@ -295,6 +304,7 @@ class LocalBackend(backend.Backend):
         env.update(
             {
                 "PORT": str(port),
+                "HOST": self._replica_host,
                 "REPLICA_ID": str(launch.replica_id),
                 "SKYPILOT_SERVE_REPLICA_ID": str(launch.replica_id),
                 OWNER_ENV: self._state_dir,

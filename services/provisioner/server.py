@@ -53,6 +53,10 @@ class Settings:
     """Simulated zones of the local backend, as name:price_per_hour pairs."""
     watch_history: int = 10_000
     """Watch events kept for resuming; an older resume point gets a new snapshot."""
+    replica_host: str = "127.0.0.1"
+    """Address local replicas bind to (given to them as $HOST); 0.0.0.0 in containers."""
+    advertise_host: str = ""
+    """Host put in replica endpoints; default replica_host (127.0.0.1 when that is a wildcard)."""
 
 
 def load_settings(**overrides: object) -> Settings:
@@ -86,7 +90,12 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         raise errors.ValidationError(
             [errors.FieldViolation("provisioner.backend", f"unknown backend {settings.backend!r}; use local")]
         )
-    return local.LocalBackend(settings.state_dir, zone_list=zone_config.parse(settings.zones))
+    return local.LocalBackend(
+        settings.state_dir,
+        zone_list=zone_config.parse(settings.zones),
+        replica_host=settings.replica_host,
+        advertise_host=settings.advertise_host,
+    )
 
 
 def options(settings: Settings) -> manager.Options:

@@ -104,6 +104,8 @@ def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, s
             env={
                 "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": provisioner_addr,
                 "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(state_dir, "provisioner"),
+                "REPLICAPLANE_PROVISIONER_REPLICA_HOST": "127.0.0.1",
+                "REPLICAPLANE_PROVISIONER_ADVERTISE_HOST": "127.0.0.1",
             },
             addr=provisioner_addr,
             grpc_service=PROVISIONER_SERVICE,
