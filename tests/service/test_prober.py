@@ -273,3 +273,18 @@ async def test_half_closed_stream_keeps_probing(prober: server.Built, app: probe
         await session._call.done_writing()
         await asyncio.sleep(0.4)
         assert len(session.matching(of("a"))) >= 4
+
+
+async def test_a_client_leaving_stops_its_probes(prober: server.Built, app: prober_apps.App) -> None:
+    assert prober.engine is not None
+    async with ProbeSession(addr(prober)) as session:
+        await session.send([target("a", app.url, interval=0.02)])
+        await session.wait_for(of("a"))
+        assert prober.engine.stream_count == 1
+    deadline = time.monotonic() + 2
+    while prober.engine.stream_count and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert prober.engine.stream_count == 0
+    count = len(app.requests)
+    await asyncio.sleep(0.1)
+    assert len(app.requests) == count
