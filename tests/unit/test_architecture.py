@@ -1,0 +1,60 @@
+"""Each component stays in its room: checked from the code's own imports."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SERVICES = ("controller", "provisioner", "prober", "stack")
+
+
+def imports_of(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def python_files(folder: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(os.path.join(REPO, folder)):
+        out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return out
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_no_service_imports_another_service(service: str) -> None:
+    others = [f"services.{s}" for s in SERVICES if s != service]
+    for path in python_files(f"services/{service}"):
+        bad = sorted(n for n in imports_of(path) if any(n == o or n.startswith(o + ".") for o in others))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_common_imports_no_service() -> None:
+    for path in python_files("services/common"):
+        bad = sorted(n for n in imports_of(path) if any(n.startswith(f"services.{s}") for s in SERVICES))
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_controller_domain_is_plain_python() -> None:
+    for path in python_files("services/controller/domain"):
+        bad = sorted(n for n in imports_of(path) if n.split(".")[0] in ("grpc", "google", "replicaplane"))
+        assert not bad, f"{path} imports {bad}"
+
+
+@pytest.mark.parametrize("service", ["provisioner", "prober"])
+def test_only_servicer_and_server_speak_grpc(service: str) -> None:
+    for path in python_files(f"services/{service}"):
+        if os.path.basename(path) in ("servicer.py", "server.py"):
+            continue
+        bad = sorted(n for n in imports_of(path) if n == "grpc" or n.startswith("grpc."))
+        assert not bad, f"{path} imports {bad}"
