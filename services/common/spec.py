@@ -19,7 +19,7 @@ import yaml
 from google.protobuf import duration_pb2
 
 from replicaplane.common.v1 import spec_pb2
-from services.common import errors
+from services.common import errors, pbtime
 
 # Defaults, as SkyPilot's (reference section 2.2).
 DEFAULT_READINESS_PATH = "/"
@@ -143,30 +143,9 @@ _BAD_PORTS = "!ports"
 # Public helpers.
 
 
-def seconds(d: duration_pb2.Duration) -> float:
-    """Returns a Duration as float seconds.
-
-    Args:
-        d: The duration.
-
-    Returns:
-        Seconds, with nanosecond precision as far as a float allows.
-    """
-    return d.seconds + d.nanos / 1e9
-
-
-def duration(value_s: float) -> duration_pb2.Duration:
-    """Returns a Duration of `value_s` seconds, rounded to the nanosecond.
-
-    Args:
-        value_s: Seconds; may be fractional.
-
-    Returns:
-        A new Duration message.
-    """
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(round(value_s * 1e9))
-    return d
+# Kept here too because spec users think in spec terms; one implementation in pbtime.
+seconds = pbtime.seconds
+duration = pbtime.duration
 
 
 def validate_service_name(name: str, *, field: str = "service_name") -> list[errors.FieldViolation]:

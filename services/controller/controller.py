@@ -15,8 +15,8 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, spec
-from services.controller import convert, reconciler, store
+from services.common import errors, pbtime, spec
+from services.controller import reconciler, store
 
 log = logging.getLogger(__name__)
 
@@ -241,4 +241,4 @@ class Controller:
 
 def seconds_list(times: list[object]) -> list[float]:
     """POSIX seconds of Timestamp messages."""
-    return [convert.seconds_of(t) for t in times]  # type: ignore[arg-type]
+    return [pbtime.from_timestamp(t) for t in times]  # type: ignore[arg-type]

@@ -2,34 +2,9 @@
 
 from __future__ import annotations
 
-from google.protobuf import duration_pb2, timestamp_pb2
-
 from replicaplane.controller.v1 import resources_pb2
+from services.common import pbtime
 from services.controller.domain import status as st
-
-
-def ts(seconds: float) -> timestamp_pb2.Timestamp:
-    """A Timestamp from POSIX seconds."""
-    out = timestamp_pb2.Timestamp()
-    out.FromNanoseconds(int(seconds * 1e9))
-    return out
-
-
-def seconds_of(t: timestamp_pb2.Timestamp) -> float:
-    """POSIX seconds of a Timestamp."""
-    return t.seconds + t.nanos / 1e9
-
-
-def duration(seconds: float) -> duration_pb2.Duration:
-    """A Duration from seconds."""
-    out = duration_pb2.Duration()
-    out.FromNanoseconds(int(seconds * 1e9))
-    return out
-
-
-def duration_s(d: duration_pb2.Duration) -> float:
-    """Seconds of a Duration."""
-    return d.seconds + d.nanos / 1e9
 
 
 def facts_of(replica: resources_pb2.Replica) -> st.Facts:
@@ -40,7 +15,7 @@ def facts_of(replica: resources_pb2.Replica) -> st.Facts:
         teardown=st.TeardownPhase(f.teardown_phase),
         user_app_failed=f.user_app_failed,
         ready_now=f.ready_now,
-        first_ready_time=seconds_of(f.first_ready_time) if f.HasField("first_ready_time") else None,
+        first_ready_time=pbtime.from_timestamp(f.first_ready_time) if f.HasField("first_ready_time") else None,
         initial_delay_exceeded=f.initial_delay_exceeded,
         is_scale_down=f.is_scale_down,
         preempted=f.preempted,

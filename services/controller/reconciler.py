@@ -25,7 +25,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, spec
+from services.common import errors, pbtime, spec
 from services.controller import convert, hub, store
 from services.controller.domain import scaling
 from services.controller.domain import status as st
@@ -234,14 +234,14 @@ class ServiceReconciler:
             active_versions=active,
             latest_version=self._row.latest_version,
             spec=self._shown_spec(),
-            create_time=convert.ts(self._row.create_time),
+            create_time=pbtime.timestamp(self._row.create_time),
             target_replicas=self._state.target,
             probing_stale=self._probing_stale,
             update_mode=self._row.update_mode,  # type: ignore[arg-type]
             endpoints=self._endpoints(ready_replicas),
         )
         if self._row.uptime_start is not None:
-            svc.uptime_start_time.CopyFrom(convert.ts(self._row.uptime_start))
+            svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
         return svc
 
     def snapshot(self) -> api.WatchServiceResponse:
@@ -384,7 +384,7 @@ class ServiceReconciler:
             replica_name=f"{self.name}-{rid}",
             version=version,
             is_spot=self.spec(version).resources.use_spot,
-            create_time=convert.ts(time.time()),
+            create_time=pbtime.timestamp(time.time()),
             facts=res.ReplicaFacts(launch_phase=LP.LAUNCH_PHASE_SCHEDULED),
         )
         self._save(r)
@@ -562,7 +562,7 @@ class ServiceReconciler:
             headers=dict(probe.headers),
             timeout=probe.timeout,
             interval=latest.probe_interval,
-            fast_interval=convert.duration(self._tuning.probe_fast_interval_s),
+            fast_interval=pbtime.duration(self._tuning.probe_fast_interval_s),
             starting=not r.facts.HasField("first_ready_time"),
         )
 
@@ -597,8 +597,8 @@ class ServiceReconciler:
                 f.streak_start_time.CopyFrom(result.probe_time)
             f.streak_last_time.CopyFrom(result.probe_time)
             r.failure_reason = reason
-            window = convert.seconds_of(f.streak_last_time) - convert.seconds_of(f.streak_start_time)
-            threshold = convert.duration_s(
+            window = pbtime.from_timestamp(f.streak_last_time) - pbtime.from_timestamp(f.streak_start_time)
+            threshold = pbtime.seconds(
                 self.spec(self._row.latest_version).service.readiness_probe.consecutive_failure_threshold
             )
             if window >= threshold:
@@ -610,8 +610,8 @@ class ServiceReconciler:
             f.first_failure_time.CopyFrom(result.probe_time)
             self._save(r)
             return
-        delay = convert.duration_s(self.spec(r.version).service.readiness_probe.initial_delay)
-        waited = convert.seconds_of(result.probe_time) - convert.seconds_of(f.first_failure_time)
+        delay = pbtime.seconds(self.spec(r.version).service.readiness_probe.initial_delay)
+        waited = pbtime.from_timestamp(result.probe_time) - pbtime.from_timestamp(f.first_failure_time)
         if waited > delay:
             f.initial_delay_exceeded = True
             r.failure_reason = f"not ready within the initial delay of {delay:g} s ({reason})"
@@ -632,7 +632,7 @@ class ServiceReconciler:
         f.ClearField("streak_last_time")
         r.failure_reason = ""
         if self._row.uptime_start is None:
-            self._row = self._db.update_service(self.name, uptime_start=convert.seconds_of(result.probe_time))
+            self._row = self._db.update_service(self.name, uptime_start=pbtime.from_timestamp(result.probe_time))
         self._save(r)
 
     def set_probing_stale(self, stale: bool) -> None:
@@ -668,7 +668,7 @@ class ServiceReconciler:
             if task is not None:
                 task.cancel()
         f.teardown_phase = TP.TEARDOWN_PHASE_SCHEDULED
-        f.drain.CopyFrom(convert.duration(drain))
+        f.drain.CopyFrom(pbtime.duration(drain))
         self._save(r)
         self._start_teardown(rid, drain=drain, keep_logs=keep_logs)
 
@@ -685,7 +685,7 @@ class ServiceReconciler:
                 if r is None:
                     return
                 request = prov_pb.TerminateRequest(
-                    name=r.replica_name, drain=convert.duration(drain), keep_logs=keep_logs
+                    name=r.replica_name, drain=pbtime.duration(drain), keep_logs=keep_logs
                 )
                 try:
                     async for response in self._prov.Terminate(request):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import timestamp_pb2
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as service_pb2
 from replicaplane.provisioner.v1 import resources_pb2
+from services.common import pbtime
 from services.provisioner import model
 
 _RECORDED_RESOURCES = (
@@ -25,21 +26,11 @@ def timestamp(seconds: float) -> timestamp_pb2.Timestamp | None:
     """A Timestamp for wall-clock `seconds`; None when unset (0)."""
     if not seconds:
         return None
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
+    return pbtime.timestamp(seconds)
 
 
-def duration(seconds: float) -> duration_pb2.Duration:
-    """A Duration of `seconds`."""
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
-
-
-def seconds(d: duration_pb2.Duration) -> float:
-    """`d` in seconds."""
-    return d.seconds + d.nanos / 1e9
+duration = pbtime.duration
+seconds = pbtime.seconds
 
 
 def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
