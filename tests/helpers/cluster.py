@@ -91,16 +91,13 @@ class Cluster:
         self.provisioner_state_dir = os.path.join(tmp, "prov")
         self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
         self.tag = uuid.uuid4().hex[:12]
-        self.provisioner = procs.start_service(
-            "provisioner",
-            env={
-                **PROVISIONER_ENV,
-                "REPLICAPLANE_PROVISIONER_STATE_DIR": self.provisioner_state_dir,
-                **(provisioner_env or {}),
-            },
-            workdir=self._dir("provisioner"),
-        )
-        self.probers = [procs.start_service("prober", workdir=self._dir(f"prober{i}")) for i in range(probers)]
+        self.provisioner_env = {
+            **PROVISIONER_ENV,
+            "REPLICAPLANE_PROVISIONER_STATE_DIR": self.provisioner_state_dir,
+            **(provisioner_env or {}),
+        }
+        self.provisioner = self._start_provisioner()
+        self.probers = [self._start_prober(i) for i in range(probers)]
         self.controller = self._start_controller()
         self.channel = grpc.aio.insecure_channel(self.controller.addr)
         self.stub = api_grpc.ControllerServiceStub(self.channel)
@@ -109,6 +106,29 @@ class Cluster:
         path = os.path.join(self.tmp, name)
         os.makedirs(path, exist_ok=True)
         return path
+
+    def _start_provisioner(self, port: int = 0) -> procs.ServiceProcess:
+        return procs.start_service("provisioner", env=self.provisioner_env, workdir=self._dir("provisioner"), port=port)
+
+    def _start_prober(self, i: int, port: int = 0) -> procs.ServiceProcess:
+        return procs.start_service("prober", workdir=self._dir(f"prober{i}"), port=port)
+
+    def restart_provisioner(self, *, kill: bool = True) -> None:
+        """Kill -9 (or SIGTERM) the provisioner and start it again on the same port."""
+        port = self.provisioner.port
+        if kill:
+            self.provisioner.kill()
+        else:
+            self.provisioner.stop()
+        self.provisioner = self._start_provisioner(port)
+
+    def stop_prober(self, i: int) -> None:
+        """SIGKILL prober i."""
+        self.probers[i].kill()
+
+    def start_prober(self, i: int) -> None:
+        """Start prober i again on its old port."""
+        self.probers[i] = self._start_prober(i, self.probers[i].port)
 
     def _start_controller(self, port: int = 0) -> procs.ServiceProcess:
         return procs.start_service(
