@@ -42,6 +42,7 @@ class Controller:
         self._watch_task: asyncio.Task[None] | None = None
         self._probing_stale = False
         self._orphan_tasks: set[asyncio.Task[None]] = set()
+        self._watch_generation = 0
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
@@ -65,6 +66,7 @@ class Controller:
             probes=self._probes,
             tuning=self._tuning,
             on_gone=self._forget,
+            watch_generation=lambda: self._watch_generation,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -192,13 +194,15 @@ class Controller:
         delay = self._tuning.reconnect_initial_s
         while True:
             seen: set[str] = set()
+            self._watch_generation += 1
+            generation = self._watch_generation
             try:
                 # Always start from a snapshot: a restarted provisioner numbers events anew.
                 async for response in self._prov.WatchReplicas(prov_pb.WatchReplicasRequest()):
                     delay = self._tuning.reconnect_initial_s
                     ev = response.event
                     if ev.type == prov_res.REPLICA_EVENT_TYPE_SNAPSHOT_END:
-                        self._after_snapshot(seen)
+                        self._after_snapshot(seen, generation)
                         continue
                     if ev.type == prov_res.REPLICA_EVENT_TYPE_SNAPSHOT:
                         seen.add(ev.replica.name)
@@ -230,9 +234,9 @@ class Controller:
         except grpc.aio.AioRpcError as exc:
             log.warning("could not tear down orphan %s: %s", name, exc.code().name)
 
-    def _after_snapshot(self, seen: set[str]) -> None:
+    def _after_snapshot(self, seen: set[str], generation: int) -> None:
         for rec in self._services.values():
-            rec.on_missing(seen)
+            rec.on_missing(seen, generation)
 
     def debug_state(self) -> dict[str, object]:
         """In-flight work per service, for tests."""

@@ -102,8 +102,10 @@ class ServiceReconciler:
         probes: ProbeSink,
         tuning: Tuning,
         on_gone: Callable[[str], None],
+        watch_generation: Callable[[], int] = lambda: 0,
     ) -> None:
         self.name = name
+        self._watch_generation = watch_generation
         self.hub = hub.ServiceHub()
         self._db = db
         self._prov = provisioner
@@ -128,7 +130,9 @@ class ServiceReconciler:
         self._reconcile_scheduled = False
         self._probing_stale = False
         self._started = False
+        self._stopping = False
         self._gone = False
+        self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -158,6 +162,7 @@ class ServiceReconciler:
 
     async def stop(self) -> None:
         """Stop following the service (controller shutdown); replicas stay as they are."""
+        self._stopping = True
         tasks = [*self._launches.values(), *self._teardowns.values()]
         for t in tasks:
             t.cancel()
@@ -450,6 +455,7 @@ class ServiceReconciler:
             r.failure_reason = f"launch attempt {ev.attempt} failed: {ev.message}"
             self._save(r)
         elif ev.type == LE.LAUNCH_EVENT_TYPE_RUNNING:
+            self._launched_in[rid] = self._watch_generation()
             f.launch_phase = LP.LAUNCH_PHASE_SUCCEEDED
             r.endpoint = ev.endpoint or ev.replica.endpoint
             r.zone = ev.replica.zone or r.zone
@@ -542,10 +548,14 @@ class ServiceReconciler:
         elif kind == RE.REPLICA_EVENT_TYPE_PREEMPTED:
             self.on_replica_gone(rid, preempted=True)
 
-    def on_missing(self, names: set[str]) -> None:
-        """After a provisioner snapshot: replicas it does not know are gone."""
+    def on_missing(self, names: set[str], generation: int) -> None:
+        """After a provisioner snapshot: replicas it does not know are gone.
+
+        A replica whose launch finished after this watch started may be missing from the
+        snapshot only because the snapshot was older; it is left to live events and probes.
+        """
         for rid, r in list(self.replicas.items()):
-            if r.replica_name not in names:
+            if r.replica_name not in names and self._launched_in.get(rid, -1) < generation:
                 self.on_replica_gone(rid, preempted=False)
 
     # ---- probing -------------------------------------------------------------------------
@@ -762,7 +772,7 @@ class ServiceReconciler:
         else:
             self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True, purge=purge)
             self.kick()
-        return res.Replica().FromString((self.replicas.get(rid) or r).SerializeToString())
+        return self.replicas.get(rid, r)
 
     def _purge(self, rid: int) -> None:
         r = self.replicas[rid]
@@ -794,25 +804,23 @@ class ServiceReconciler:
             self.name, deleting=True, status=res.SERVICE_STATUS_SHUTTING_DOWN, status_message=""
         )
         for rid, r in list(self.replicas.items()):
-            f = r.facts
-            if f.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED or (purge and rid not in self._teardowns):
-                if purge and f.teardown_phase not in (TP.TEARDOWN_PHASE_SUCCEEDED, TP.TEARDOWN_PHASE_FAILED):
-                    self.teardown(rid, drain=0.0, purge=True)
-                else:
-                    self._remove(rid)
-            elif f.teardown_phase == TP.TEARDOWN_PHASE_FAILED:
-                f.teardown_phase = TP.TEARDOWN_PHASE_UNSPECIFIED
-                self.teardown(rid, drain=0.0)
-            elif rid not in self._teardowns:
-                self.teardown(rid, drain=0.0)
+            phase = r.facts.teardown_phase
+            if rid in self._teardowns:
+                r.facts.purged = r.facts.purged or purge  # removed when it finishes, either way
+            elif phase == TP.TEARDOWN_PHASE_SUCCEEDED or (purge and phase == TP.TEARDOWN_PHASE_FAILED):
+                self._remove(rid)
+            else:
+                if phase == TP.TEARDOWN_PHASE_FAILED:
+                    r.facts.teardown_phase = TP.TEARDOWN_PHASE_UNSPECIFIED  # try the cleanup once more
+                self.teardown(rid, drain=0.0, purge=purge)
         self._continue_delete()
 
     def _continue_delete(self) -> None:
-        if self._gone or self._teardowns:
+        if self._gone or self._stopping or self._teardowns:
             self._schedule_flush()
             return
         for rid, r in list(self.replicas.items()):
-            if r.facts.teardown_phase == TP.TEARDOWN_PHASE_UNSPECIFIED:
+            if r.facts.teardown_phase != TP.TEARDOWN_PHASE_FAILED:
                 self.teardown(rid, drain=0.0)
         if self._teardowns:
             return
@@ -867,6 +875,8 @@ class ServiceReconciler:
             return
         self._db.delete_replica(self.name, rid)
         self._changed.pop(rid, None)
+        self._launched_in.pop(rid, None)
+        self._pending_exit.pop(rid, None)
         self._removed.append(rid)
         if self._probed.pop(rid, None) is not None:
             self._probes.remove(target_id(self.name, rid))
