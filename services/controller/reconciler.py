@@ -863,7 +863,10 @@ class ServiceReconciler:
     # ---- saving and publishing -----------------------------------------------------------
 
     def _save(self, r: res.Replica) -> None:
-        r.status = int(convert.status_of(r))  # type: ignore[assignment]
+        status = int(convert.status_of(r))
+        if status != r.status:
+            self.kick()  # scaling and rollouts depend on statuses
+        r.status = status  # type: ignore[assignment]
         self.replicas[r.replica_id] = r
         self._db.put_replica(r)
         self._changed[r.replica_id] = r

@@ -1,0 +1,104 @@
+"""A scripted ProvisionerService for controller tests that need failures the local backend
+cannot produce on demand (a teardown that fails, a launch held in flight). Replicas are not
+processes: every launch "runs" at one shared endpoint that the test serves."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
+from replicaplane.provisioner.v1 import resources_pb2 as res
+from services.common import pbtime
+
+
+class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
+    """Launches succeed at `endpoint`; names in `fail_teardown` fail every teardown."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.fail_teardown: set[str] = set()
+        self.launches: collections.Counter[str] = collections.Counter()
+        self.terminations: collections.Counter[str] = collections.Counter()
+        self.running: dict[str, res.ProvisionedReplica] = {}
+        self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
+        self._sequence = 0
+
+    def _event(self, type_: int, replica: res.ProvisionedReplica, **fields: object) -> res.LaunchEvent:
+        self._sequence += 1
+        return res.LaunchEvent(
+            sequence=self._sequence, time=pbtime.timestamp(time.time()), type=type_, replica=replica, **fields
+        )
+
+    async def Launch(
+        self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchResponse]:
+        replica = self.running.get(request.name)
+        if replica is None:
+            self.launches[request.name] += 1
+            replica = res.ProvisionedReplica(
+                name=request.name,
+                service=request.service,
+                replica_id=request.replica_id,
+                version=request.version,
+                state=res.REPLICA_STATE_RUNNING,
+                app_state=res.APP_STATE_RUNNING,
+                endpoint=self.endpoint,
+                zone="zone-a",
+                create_time=pbtime.timestamp(time.time()),
+            )
+            self.running[request.name] = replica
+        yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, replica))
+        yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_PROVISIONING, replica, attempt=1))
+        yield pb.LaunchResponse(
+            event=self._event(res.LAUNCH_EVENT_TYPE_RUNNING, replica, attempt=1, endpoint=self.endpoint)
+        )
+
+    async def Terminate(
+        self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TerminateResponse]:
+        self.terminations[request.name] += 1
+        now = pbtime.timestamp(time.time())
+        yield pb.TerminateResponse(
+            event=res.TerminateEvent(sequence=1, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATING)
+        )
+        if request.name in self.fail_teardown:
+            yield pb.TerminateResponse(
+                event=res.TerminateEvent(
+                    sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_FAILED, message="cloud said no"
+                )
+            )
+            return
+        self.running.pop(request.name, None)
+        yield pb.TerminateResponse(
+            event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
+        )
+
+    async def WatchReplicas(
+        self, request: pb.WatchReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchReplicasResponse]:
+        q: asyncio.Queue[res.ReplicaEvent] = asyncio.Queue()
+        self._watchers.add(q)
+        try:
+            for replica in list(self.running.values()):
+                yield pb.WatchReplicasResponse(
+                    event=res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_SNAPSHOT, replica=replica)
+                )
+            yield pb.WatchReplicasResponse(event=res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_SNAPSHOT_END))
+            while True:
+                yield pb.WatchReplicasResponse(event=await q.get())
+        finally:
+            self._watchers.discard(q)
+
+    def app_exited(self, name: str, code: int) -> None:
+        """Report that a replica's app exited."""
+        replica = self.running[name]
+        replica.app_state = res.APP_STATE_EXITED
+        replica.exit_code = code
+        for q in self._watchers:
+            q.put_nowait(res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_APP_EXITED, replica=replica))

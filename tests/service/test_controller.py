@@ -1,0 +1,254 @@
+"""The controller's public API over a real gRPC server, with a real prober and a scripted
+provisioner (tests/helpers/fake_provisioner.py) for failures the local backend cannot produce."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from aiohttp import web
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from replicaplane.controller.v1 import resources_pb2 as res
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
+from services.common import grpc_errors, grpc_server
+from services.controller import server as controller_server
+from services.prober import server as prober_server
+from tests.helpers import cluster as cl
+from tests.helpers import fake_provisioner
+
+READY = res.REPLICA_STATUS_READY
+YAML = """
+name: {name}
+service:
+  readiness_probe:
+    path: /health
+    initial_delay_seconds: 5
+    consecutive_failure_threshold_timeout: 1
+    endpoint_probe_interval_seconds: 0.1
+  replicas: {replicas}
+resources:
+  ports: 8080
+run: {run}
+"""
+
+
+def spec(name: str = "svc", replicas: int = 1, run: str = "serve") -> str:
+    return YAML.format(name=name, replicas=replicas, run=run)
+
+
+@dataclasses.dataclass
+class Env:
+    stub: api_grpc.ControllerServiceStub
+    provisioner: fake_provisioner.FakeProvisioner
+
+
+async def health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.fixture
+async def env(tmp_path) -> AsyncIterator[Env]:
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    fake = fake_provisioner.FakeProvisioner(f"http://127.0.0.1:{port}")
+    prov = grpc_server.new_server(domain="provisioner.test")
+    prov_grpc.add_ProvisionerServiceServicer_to_server(fake, prov)
+    prov_built = grpc_server.finish(prov, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])
+    await prov_built.start()
+    prober = await prober_server.build_server(prober_server.load_settings(listen_addr="127.0.0.1:0"))
+    await prober.start()
+    running = await controller_server.start(
+        controller_server.Settings(
+            listen_addr="127.0.0.1:0",
+            state_dir=str(tmp_path / "ctl"),
+            provisioner_addr=f"127.0.0.1:{prov_built.port}",
+            prober_addrs=f"127.0.0.1:{prober.port}",
+            drain_s=0.05,
+        )
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield Env(api_grpc.ControllerServiceStub(channel), fake)
+    finally:
+        await channel.close()
+        await running.stop(None)
+        await prober.stop(None)
+        await prov_built.stop(None)
+        await runner.cleanup()
+
+
+async def create(env: Env, yaml_text: str) -> cl.Watch:
+    svc = (await env.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))).service
+    return cl.Watch(env.stub, svc.name)
+
+
+async def rpc_error(call) -> grpc_errors.RpcError:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return grpc_errors.RpcError(err.value)
+
+
+async def test_failed_scale_down_teardown_is_kept_as_failed_cleanup(env: Env) -> None:
+    w = await create(env, spec())
+    await w.until(lambda w: w.count(READY) == 1)
+    env.provisioner.fail_teardown.add("svc-1")
+    await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1))
+    await w.until(lambda w: w.replicas.get(1) and w.replicas[1].status == res.REPLICA_STATUS_FAILED_CLEANUP)
+    await w.until(lambda w: w.count(READY) == 1 and 2 in w.replicas)
+    assert "teardown failed: cloud said no" in w.replicas[1].failure_reason
+
+    err = await rpc_error(env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1)))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.reason == "REPLICA_FAILED"
+
+    await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1, purge=True))
+    await w.until(lambda w: 1 not in w.replicas)
+    assert env.provisioner.terminations["svc-1"] == 2  # purge tried the cleanup once more
+    w.cancel()
+
+
+async def test_delete_with_a_failed_teardown_leaves_failed_cleanup_until_purged(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    await w.until(lambda w: w.count(READY) == 2)
+    env.provisioner.fail_teardown.add("svc-2")
+    await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
+    await w.until(lambda w: w.service.status == res.SERVICE_STATUS_FAILED_CLEANUP)
+    assert list(w.replicas) == [2]
+    assert "delete with purge" in w.service.status_message
+    assert "svc-1" not in env.provisioner.running
+
+    await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc", purge=True))
+    await w.until(lambda w: w.deleted)
+    err = await rpc_error(env.stub.GetService(api.GetServiceRequest(service_name="svc")))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
+
+
+async def test_api_errors_follow_the_aip_model(env: Env) -> None:
+    err = await rpc_error(env.stub.GetService(api.GetServiceRequest(service_name="nope")))
+    assert err.code == grpc.StatusCode.NOT_FOUND
+    await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(), request_id="r1"))
+    again = await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(), request_id="r1"))
+    assert again.service.name == "svc"  # a retried create with the same request id
+    err = await rpc_error(env.stub.CreateService(api.CreateServiceRequest(yaml=spec())))
+    assert err.code == grpc.StatusCode.ALREADY_EXISTS
+    err = await rpc_error(env.stub.GetReplica(api.GetReplicaRequest(service_name="svc", replica_id=99)))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "REPLICA_NOT_FOUND")
+    err = await rpc_error(env.stub.CreateService(api.CreateServiceRequest(yaml="service: [")))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in err.field_violations] == ["yaml"]
+    err = await rpc_error(env.stub.CreateService(api.CreateServiceRequest(yaml=spec().replace("name: svc\n", ""))))
+    assert "service_name" in [f for f, _ in err.field_violations]
+
+    env.provisioner.fail_teardown.add("svc-1")
+    await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
+    w = cl.Watch(env.stub, "svc")
+    await w.until(lambda w: w.service.status == res.SERVICE_STATUS_FAILED_CLEANUP)
+    err = await rpc_error(env.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=2))))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    w.cancel()
+
+
+async def test_app_exit_is_a_user_app_failure(env: Env) -> None:
+    w = await create(env, spec())
+    await w.until(lambda w: w.count(READY) == 1)
+    env.provisioner.app_exited("svc-1", 2)
+    await w.until(lambda w: w.replicas.get(1) and w.replicas[1].status == res.REPLICA_STATUS_FAILED)
+    await w.until(lambda w: w.count(READY) == 1)  # it had been ready: replaced, no stop rule
+    assert w.replicas[1].failure_reason == "app exited with code 2"
+    assert max(w.replicas) == 2
+    w.cancel()
+
+
+async def test_in_place_update_launches_or_tears_down_exactly_the_difference(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    await w.until(lambda w: w.count(READY) == 2)
+
+    dry = await env.stub.UpdateService(
+        api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=3), dry_run=True)
+    )
+    assert (list(dry.plan.kept_replica_ids), dry.plan.launch_count, dry.plan.in_place) == ([1, 2], 1, True)
+    assert dry.service.latest_version == 1  # nothing applied
+
+    up = await env.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=3)))
+    assert up.plan.new_version == 2
+    await w.until(lambda w: w.count(READY) == 3)
+    assert sum(env.provisioner.launches.values()) == 3  # exactly one launch
+    assert {r.version for r in w.replicas.values()} == {2}
+
+    down = await env.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=2)))
+    assert list(down.plan.teardown_replica_ids) == [3]
+    await w.until(lambda w: len(w.replicas) == 2 and w.count(READY) == 2)
+    assert sum(env.provisioner.terminations.values()) == 1  # exactly one teardown
+    w.cancel()
+
+
+async def test_rolling_update_replaces_replicas_after_new_ones_are_ready(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    await w.until(lambda w: w.count(READY) == 2)
+    up = await env.stub.UpdateService(
+        api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=2, run="serve --v2"))
+    )
+    assert (up.plan.in_place, up.plan.launch_count, list(up.plan.replaced_replica_ids)) == (False, 2, [1, 2])
+    await w.until(lambda w: sorted(w.replicas) == [3, 4] and w.count(READY) == 2)
+    assert list(w.service.active_versions) == [2]
+    w.cancel()
+
+
+async def test_watch_resumes_after_a_sequence_and_endpoints_are_pushed(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    seen: list[api.WatchServiceResponse] = []
+    async for msg in env.stub.WatchService(api.WatchServiceRequest(service_name="svc")):
+        seen.append(msg)
+        if msg.service.ready_replicas == 2:
+            break
+    assert seen[0].snapshot and not any(m.snapshot for m in seen[1:])
+    assert [m.sequence for m in seen] == sorted({m.sequence for m in seen})
+    middle = seen[len(seen) // 2].sequence
+    resumed = env.stub.WatchService(api.WatchServiceRequest(service_name="svc", after_sequence=middle))
+    first = await resumed.read()
+    assert not first.snapshot and first.sequence == middle + 1
+    resumed.cancel()
+    stale = env.stub.WatchService(api.WatchServiceRequest(service_name="svc", after_sequence=1))
+    assert (await stale.read()).snapshot  # too old to replay: a fresh snapshot
+    stale.cancel()
+
+    endpoints = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
+    now = await endpoints.read()
+    assert sorted(e.replica_id for e in now.endpoints) == [1, 2]
+    await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1))
+    after = await endpoints.read()
+    assert after.version > now.version
+    assert [e.replica_id for e in after.endpoints] == [2]  # left the ready set at once
+    endpoints.cancel()
+    w.cancel()
+
+
+async def test_paging_purge_and_load(env: Env) -> None:
+    w = await create(env, spec(replicas=3))
+    await w.until(lambda w: w.count(READY) == 3)
+    page = await env.stub.ListReplicas(api.ListReplicasRequest(service_name="svc", page_size=2))
+    assert [r.replica_id for r in page.replicas] == [1, 2] and page.next_page_token
+    rest = await env.stub.ListReplicas(
+        api.ListReplicasRequest(service_name="svc", page_size=2, page_token=page.next_page_token)
+    )
+    assert [r.replica_id for r in rest.replicas] == [3] and not rest.next_page_token
+
+    env.provisioner.app_exited("svc-2", 1)
+    await w.until(lambda w: w.replicas.get(2) and w.replicas[2].status == res.REPLICA_STATUS_FAILED)
+    purged = await env.stub.PurgeReplicas(api.PurgeReplicasRequest(service_name="svc"))
+    assert list(purged.replica_ids) == [2]
+    await w.until(lambda w: 2 not in w.replicas)
+
+    load = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_count=120))
+    assert load.qps == pytest.approx(2.0)
+    w.cancel()
