@@ -252,3 +252,26 @@ async def test_paging_purge_and_load(env: Env) -> None:
     load = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_count=120))
     assert load.qps == pytest.approx(2.0)
     w.cancel()
+
+
+async def test_blue_green_switches_traffic_at_once_when_the_new_version_is_ready(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    await w.until(lambda w: w.count(READY) == 2)
+    endpoints = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
+    assert {e.version for e in (await endpoints.read()).endpoints} == {1}
+    await env.stub.UpdateService(
+        api.UpdateServiceRequest(
+            service_name="svc", yaml=spec(replicas=2, run="serve --v2"), mode=res.UPDATE_MODE_BLUE_GREEN
+        )
+    )
+    versions_seen = []
+    while True:
+        msg = await endpoints.read()
+        versions_seen.append(sorted({e.version for e in msg.endpoints}))
+        if versions_seen[-1] == [2]:
+            break
+    assert all(v in ([1], [2]) for v in versions_seen), versions_seen  # never mixed
+    await w.until(lambda w: sorted(w.replicas) == [3, 4])
+    assert list(w.service.active_versions) == [2]
+    endpoints.cancel()
+    w.cancel()
