@@ -15,7 +15,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, pbtime, spec
+from services.common import errors, spec
 from services.controller import reconciler, store
 
 log = logging.getLogger(__name__)
@@ -237,12 +237,3 @@ class Controller:
     def _after_snapshot(self, seen: set[str], generation: int) -> None:
         for rec in self._services.values():
             rec.on_missing(seen, generation)
-
-    def debug_state(self) -> dict[str, object]:
-        """In-flight work per service, for tests."""
-        return {name: rec.debug_state() for name, rec in self._services.items()}
-
-
-def seconds_list(times: list[object]) -> list[float]:
-    """POSIX seconds of Timestamp messages."""
-    return [pbtime.from_timestamp(t) for t in times]  # type: ignore[arg-type]

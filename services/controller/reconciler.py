@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 
@@ -173,11 +173,6 @@ class ServiceReconciler:
 
     # ---- reading -------------------------------------------------------------------------
 
-    @property
-    def deleting(self) -> bool:
-        """True once DeleteService was accepted."""
-        return self._row.deleting
-
     def spec(self, version: int) -> spec_pb2.ServiceSpec:
         """The stored spec of a version (cached)."""
         found = self._specs.get(version)
@@ -194,11 +189,6 @@ class ServiceReconciler:
         if self._redacted[0] != version:
             self._redacted = (version, spec.redacted(self.spec(version)))
         return self._redacted[1]
-
-    @property
-    def latest_version(self) -> int:
-        """The newest version."""
-        return self._row.latest_version
 
     def replica(self, replica_id: int) -> res.Replica:
         """A replica record, or NotFoundError."""
@@ -907,7 +897,3 @@ class ServiceReconciler:
             svc.status != self._row.status or svc.status_message != self._row.status_message
         ):
             self._row = self._db.update_service(self.name, status=svc.status, status_message=svc.status_message)
-
-    def debug_state(self) -> dict[str, Any]:
-        """In-flight work, for tests and logs."""
-        return {"launches": sorted(self._launches), "teardowns": sorted(self._teardowns)}

@@ -8,6 +8,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from services.common import pbtime
 from services.controller import controller
 
 
@@ -78,7 +79,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
-        times = controller.seconds_list(list(request.request_times))
+        times = [pbtime.from_timestamp(t) for t in request.request_times]
         return api.ReportLoadResponse(qps=self._ctl.report_load(request.service_name, times, request.request_count))
 
     async def WatchEndpoints(
