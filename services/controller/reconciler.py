@@ -133,6 +133,8 @@ class ServiceReconciler:
         self._stopping = False
         self._gone = False
         self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
+        self._capacity_backoff_s = 0.0
+        self._launch_not_before = 0.0  # monotonic time; launches wait after capacity failures
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -294,8 +296,13 @@ class ServiceReconciler:
         )
         for rid in plan.teardown:
             self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True)
-        for _ in range(plan.launch):
-            self._launch_new()
+        wait = self._launch_not_before - time.monotonic()
+        if plan.launch and wait > 0:
+            # Capacity ran out: retry after a pause instead of a tight launch-fail loop.
+            asyncio.get_running_loop().call_later(wait, self.kick)
+        else:
+            for _ in range(plan.launch):
+                self._launch_new()
         if self._blue_green and self._active_versions(views) == [latest]:
             # Blue-green switched: older failed records go with the old version.
             for rid, r in list(self.replicas.items()):
@@ -446,6 +453,7 @@ class ServiceReconciler:
             self._save(r)
         elif ev.type == LE.LAUNCH_EVENT_TYPE_RUNNING:
             self._launched_in[rid] = self._watch_generation()
+            self._capacity_backoff_s = 0.0
             f.launch_phase = LP.LAUNCH_PHASE_SUCCEEDED
             r.endpoint = ev.endpoint or ev.replica.endpoint
             r.zone = ev.replica.zone or r.zone
@@ -470,7 +478,10 @@ class ServiceReconciler:
         r.facts.launch_phase = LP.LAUNCH_PHASE_FAILED
         r.facts.failed_spot_availability = capacity
         r.failure_reason = f"launch failed: {message}"
-        if not capacity:
+        if capacity:
+            self._capacity_backoff_s = min(max(self._capacity_backoff_s * 2, 1.0), 60.0)
+            self._launch_not_before = time.monotonic() + self._capacity_backoff_s
+        else:
             # Setup is user code here, so a version whose launches keep failing would otherwise
             # be relaunched forever, exactly like an app that exits.
             self._stop_version(r, r.failure_reason)

@@ -18,11 +18,13 @@ from services.common import pbtime
 
 
 class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
-    """Launches succeed at `endpoint`; names in `fail_teardown` fail every teardown."""
+    """Launches succeed at `endpoint` (or all fail for capacity while `capacity_refused`);
+    names in `fail_teardown` fail every teardown."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.fail_teardown: set[str] = set()
+        self.capacity_refused = False
         self.launches: collections.Counter[str] = collections.Counter()
         self.terminations: collections.Counter[str] = collections.Counter()
         self.running: dict[str, res.ProvisionedReplica] = {}
@@ -39,6 +41,13 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
         replica = self.running.get(request.name)
+        if replica is None and self.capacity_refused:
+            self.launches[request.name] += 1
+            failed = res.ProvisionedReplica(name=request.name, state=res.REPLICA_STATE_FAILED)
+            yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, failed))
+            refusal = {"message": "no capacity", "permanent": True, "capacity_unavailable": True}
+            yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_FAILED, failed, **refusal))
+            return
         if replica is None:
             self.launches[request.name] += 1
             replica = res.ProvisionedReplica(

@@ -3,6 +3,7 @@ provisioner (tests/helpers/fake_provisioner.py) for failures the local backend c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -274,4 +275,16 @@ async def test_blue_green_switches_traffic_at_once_when_the_new_version_is_ready
     await w.until(lambda w: sorted(w.replicas) == [3, 4])
     assert list(w.service.active_versions) == [2]
     endpoints.cancel()
+    w.cancel()
+
+
+async def test_capacity_failures_back_off_instead_of_looping(env: Env) -> None:
+    env.provisioner.capacity_refused = True
+    w = await create(env, spec(replicas=1))
+    await asyncio.sleep(2.0)
+    attempts = sum(env.provisioner.launches.values())
+    assert 1 <= attempts <= 3, attempts  # 0 s, then 1 s, then 2 s apart
+    env.provisioner.capacity_refused = False
+    await w.until(lambda w: w.count(READY) == 1, timeout=10)
+    assert all(r.replica_id > attempts - 1 for r in w.replicas.values())  # failed ones were removed
     w.cancel()
