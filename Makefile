@@ -34,9 +34,10 @@ check-gen: gen  ## Fail if the committed generated code differs from a fresh gen
 	git diff --exit-code -- gen/
 	test -z "$$(git status --porcelain -- gen/)"
 
-lint: setup  ## ruff (check and format), buf lint and buf format.
+lint: setup  ## ruff (check and format), mypy, buf lint and buf format.
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/buf lint
 	$(BIN)/buf format -d --exit-code
 

@@ -59,8 +59,10 @@ class FailedPreconditionError(ReplicaplaneError):
 
     reason = "FAILED_PRECONDITION"
 
-    def __init__(self, message: str, *, subject: str = "", type_: str = "STATE", **metadata: object) -> None:
-        super().__init__(message, **metadata)
+    def __init__(
+        self, message: str, *, reason: str | None = None, subject: str = "", type_: str = "STATE", **metadata: object
+    ) -> None:
+        super().__init__(message, reason=reason, **metadata)
         self.subject = subject
         self.type_ = type_
 

@@ -132,7 +132,7 @@ class RpcError(Exception):
         self.message: str = err.details() or ""
         self.reason = ""
         self.field_violations: list[tuple[str, str]] = []
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        status = rpc_status.from_call(err)
         if status is not None:
             for detail in status.details:
                 if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

@@ -512,7 +512,7 @@ def _parse_service(
         chosen = _enum(c, policy_name, "service.load_balancing_policy", LOAD_BALANCING_POLICIES)
         policy_ok = chosen is not None
         if chosen is not None:
-            out.load_balancing_policy = chosen
+            out.load_balancing_policy = spec_pb2.LoadBalancingPolicy.ValueType(chosen)
 
     target_is_dict, target_ok = _parse_replicas(c, service, out)
 
@@ -670,7 +670,7 @@ def _parse_replicas(c: _Checker, service: dict[Any, Any], out: spec_pb2.ServiceS
     if section.get("spot_placer") is not None:
         placer = _enum(c, section["spot_placer"], f"{path}.spot_placer", SPOT_PLACERS)
         if placer is not None:
-            policy.spot_placer = placer
+            policy.spot_placer = spec_pb2.SpotPlacer.ValueType(placer)
     policy.upscale_delay.CopyFrom(c.seconds(section, "upscale_delay_seconds", path, DEFAULT_UPSCALE_DELAY_S))
     policy.downscale_delay.CopyFrom(c.seconds(section, "downscale_delay_seconds", path, DEFAULT_DOWNSCALE_DELAY_S))
 

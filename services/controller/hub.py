@@ -6,6 +6,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2
@@ -72,13 +73,14 @@ class ServiceHub:
         """The service is gone: end every stream after what was sent."""
         self.deleted = True
         msg = api.WatchEndpointsResponse(version=self.endpoints_version + 1, deleted=True)
-        for q in list(self._endpoint_subscribers):
-            self._offer(q, msg)
-        for q in list(self._subscribers) + list(self._endpoint_subscribers):
-            q.put_nowait(None)
+        for eq in list(self._endpoint_subscribers):
+            self._offer(eq, msg)
+            eq.put_nowait(None)
+        for sq in list(self._subscribers):
+            sq.put_nowait(None)
 
     @staticmethod
-    def _offer(q: asyncio.Queue, msg: object) -> None:  # type: ignore[type-arg]
+    def _offer(q: asyncio.Queue[Any], msg: object) -> None:
         # A watcher that cannot keep up is cut off (it resumes with a snapshot) instead of
         # growing memory without bound.
         if q.qsize() >= _QUEUE_LIMIT:
@@ -108,14 +110,14 @@ class ServiceHub:
             if self.deleted:
                 return
             while True:
-                msg = await q.get()
-                if msg is None:
+                change = await q.get()
+                if change is None:
                     return
-                if msg.sequence <= last:
+                if change.sequence <= last:
                     continue
-                last = msg.sequence
-                yield msg
-                if msg.deleted:
+                last = change.sequence
+                yield change
+                if change.deleted:
                     return
         finally:
             self._subscribers.discard(q)

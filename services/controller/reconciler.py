@@ -212,6 +212,7 @@ class ServiceReconciler:
         ready_replicas = [
             r for r in self.replicas.values() if r.status == res.REPLICA_STATUS_READY and r.version in active
         ]
+        status: int
         if self._row.deleting:
             status = res.ServiceStatus.Value(
                 "SERVICE_STATUS_FAILED_CLEANUP"

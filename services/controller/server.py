@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
@@ -35,7 +36,7 @@ class Settings:
     """Probe interval of a replica that has not passed a probe yet."""
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Settings from defaults, the config file and the environment."""
     return config.load(Settings, "controller", **overrides)
 

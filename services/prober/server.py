@@ -8,6 +8,7 @@ import dataclasses
 import os
 import resource
 import socket
+from typing import Any
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
 from services.common import config, grpc_server, logs
@@ -65,7 +66,7 @@ class Built(grpc_server.Built):
             await self.engine.close()
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Settings from defaults, the config file and the environment."""
     return config.load(Settings, "prober", **overrides)
 

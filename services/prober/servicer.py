@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb
 from replicaplane.prober.v1 import prober_service_pb2_grpc
-from services.common import probe_fleet
+from services.common import pbtime, probe_fleet
 from services.prober import probing, streams
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,10 @@ _OUTCOMES = {
 }
 
 
-def _seconds(message: pb.ProbeTarget, field: str) -> float | None:
+def _seconds(message: pb.ProbeTarget, field: Literal["timeout", "interval", "fast_interval"]) -> float | None:
     if not message.HasField(field):
         return None
-    value: duration_pb2.Duration = getattr(message, field)
-    return value.seconds + value.nanos / 1e9
+    return pbtime.seconds(getattr(message, field))
 
 
 def spec_from_proto(target: pb.ProbeTarget) -> probing.TargetSpec:

@@ -8,6 +8,7 @@ defaults here, which refuse with FAILED_PRECONDITION.
 from __future__ import annotations
 
 import abc
+import builtins
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -139,7 +140,7 @@ class Backend(abc.ABC):
     def watch(self) -> AsyncIterator[BackendEvent]:
         """App exits and disappearances, as they happen. One consumer."""
 
-    def zones(self) -> list[model.Zone]:
+    def zones(self) -> builtins.list[model.Zone]:
         """Zones, cheapest first; none unless the backend simulates them."""
         return []
 

@@ -16,8 +16,10 @@ Zones and preemption are simulated (see zones.py).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -236,7 +238,7 @@ class LocalBackend(backend.Backend):
         while True:
             yield await self._events.get()
 
-    def zones(self) -> list[model.Zone]:
+    def zones(self) -> builtins.list[model.Zone]:
         """Simulated zones, cheapest first."""
         return self._zones.list()
 
@@ -313,7 +315,7 @@ class LocalBackend(backend.Backend):
         )
         return env
 
-    def _spawn(self, args: list[str], cwd: str, env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, args: builtins.list[str], cwd: str, env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
         with open(log_path, "ab") as out:
             child = subprocess.Popen(
                 args,
@@ -377,7 +379,7 @@ class LocalBackend(backend.Backend):
         ok = True
         for pgid in (handle.pgid, handle.setup_pgid):
             if pgid:
-                ok = await procs.kill_group(pgid, grace_s=grace_s, reap=lambda p=pgid: self._reap(p)) and ok
+                ok = await procs.kill_group(pgid, grace_s=grace_s, reap=functools.partial(self._reap, pgid)) and ok
                 self._reap(pgid)  # it may have turned zombie right after the last look
         for _ in range(50):  # bounded: strays get SIGKILL and die within milliseconds
             strays = procs.pids_with_env(TOKEN_ENV, handle.token)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import dataclasses
 import logging
 import re
@@ -672,14 +673,14 @@ class Provisioner:
         token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(names) > size else ""
         return [self._entries[n].replica.copy() for n in page], token
 
-    def _snapshot(self) -> list[model.Replica]:
+    def _snapshot(self) -> builtins.list[model.Replica]:
         return [self._entries[n].replica.copy() for n in sorted(self._entries)]
 
     def watch(self, after_sequence: int = 0) -> AsyncIterator[model.ReplicaEvent]:
         """Replica changes after `after_sequence`, a snapshot first when needed (see WatchHub)."""
         return self._hub.follow(after_sequence)
 
-    def zones(self) -> list[model.Zone]:
+    def zones(self) -> builtins.list[model.Zone]:
         """The backend's zones, cheapest first."""
         return self._backend.zones()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs
@@ -59,7 +60,7 @@ class Settings:
     """Host put in replica endpoints; default replica_host (127.0.0.1 when that is a wildcard)."""
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Settings from defaults, the config file and the environment."""
     return config.load(Settings, "provisioner", **overrides)
 
