@@ -30,10 +30,11 @@ def status_of(replica: resources_pb2.Replica) -> st.ReplicaStatus:
 
 
 def view_of(replica: resources_pb2.Replica) -> st.ReplicaView:
-    """What scaling rules need of a replica."""
+    """What scaling rules need of a replica. Uses the status stored with the record, which every
+    change refreshes, so large services do not re-derive it on each pass."""
     return st.ReplicaView(
         replica_id=replica.replica_id,
         version=replica.version,
-        status=status_of(replica),
+        status=st.ReplicaStatus(replica.status),
         is_spot=replica.is_spot,
     )

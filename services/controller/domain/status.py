@@ -180,6 +180,8 @@ class ReplicaView:
 
 def scale_down_victims(replicas: Iterable[ReplicaView], count: int) -> list[ReplicaView]:
     """Pick `count` victims: status order, then older version first, then highest id first."""
+    if count <= 0:
+        return []
     rank = {s: i for i, s in enumerate(SCALE_DOWN_ORDER)}
     candidates = [r for r in replicas if r.status in rank]
     candidates.sort(key=lambda r: (rank[r.status], r.version, -r.replica_id))

@@ -1,0 +1,96 @@
+"""Controller at scale: one service of thousands of replicas, from create to all READY and back.
+
+The provisioner is the scripted one from tests/helpers (replicas are records, not processes, all
+answering at one local endpoint), so the figure is the controller's own cost; the prober is a
+real process. Run from the repo root: `python bench/controller_scale.py`. Prints `figure:` lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+sys.path.insert(1, os.path.join(sys.path[0], "gen", "python"))
+
+import grpc  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E402
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc  # noqa: E402
+from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc  # noqa: E402
+from services.common import grpc_server  # noqa: E402
+from services.controller import server as controller_server  # noqa: E402
+from tests.helpers import fake_provisioner, procs  # noqa: E402
+
+SIZES = (1000, 3000)
+
+
+async def health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def run(size: int) -> tuple[float, float, float]:
+    """Seconds to all READY, controller CPU seconds for it, seconds to delete."""
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    fake = fake_provisioner.FakeProvisioner(f"http://127.0.0.1:{port}")
+    prov = grpc_server.new_server(domain="provisioner.bench")
+    prov_grpc.add_ProvisionerServiceServicer_to_server(fake, prov)
+    prov_built = grpc_server.finish(prov, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])
+    await prov_built.start()
+    prober = procs.start_service("prober")
+    running = await controller_server.start(
+        controller_server.Settings(
+            listen_addr="127.0.0.1:0",
+            state_dir=tempfile.mkdtemp(prefix="rp-bench-scale-"),
+            provisioner_addr=f"127.0.0.1:{prov_built.port}",
+            prober_addrs=prober.addr,
+            drain_s=0,
+        )
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub = api_grpc.ControllerServiceStub(channel)
+    yaml_text = (
+        f"name: big\nservice:\n  readiness_probe: /health\n  replicas: {size}\nresources:\n  ports: 8080\nrun: x\n"
+    )
+    try:
+        t0, c0 = time.monotonic(), time.process_time()
+        await stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
+        async for msg in stub.WatchService(api.WatchServiceRequest(service_name="big")):
+            if msg.service.ready_replicas == size:
+                break
+        ready_s, cpu_s = time.monotonic() - t0, time.process_time() - c0
+        t1 = time.monotonic()
+        watch = stub.WatchService(api.WatchServiceRequest(service_name="big"))
+        await stub.DeleteService(api.DeleteServiceRequest(service_name="big"))
+        async for msg in watch:
+            if msg.deleted:
+                break
+        return ready_s, cpu_s, time.monotonic() - t1
+    finally:
+        await channel.close()
+        await running.stop(None)
+        prober.stop()
+        await prov_built.stop(None)
+        await runner.cleanup()
+
+
+async def main() -> None:
+    for size in SIZES:
+        ready_s, cpu_s, delete_s = await run(size)
+        print(f"{size} replicas: all READY in {ready_s:.2f} s ({cpu_s:.2f} s CPU in this process)")
+        print(f"figure: scale_{size}_all_ready_s {ready_s:.2f} s")
+        print(f"figure: scale_{size}_delete_s {delete_s:.2f} s")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
