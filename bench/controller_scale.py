@@ -17,42 +17,29 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 sys.path.insert(1, os.path.join(sys.path[0], "gen", "python"))
 
 import grpc  # noqa: E402
-from aiohttp import web  # noqa: E402
 
 from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E402
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc  # noqa: E402
-from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc  # noqa: E402
-from services.common import grpc_server  # noqa: E402
 from services.controller import server as controller_server  # noqa: E402
 from tests.helpers import fake_provisioner, procs  # noqa: E402
 
 SIZES = (1000, 3000)
 
 
-async def health(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 async def run(size: int) -> tuple[float, float, float]:
     """Seconds to all READY, controller CPU seconds for it, seconds to delete."""
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fake = fake_provisioner.FakeProvisioner(f"http://127.0.0.1:{port}")
-    prov = grpc_server.new_server(domain="provisioner.bench")
-    prov_grpc.add_ProvisionerServiceServicer_to_server(fake, prov)
-    prov_built = grpc_server.finish(prov, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])
-    await prov_built.start()
+    async with fake_provisioner.serving() as (_, provisioner_addr):
+        return await measure(size, provisioner_addr)
+
+
+async def measure(size: int, provisioner_addr: str) -> tuple[float, float, float]:
+    """run() with the provisioner up."""
     prober = procs.start_service("prober")
     running = await controller_server.start(
         controller_server.Settings(
             listen_addr="127.0.0.1:0",
             state_dir=tempfile.mkdtemp(prefix="rp-bench-scale-"),
-            provisioner_addr=f"127.0.0.1:{prov_built.port}",
+            provisioner_addr=provisioner_addr,
             prober_addrs=prober.addr,
             drain_s=0,
         )
@@ -80,8 +67,6 @@ async def run(size: int) -> tuple[float, float, float]:
         await channel.close()
         await running.stop(None)
         prober.stop()
-        await prov_built.stop(None)
-        await runner.cleanup()
 
 
 async def main() -> None:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
+from aiohttp import web
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as res
-from services.common import pbtime
+from services.common import grpc_server, pbtime
 
 
 class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
@@ -111,3 +113,30 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         replica.exit_code = code
         for q in self._watchers:
             q.put_nowait(res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_APP_EXITED, replica=replica))
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[tuple[FakeProvisioner, str]]:
+    """A FakeProvisioner on a real gRPC server (port 0) whose replicas all answer 200 at one
+    local endpoint; yields it and the provisioner's address."""
+    app = web.Application()
+    app.router.add_get("/{path:.*}", _ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    fake = FakeProvisioner(f"http://127.0.0.1:{port}")
+    server = grpc_server.new_server(domain="provisioner.test")
+    pb_grpc.add_ProvisionerServiceServicer_to_server(fake, server)
+    built = grpc_server.finish(server, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])
+    await built.start()
+    try:
+        yield fake, f"127.0.0.1:{built.port}"
+    finally:
+        await built.stop(None)
+        await runner.cleanup()

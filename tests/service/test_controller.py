@@ -9,13 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from aiohttp import web
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
-from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
-from services.common import grpc_errors, grpc_server
+from services.common import grpc_errors
 from services.controller import server as controller_server
 from services.prober import server as prober_server
 from tests.helpers import cluster as cl
@@ -47,45 +45,27 @@ class Env:
     provisioner: fake_provisioner.FakeProvisioner
 
 
-async def health(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 @pytest.fixture
 async def env(tmp_path) -> AsyncIterator[Env]:
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-    fake = fake_provisioner.FakeProvisioner(f"http://127.0.0.1:{port}")
-    prov = grpc_server.new_server(domain="provisioner.test")
-    prov_grpc.add_ProvisionerServiceServicer_to_server(fake, prov)
-    prov_built = grpc_server.finish(prov, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])
-    await prov_built.start()
-    prober = await prober_server.build_server(prober_server.load_settings(listen_addr="127.0.0.1:0"))
-    await prober.start()
-    running = await controller_server.start(
-        controller_server.Settings(
-            listen_addr="127.0.0.1:0",
-            state_dir=str(tmp_path / "ctl"),
-            provisioner_addr=f"127.0.0.1:{prov_built.port}",
-            prober_addrs=f"127.0.0.1:{prober.port}",
-            drain_s=0.05,
+    async with fake_provisioner.serving() as (fake, provisioner_addr):
+        prober = await prober_server.build_server(prober_server.load_settings(listen_addr="127.0.0.1:0"))
+        await prober.start()
+        running = await controller_server.start(
+            controller_server.Settings(
+                listen_addr="127.0.0.1:0",
+                state_dir=str(tmp_path / "ctl"),
+                provisioner_addr=provisioner_addr,
+                prober_addrs=f"127.0.0.1:{prober.port}",
+                drain_s=0.05,
+            )
         )
-    )
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    try:
-        yield Env(api_grpc.ControllerServiceStub(channel), fake)
-    finally:
-        await channel.close()
-        await running.stop(None)
-        await prober.stop(None)
-        await prov_built.stop(None)
-        await runner.cleanup()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+        try:
+            yield Env(api_grpc.ControllerServiceStub(channel), fake)
+        finally:
+            await channel.close()
+            await running.stop(None)
+            await prober.stop(None)
 
 
 async def create(env: Env, yaml_text: str) -> cl.Watch:
