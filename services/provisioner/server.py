@@ -15,6 +15,9 @@ from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
 
+# The core's defaults are the settings' defaults: stated once, in manager.Options.
+_CORE = manager.Options()
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -30,29 +33,29 @@ class Settings:
     """Where records, logs and replica working directories live; replicas are re-found from it."""
     backend: str = "local"
     """Which backend runs replicas; only "local" (process groups on this machine) exists."""
-    max_in_flight: float = 8
+    max_in_flight: float = _CORE.max_in_flight
     """Launches in flight at once; a teardown counts 1/2. More wait in FIFO order."""
-    launch_attempts: int = 3
+    launch_attempts: int = _CORE.launch_attempts
     """Launch attempts before a launch fails."""
-    launch_backoff_initial_s: float = 60.0
+    launch_backoff_initial_s: float = _CORE.launch_backoff_initial_s
     """Gap after the first failed launch attempt (jittered +-40 %)."""
-    launch_backoff_multiplier: float = 1.6
+    launch_backoff_multiplier: float = _CORE.launch_backoff_multiplier
     """Growth of the launch backoff per attempt."""
-    launch_backoff_max_s: float = 300.0
+    launch_backoff_max_s: float = _CORE.launch_backoff_max_s
     """Cap of the launch backoff."""
-    teardown_attempts: int = 3
+    teardown_attempts: int = _CORE.teardown_attempts
     """Teardown attempts before a teardown fails."""
-    teardown_backoff_initial_s: float = 5.0
+    teardown_backoff_initial_s: float = _CORE.teardown_backoff_initial_s
     """Gap after the first failed teardown attempt (x1.6 per attempt, jittered)."""
-    teardown_backoff_max_s: float = 25.0
+    teardown_backoff_max_s: float = _CORE.teardown_backoff_max_s
     """Cap of the teardown backoff."""
-    cancel_timeout_s: float = 15.0
+    cancel_timeout_s: float = _CORE.cancel_timeout_s
     """How long cancelling an in-flight launch may take before teardown goes ahead anyway."""
-    kill_grace_s: float = 5.0
+    kill_grace_s: float = _CORE.kill_grace_s
     """Seconds between SIGTERM and SIGKILL when a replica is torn down."""
     zones: str = zone_config.DEFAULT_ZONES
     """Simulated zones of the local backend, as name:price_per_hour pairs."""
-    watch_history: int = 10_000
+    watch_history: int = _CORE.watch_history
     """Watch events kept for resuming; an older resume point gets a new snapshot."""
     replica_host: str = "127.0.0.1"
     """Address local replicas bind to (given to them as $HOST); 0.0.0.0 in containers."""
@@ -124,19 +127,8 @@ def options(settings: Settings) -> manager.Options:
     if settings.launch_backoff_multiplier < 1:
         violations.append(errors.FieldViolation("provisioner.launch_backoff_multiplier", "must be at least 1"))
     errors.require(violations, subject="provisioner settings")
-    return manager.Options(
-        max_in_flight=settings.max_in_flight,
-        launch_attempts=settings.launch_attempts,
-        launch_backoff_initial_s=settings.launch_backoff_initial_s,
-        launch_backoff_multiplier=settings.launch_backoff_multiplier,
-        launch_backoff_max_s=settings.launch_backoff_max_s,
-        teardown_attempts=settings.teardown_attempts,
-        teardown_backoff_initial_s=settings.teardown_backoff_initial_s,
-        teardown_backoff_max_s=settings.teardown_backoff_max_s,
-        cancel_timeout_s=settings.cancel_timeout_s,
-        kill_grace_s=settings.kill_grace_s,
-        watch_history=settings.watch_history,
-    )
+    shared = {f.name for f in dataclasses.fields(manager.Options)} & {f.name for f in dataclasses.fields(Settings)}
+    return manager.Options(**{name: getattr(settings, name) for name in shared})
 
 
 def _prepare_state_dir(path: str) -> str:
