@@ -33,10 +33,6 @@ async def slow_cluster(tmp_path) -> AsyncIterator[cl.Cluster]:
         await c.close()
 
 
-def _replica_ids_of_processes(tag: str) -> list[tuple[str, int]]:
-    return _replica_ids_of_processes_for(cl.replica_pids(tag))
-
-
 async def test_kill_controller_mid_flight_then_recover(slow_cluster: cl.Cluster) -> None:
     c = slow_cluster
     ready_yaml = cl.app_yaml("steady", c.tag, replicas=2, extra="envs:\n  SERVICE_NAME: steady\n")
@@ -70,24 +66,15 @@ async def test_kill_controller_mid_flight_then_recover(slow_cluster: cl.Cluster)
     steady_now = (await c.stub.ListReplicas(api.ListReplicasRequest(service_name="steady"))).replicas
     assert {r.replica_id for r in steady_now} == ids_before["steady"] - {1}  # 1 finished its teardown
     await asyncio.sleep(0.5)
-    processes = _replica_ids_of_processes(c.tag)
+    processes = sorted(cl.replica_processes(c.tag).values())
     expected = sorted([("burst", i) for i in (1, 2, 3, 4)] + [("steady", r.replica_id) for r in steady_now])
     assert processes == expected  # none leaked, none duplicated
 
     # The id counter survived the crash: the next replacement gets a fresh id.
     victim = max(r.replica_id for r in steady_now)
-    pid = next(p for p in cl.replica_pids(c.tag) if ("steady", victim) in _replica_ids_of_processes_for([p]))
+    pid = next(p for p, key in cl.replica_processes(c.tag).items() if key == ("steady", victim))
     os.kill(pid, signal.SIGKILL)
     w = cl.Watch(c.stub, "steady")
     await w.until(lambda w: any(rid > victim and r.status == READY for rid, r in w.replicas.items()), timeout=30)
     assert max(w.replicas) == max(ids_before["steady"]) + 1
     w.cancel()
-
-
-def _replica_ids_of_processes_for(pids: list[int]) -> list[tuple[str, int]]:
-    out = []
-    for pid in pids:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
-        out.append((env[b"SERVICE_NAME"].decode(), int(env[b"REPLICA_ID"])))
-    return sorted(out)

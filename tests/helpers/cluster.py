@@ -15,6 +15,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
+from services.provisioner import procs as proc_env
 from tests.helpers import procs, provisioner_procs
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apps", "httpapp.py")
@@ -46,6 +47,16 @@ def replica_pids(tag: str) -> list[int]:
         if state != b"Z" and b"--tag" in argv and tag.encode() in argv:
             pids.append(int(entry))
     return pids
+
+
+def replica_processes(tag: str) -> dict[int, tuple[str, int]]:
+    """Live replica processes carrying the tag: pid -> (env SERVICE_NAME or "", REPLICA_ID)."""
+    out = {}
+    for pid in replica_pids(tag):
+        rid = proc_env.env_value(pid, "REPLICA_ID")
+        if rid is not None:  # None: it exited between the listing and the read
+            out[pid] = (proc_env.env_value(pid, "SERVICE_NAME") or "", int(rid))
+    return out
 
 
 def kill_tagged(tag: str) -> None:
