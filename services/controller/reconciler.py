@@ -612,7 +612,7 @@ class ServiceReconciler:
     def on_probe_result(self, rid: int, result: prober_pb.ProbeResult) -> None:
         """Apply a probe result (spec.md section 5)."""
         r = self.replicas.get(rid)
-        if r is None or rid not in self._probed or not st.should_probe(convert.facts_of(r)):
+        if r is None or rid not in self._probed:  # _save keeps _probed == the replicas to probe
             return
         if result.outcome in (
             prober_pb.PROBE_OUTCOME_PROBE_UNAVAILABLE,
