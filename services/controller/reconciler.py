@@ -132,8 +132,11 @@ class ServiceReconciler:
         if row is None:
             raise errors.NotFoundError(f"service {name!r} not found", service=name)
         self._row: store.ServiceRow = row
-        self._state = _ScalerState.load_from(db.get_autoscaler_state(name))
+        self._state_stored = db.get_autoscaler_state(name)
+        self._state = _ScalerState.load_from(self._state_stored)
         self.replicas: dict[int, res.Replica] = {r.replica_id: r for r in db.list_replicas(name)}
+        # Each record as last written, to put memory back when a write fails.
+        self._stored = {rid: r.SerializeToString() for rid, r in self.replicas.items()}
         self._views = {rid: convert.view_of(r) for rid, r in self.replicas.items()}
         self._endpoint_key: tuple[tuple[int, str, int], ...] = ()
         self._endpoint_list: list[res.Endpoint] = []
@@ -240,7 +243,8 @@ class ServiceReconciler:
         elif not self._started:
             status = res.SERVICE_STATUS_CONTROLLER_INIT
         else:
-            status = int(st.service_status(statuses))
+            launching = self._state.target > 0 and str(self._row.latest_version) not in self._state.stopped
+            status = int(st.service_status(statuses, launching=launching))
         svc = res.Service(
             name=self.name,
             status=status,  # type: ignore[arg-type]
@@ -386,6 +390,8 @@ class ServiceReconciler:
         version = r.version
         if version != self._row.latest_version or version in self._state.ever_ready_versions:
             return
+        if any(v.version == version and v.status is st.ReplicaStatus.READY for v in self._views.values()):
+            return  # SkyPilot's rule: any READY replica of the latest version
         if str(version) in self._state.stopped:
             return
         self._state.stopped[str(version)] = (
@@ -395,7 +401,13 @@ class ServiceReconciler:
         log.warning("%s: %s", self.name, self._state.stopped[str(version)])
 
     def _persist_state(self) -> None:
-        self._db.put_autoscaler_state(self.name, self._state.dump())
+        data = self._state.dump()
+        try:
+            self._db.put_autoscaler_state(self.name, data)
+        except Exception:
+            self._state = _ScalerState.load_from(self._state_stored)  # memory follows the store
+            raise
+        self._state_stored = data
 
     # ---- launches ------------------------------------------------------------------------
 
@@ -490,10 +502,12 @@ class ServiceReconciler:
             self._launch_failed(rid, ev.message, capacity=ev.capacity_unavailable)
             return True
         elif ev.type == LE.LAUNCH_EVENT_TYPE_CANCELLED:
+            # Cancelled by someone else (the provisioner's CancelLaunch): over, not the app's fault.
+            self._launch_failed(rid, ev.message or "the launch was cancelled at the provisioner", user_fault=False)
             return True
         return False
 
-    def _launch_failed(self, rid: int, message: str, *, capacity: bool = False) -> None:
+    def _launch_failed(self, rid: int, message: str, *, capacity: bool = False, user_fault: bool = True) -> None:
         r = self.replicas.get(rid)
         if r is None:
             return
@@ -503,7 +517,7 @@ class ServiceReconciler:
         if capacity:
             self._capacity_backoff_s = min(max(self._capacity_backoff_s * 2, 1.0), 60.0)
             self._launch_not_before = time.monotonic() + self._capacity_backoff_s
-        else:
+        elif user_fault:
             # Setup is user code here, so a version whose launches keep failing would otherwise
             # be relaunched forever, exactly like an app that exits.
             self._stop_version(r, r.failure_reason)
@@ -658,9 +672,6 @@ class ServiceReconciler:
         f.ready_now = True
         if not f.HasField("first_ready_time"):
             f.first_ready_time.CopyFrom(result.probe_time)
-            if r.version not in self._state.ever_ready_versions:
-                self._state.ever_ready_versions.append(r.version)
-                self._persist_state()
         f.ClearField("streak_start_time")
         f.ClearField("streak_last_time")
         r.failure_reason = ""
@@ -886,22 +897,43 @@ class ServiceReconciler:
     # ---- saving and publishing -----------------------------------------------------------
 
     def _save(self, r: res.Replica) -> None:
-        status = int(convert.status_of(r))
-        if status != r.status:
+        """Write a replica's record, then make memory follow.
+
+        Callers change `r` (often the record held in memory) before calling; if the write
+        fails, `r` is put back as the store holds it and the error propagates, so memory never
+        runs ahead of the store.
+        """
+        rid = r.replica_id
+        previous = r.status
+        r.status = convert.status_of(r)  # type: ignore[assignment]
+        try:
+            self._db.put_replica(r)
+        except Exception:
+            stored = self._stored.get(rid)
+            if stored is not None:
+                r.ParseFromString(stored)  # Parse clears first: back to the stored record
+            raise
+        self._stored[rid] = r.SerializeToString()
+        if r.status != previous:
             self.kick()  # scaling and rollouts depend on statuses
-        r.status = status  # type: ignore[assignment]
-        self._views[r.replica_id] = convert.view_of(r)
-        self.replicas[r.replica_id] = r
-        self._db.put_replica(r)
-        self._changed[r.replica_id] = r
+        self._views[rid] = convert.view_of(r)
+        self.replicas[rid] = r
+        self._changed[rid] = r
+        if r.status == res.REPLICA_STATUS_READY and r.version not in self._state.ever_ready_versions:
+            # The stop rule's "ever ready": any READY replica of a version, whether it passed its
+            # first probe under it or was kept READY through an in-place update.
+            self._state.ever_ready_versions = [*self._state.ever_ready_versions[-15:], r.version]
+            self._persist_state()
         self._sync_probe(r)
         self._schedule_flush()
 
     def _remove(self, rid: int) -> None:
-        if self.replicas.pop(rid, None) is None:
+        if rid not in self.replicas:
             return
-        self._views.pop(rid, None)
         self._db.delete_replica(self.name, rid)
+        self.replicas.pop(rid, None)
+        self._stored.pop(rid, None)
+        self._views.pop(rid, None)
         self._changed.pop(rid, None)
         self._launched_in.pop(rid, None)
         self._pending_exit.pop(rid, None)

@@ -76,3 +76,25 @@ async def test_preempted_spot_replica_is_removed_and_replaced(cluster: cl.Cluste
     assert res.REPLICA_STATUS_PREEMPTED in w.seen_statuses[1]
     assert sorted(w.replicas) == [2, 3]
     w.cancel()
+
+
+async def test_a_launch_cancelled_at_the_provisioner_ends_and_is_replaced(cluster: cl.Cluster, tmp_path) -> None:
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    setup = f"setup: 'while [ -f {hold} ]; do sleep 0.05; done'\n"
+    yaml_text = cl.app_yaml("cancelled", cluster.tag, replicas=1, extra=setup)
+    await cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
+    w = cl.Watch(cluster.stub, "cancelled")
+    await w.until(lambda w: 1 in w.replicas and w.replicas[1].status == res.REPLICA_STATUS_PROVISIONING)
+    channel = clients.channel(cluster.provisioner.addr)
+    try:
+        stub = prov_grpc.ProvisionerServiceStub(channel)
+        reply = await stub.CancelLaunch(prov_pb.CancelLaunchRequest(name=w.replicas[1].replica_name), timeout=20)
+        assert reply.cancelled
+    finally:
+        await channel.close()
+    hold.unlink()
+    # The cancelled launch is over: replica 1 is no longer PROVISIONING, and a replacement serves.
+    await w.until(lambda w: w.count(READY) == 1, timeout=30)
+    assert 1 not in w.replicas or w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROVISION
+    w.cancel()

@@ -21,12 +21,16 @@ from services.common import grpc_server, pbtime
 
 class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     """Launches succeed at `endpoint` (or all fail for capacity while `capacity_refused`);
-    names in `fail_teardown` fail every teardown."""
+    names in `fail_teardown` fail every teardown. While `hold_launches` is set, new launches
+    stay PROVISIONING until cancelled; while `dead_endpoint` is set, new replicas run at an
+    endpoint nothing answers."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.fail_teardown: set[str] = set()
         self.capacity_refused = False
+        self.hold_launches = False
+        self.dead_endpoint = False
         self.launches: collections.Counter[str] = collections.Counter()
         self.terminations: collections.Counter[str] = collections.Counter()
         self.running: dict[str, res.ProvisionedReplica] = {}
@@ -59,15 +63,17 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 version=request.version,
                 state=res.REPLICA_STATE_RUNNING,
                 app_state=res.APP_STATE_RUNNING,
-                endpoint=self.endpoint,
+                endpoint="http://127.0.0.1:9" if self.dead_endpoint else self.endpoint,
                 zone="zone-a",
                 create_time=pbtime.timestamp(time.time()),
             )
             self.running[request.name] = replica
         yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, replica))
         yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_PROVISIONING, replica, attempt=1))
+        if self.hold_launches:
+            await asyncio.Event().wait()  # until the caller cancels the stream
         yield pb.LaunchResponse(
-            event=self._event(res.LAUNCH_EVENT_TYPE_RUNNING, replica, attempt=1, endpoint=self.endpoint)
+            event=self._event(res.LAUNCH_EVENT_TYPE_RUNNING, replica, attempt=1, endpoint=replica.endpoint)
         )
 
     async def Terminate(

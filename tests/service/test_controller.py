@@ -268,3 +268,46 @@ async def test_capacity_failures_back_off_instead_of_looping(env: Env) -> None:
     await w.until(lambda w: w.count(READY) == 1, timeout=10)
     assert all(r.replica_id > attempts - 1 for r in w.replicas.values())  # failed ones were removed
     w.cancel()
+
+
+def status_of(w: cl.Watch, rid: int) -> int:
+    r = w.replicas.get(rid)
+    return r.status if r is not None else res.REPLICA_STATUS_UNSPECIFIED
+
+
+async def test_a_new_service_starts_in_replica_init_not_no_replica(env: Env) -> None:
+    created = (await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(replicas=2)))).service
+    assert created.status in (res.SERVICE_STATUS_CONTROLLER_INIT, res.SERVICE_STATUS_REPLICA_INIT)
+    first = await env.stub.WatchService(api.WatchServiceRequest(service_name="svc")).read()
+    assert first.service.status in (res.SERVICE_STATUS_CONTROLLER_INIT, res.SERVICE_STATUS_REPLICA_INIT)
+
+
+async def test_stop_rule_counts_replicas_kept_ready_through_an_in_place_update(env: Env) -> None:
+    w = await create(env, spec(replicas=2))
+    await w.until(lambda w: w.count(READY) == 2)
+    env.provisioner.dead_endpoint = True  # the new replica never answers its probes
+    await env.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=3)))
+    await w.until(lambda w: status_of(w, 3) == res.REPLICA_STATUS_STARTING)
+    env.provisioner.dead_endpoint = False
+    env.provisioner.app_exited(w.replicas[3].replica_name, 1)
+    await w.until(lambda w: status_of(w, 3) == res.REPLICA_STATUS_FAILED)
+    # Version 2 has READY replicas (kept in place): a replacement, no stop rule.
+    await w.until(lambda w: w.count(READY) == 3)
+    assert "scaling stopped" not in w.service.status_message
+    w.cancel()
+
+
+async def test_failed_teardown_of_a_provisioning_replica_is_failed_cleanup_and_purgeable(env: Env) -> None:
+    env.provisioner.hold_launches = True
+    w = await create(env, spec(replicas=1))
+    await w.until(lambda w: status_of(w, 1) == res.REPLICA_STATUS_PROVISIONING)
+    name = w.replicas[1].replica_name
+    env.provisioner.fail_teardown.add(name)
+    env.provisioner.hold_launches = False
+    await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1))
+    await w.until(lambda w: status_of(w, 1) == res.REPLICA_STATUS_FAILED_CLEANUP)
+    await w.until(lambda w: w.count(READY) == 1)
+    env.provisioner.fail_teardown.discard(name)
+    await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1, purge=True))
+    await w.until(lambda w: 1 not in w.replicas)
+    w.cancel()

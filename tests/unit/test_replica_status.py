@@ -19,6 +19,8 @@ ROWS = [
     (4, Facts(launch=L.RUNNING), S.PROVISIONING),
     (4, Facts(launch=L.RUNNING, teardown=D.SCHEDULED), S.PROVISIONING),
     (5, Facts(launch=L.INTERRUPTED, teardown=D.RUNNING), S.SHUTTING_DOWN),
+    (5, Facts(launch=L.INTERRUPTED, teardown=D.SCHEDULED), S.SHUTTING_DOWN),
+    (5, Facts(launch=L.INTERRUPTED, teardown=D.FAILED), S.FAILED_CLEANUP),  # fix: purgeable
     (6, Facts(launch=L.SUCCEEDED, teardown=D.SUCCEEDED, preempted=True), S.PREEMPTED),
     (6, Facts(launch=L.SUCCEEDED, teardown=D.FAILED, preempted=True), S.PREEMPTED),
     (7, Facts(launch=L.SUCCEEDED, teardown=D.SCHEDULED), S.SHUTTING_DOWN),
@@ -107,5 +109,7 @@ def test_service_status_and_counts() -> None:
     assert st.service_status([S.FAILED]) is st.ServiceStatus.NO_REPLICA
     assert st.service_status([S.PENDING, S.FAILED]) is st.ServiceStatus.REPLICA_INIT
     assert st.service_status([S.READY, S.STARTING]) is st.ServiceStatus.READY
+    assert st.service_status([], launching=True) is st.ServiceStatus.REPLICA_INIT  # a new service
+    assert st.service_status([S.FAILED], launching=True) is st.ServiceStatus.REPLICA_INIT
     assert st.ready_and_total([S.READY, S.STARTING, S.FAILED, S.SHUTTING_DOWN]) == (1, 3)
     assert st.ready_and_total([S.FAILED]) == (0, 0)

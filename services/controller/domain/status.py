@@ -115,6 +115,10 @@ def replica_status(f: Facts) -> ReplicaStatus:
             return ReplicaStatus.UNKNOWN  # 3
         return ReplicaStatus.PROVISIONING  # 4
     if f.launch is LaunchPhase.INTERRUPTED:
+        # Fix over SkyPilot: a failed teardown of an interrupted launch is a leak to clean up,
+        # not a teardown in progress forever.
+        if td is TeardownPhase.FAILED:
+            return ReplicaStatus.FAILED_CLEANUP  # 5a
         return ReplicaStatus.SHUTTING_DOWN  # 5
     if td is not TeardownPhase.NONE and f.preempted:
         return ReplicaStatus.PREEMPTED  # 6
@@ -188,11 +192,12 @@ def scale_down_victims(replicas: Iterable[ReplicaView], count: int) -> list[Repl
     return candidates[: max(count, 0)]
 
 
-def service_status(statuses: Sequence[ReplicaStatus]) -> ServiceStatus:
-    """READY with any READY replica; REPLICA_INIT while some are on their way; else NO_REPLICA."""
+def service_status(statuses: Sequence[ReplicaStatus], *, launching: bool = False) -> ServiceStatus:
+    """READY with any READY replica; REPLICA_INIT while some are on their way (or about to be
+    launched: `launching`); else NO_REPLICA."""
     if ReplicaStatus.READY in statuses:
         return ServiceStatus.READY
-    if any(not is_terminal(s) for s in statuses):
+    if launching or any(not is_terminal(s) for s in statuses):
         return ServiceStatus.REPLICA_INIT
     return ServiceStatus.NO_REPLICA
 
