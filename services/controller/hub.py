@@ -102,14 +102,15 @@ class ServiceHub:
                 first = snapshot()
                 first.sequence = self.sequence
                 first.snapshot = True
+                first.deleted = self.deleted  # a watcher that arrives as the service goes
                 backlog = [first]
             last = after_sequence
             for msg in backlog:
                 last = msg.sequence
                 yield msg
-            if self.deleted:
-                return
             while True:
+                if self.deleted and q.empty():
+                    return  # the end was in the snapshot, or already sent from the queue
                 change = await q.get()
                 if change is None:
                     return

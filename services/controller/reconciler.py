@@ -13,8 +13,8 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import grpc
 
@@ -152,12 +152,20 @@ class ServiceReconciler:
         self._reconcile_scheduled = False
         self._last_flush = self._last_reconcile = 0.0
         self._probing_stale = False
+        self._published_version = 0
         self._started = False
         self._stopping = False
         self._gone = False
         self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self._capacity_backoff_s = 0.0
         self._launch_not_before = 0.0  # monotonic time; launches wait after capacity failures
+        self._background: set[asyncio.Task[None]] = set()
+        # Replicas whose teardown kept their logs (failures): the logs go when the record goes.
+        self._logs_kept = {
+            rid
+            for rid, r in self.replicas.items()
+            if r.facts.teardown_phase != TP.TEARDOWN_PHASE_UNSPECIFIED and not r.facts.is_scale_down
+        }
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -188,7 +196,7 @@ class ServiceReconciler:
     async def stop(self) -> None:
         """Stop following the service (controller shutdown); replicas stay as they are."""
         self._stopping = True
-        tasks = [*self._launches.values(), *self._teardowns.values()]
+        tasks = [*self._launches.values(), *self._teardowns.values(), *self._background]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -259,6 +267,7 @@ class ServiceReconciler:
             probing_stale=self._probing_stale,
             update_mode=self._row.update_mode,  # type: ignore[arg-type]
             endpoints=self._endpoints(views, active),
+            uid=self._row.uid,
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
@@ -417,7 +426,7 @@ class ServiceReconciler:
         r = res.Replica(
             service=self.name,
             replica_id=rid,
-            replica_name=f"{self.name}-{rid}",
+            replica_name=f"{self.name}-{rid}-{self._row.uid}" if self._row.uid else f"{self.name}-{rid}",
             version=version,
             is_spot=self.spec(version).resources.use_spot,
             create_time=pbtime.timestamp(time.time()),
@@ -717,6 +726,10 @@ class ServiceReconciler:
         self._start_teardown(rid, drain=drain, keep_logs=keep_logs)
 
     def _start_teardown(self, rid: int, *, drain: float, keep_logs: bool) -> None:
+        if keep_logs:
+            self._logs_kept.add(rid)
+        else:
+            self._logs_kept.discard(rid)
         self._teardowns[rid] = asyncio.create_task(
             self._run_teardown(rid, drain, keep_logs), name=f"teardown {self.name}/{rid}"
         )
@@ -777,6 +790,25 @@ class ServiceReconciler:
         else:
             self._save(r)
         self.kick()
+
+    async def _delete_logs(self, name: str) -> None:
+        delay = self._tuning.reconnect_initial_s
+        for _ in range(8):
+            try:
+                await self._prov.DeleteLogs(prov_pb.DeleteLogsRequest(name=name), timeout=10)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _PERMANENT_CODES:
+                    log.info("logs of %s not deleted: %s", name, exc.code().name)
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._tuning.reconnect_max_s)
+        log.warning("could not delete the logs of %s: the provisioner is unreachable", name)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- user actions --------------------------------------------------------------------
 
@@ -871,7 +903,7 @@ class ServiceReconciler:
         for rid in list(self._probed):
             self._probes.remove(target_id(self.name, rid))
         self._probed.clear()
-        svc = self.service()
+        svc = self._without_unchanged_spec(self.service())
         svc.status = res.SERVICE_STATUS_SHUTTING_DOWN
         self._db.delete_service(self.name)
         self.hub.publish(svc, [], [], deleted=True)
@@ -928,9 +960,14 @@ class ServiceReconciler:
         self._schedule_flush()
 
     def _remove(self, rid: int) -> None:
-        if rid not in self.replicas:
+        r = self.replicas.get(rid)
+        if r is None:
             return
         self._db.delete_replica(self.name, rid)
+        if rid in self._logs_kept:
+            # A failed replica's logs were kept for the user; they go with its record.
+            self._logs_kept.discard(rid)
+            self._spawn(self._delete_logs(r.replica_name), f"delete logs of {r.replica_name}")
         self.replicas.pop(rid, None)
         self._stored.pop(rid, None)
         self._views.pop(rid, None)
@@ -943,6 +980,15 @@ class ServiceReconciler:
         for version in self._db.delete_unreferenced_versions(self.name):
             self._specs.pop(version, None)
         self._schedule_flush()
+
+    def _without_unchanged_spec(self, svc: res.Service) -> res.Service:
+        # The watch history holds ~1,000 messages per service: the spec (up to 1 MiB of YAML)
+        # travels with the snapshot and with the change that brings a new version, not with
+        # every replica status change.
+        if svc.latest_version == self._published_version:
+            svc.ClearField("spec")
+        self._published_version = svc.latest_version
+        return svc
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled and not self._gone:
@@ -959,7 +1005,7 @@ class ServiceReconciler:
         changed = [self._changed[i] for i in sorted(self._changed)]
         removed, self._removed = self._removed, []
         self._changed = {}
-        self.hub.publish(svc, changed, removed)
+        self.hub.publish(self._without_unchanged_spec(svc), changed, removed)
         self.hub.set_endpoints(list(svc.endpoints))
         if not self._row.deleting and (
             svc.status != self._row.status or svc.status_message != self._row.status_message

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -23,7 +24,7 @@ _UPDATABLE = frozenset({"status", "status_message", "uptime_start", "update_mode
 
 _SERVICE_COLUMNS = (
     "name, create_time, status, status_message, uptime_start, update_mode, latest_version, "
-    "next_replica_id, deleting, request_id"
+    "next_replica_id, deleting, request_id, uid"
 )
 
 
@@ -42,6 +43,7 @@ class ServiceRow:
         next_replica_id: the id the next `allocate_replica_id` returns.
         deleting: the service is being torn down.
         request_id: the request id of the create call, for retries.
+        uid: unique to this incarnation of the name; part of every replica name.
     """
 
     name: str
@@ -54,10 +56,11 @@ class ServiceRow:
     next_replica_id: int
     deleting: bool
     request_id: str
+    uid: str
 
 
 def _service_row(row: tuple[Any, ...]) -> ServiceRow:
-    (name, create_time, status, message, uptime, mode, latest, next_id, deleting, request_id) = row
+    (name, create_time, status, message, uptime, mode, latest, next_id, deleting, request_id, uid) = row
     return ServiceRow(
         name=name,
         create_time=float(create_time),
@@ -69,6 +72,7 @@ def _service_row(row: tuple[Any, ...]) -> ServiceRow:
         next_replica_id=int(next_id),
         deleting=bool(deleting),
         request_id=request_id,
+        uid=uid,
     )
 
 
@@ -127,7 +131,13 @@ def _migrate_2(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX replicas_by_status ON replicas (service, status)")
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2)
+def _migrate_3(db: sqlite3.Connection) -> None:
+    """A uid per service incarnation, so replica names of a re-created service never repeat."""
+    db.execute("ALTER TABLE services ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
+    db.execute("UPDATE services SET uid = lower(hex(randomblob(4))) WHERE uid = ''")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2, _migrate_3)
 """Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -332,8 +342,9 @@ class Store:
                     f"service {name!r} already exists", reason="SERVICE_ALREADY_EXISTS", service=name
                 )
             self._db.execute(
-                "INSERT INTO services (name, create_time, status, latest_version, request_id) VALUES (?, ?, ?, 1, ?)",
-                (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id),
+                "INSERT INTO services (name, create_time, status, latest_version, request_id, uid) "
+                "VALUES (?, ?, ?, 1, ?, ?)",
+                (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id, secrets.token_hex(4)),
             )
             self._insert_version(name, 1, spec)
             return self._get_service(name)  # type: ignore[return-value]

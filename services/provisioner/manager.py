@@ -28,6 +28,8 @@ from services.provisioner import events, logstore, model, retries, slots, store
 log = logging.getLogger(__name__)
 
 _SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A replica name as a single safe path component (it names log and work directories).
+_REPLICA_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?$")
 MAX_PAGE_SIZE = 10_000
 DEFAULT_PAGE_SIZE = 1_000
 
@@ -105,9 +107,24 @@ def validate(request: model.LaunchRequest) -> None:
         violations.append(errors.FieldViolation("service", "must match [a-z]([-a-z0-9]*[a-z0-9])?, at most 63 chars"))
     if request.replica_id < 1:
         violations.append(errors.FieldViolation("replica_id", "must be at least 1"))
-    if request.name != f"{request.service}-{request.replica_id}":
-        violations.append(errors.FieldViolation("name", "must be {service}-{replica_id}"))
+    prefix = f"{request.service}-{request.replica_id}"
+    suffix = request.name[len(prefix) :]
+    if not request.name.startswith(prefix) or not (suffix == "" or re.fullmatch(r"-[a-z0-9]{1,16}", suffix)):
+        violations.append(errors.FieldViolation("name", "must be {service}-{replica_id}[-{suffix}]"))
     errors.require(violations, subject="launch request")
+
+
+def check_name(name: str) -> None:
+    """Check that `name` is a replica name (a safe file name, never a path).
+
+    Raises:
+        errors.ValidationError: it is not.
+    """
+    if not _REPLICA_NAME.fullmatch(name):
+        raise errors.ValidationError(
+            [errors.FieldViolation("name", "must be a replica name: lowercase letters, digits and '-'")],
+            subject="replica name",
+        )
 
 
 def _retryable_launch(exc: BaseException) -> bool:
@@ -699,6 +716,22 @@ class Provisioner:
         live = (lambda: self._live(name, kind)) if follow else None
         async for chunk in self._logs.stream(name, kind, live=live):
             yield chunk
+
+    def delete_logs(self, name: str) -> bool:
+        """Delete the logs kept for replica `name`, which must be gone; True if there were any.
+
+        Raises:
+            errors.ValidationError: `name` is not a replica name.
+            errors.FailedPreconditionError: the replica still exists (tear it down first).
+        """
+        check_name(name)
+        if name in self._entries:
+            raise errors.FailedPreconditionError(
+                f"replica {name} still exists; its logs go with its teardown", subject=name, replica=name
+            )
+        existed = any(self._logs.exists(name, kind) for kind in model.LogKind)
+        self._logs.delete(name)
+        return existed
 
     def _live(self, name: str, kind: model.LogKind) -> bool:
         entry = self._entries.get(name)

@@ -85,3 +85,8 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def ListZones(self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext) -> pb.ListZonesResponse:
         now = time.time()
         return pb.ListZonesResponse(zones=[convert.zone(z, now) for z in self._p.zones()])
+
+    async def DeleteLogs(
+        self, request: pb.DeleteLogsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteLogsResponse:
+        return pb.DeleteLogsResponse(deleted=self._p.delete_logs(request.name))

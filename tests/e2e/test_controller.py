@@ -130,3 +130,61 @@ async def test_bad_spec_returns_every_violation_and_stores_nothing(cluster: cl.C
     assert len(fields) >= 3
     services = (await cluster.stub.ListServices(api.ListServicesRequest())).services
     assert list(services) == []
+
+
+async def _app_log(c: cl.Cluster, name: str) -> bytes | None:
+    """A replica's app log at the provisioner, or None if it has none."""
+    from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
+    from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
+    from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+    from services.common import clients
+
+    channel = clients.channel(c.provisioner.addr)
+    try:
+        stub = prov_grpc.ProvisionerServiceStub(channel)
+        data = b""
+        async for chunk in stub.StreamLogs(prov_pb.StreamLogsRequest(name=name, kind=prov_res.LOG_KIND_APP), timeout=10):
+            data += chunk.data
+        return data
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+        return None
+    finally:
+        await channel.close()
+
+
+async def _until_log_gone(c: cl.Cluster, name: str) -> None:
+    for _ in range(100):
+        if await _app_log(c, name) is None:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"logs of {name} were kept after their record went")
+
+
+async def test_kept_logs_go_with_their_record_and_names_never_repeat(cluster: cl.Cluster) -> None:
+    crashing = cl.app_yaml("crashy", cluster.tag, replicas=1, run="echo boom; exit 3")
+    await _create(cluster, crashing)
+    w = cl.Watch(cluster.stub, "crashy")
+    await w.until(lambda w: 1 in w.replicas and w.replicas[1].status == res.REPLICA_STATUS_FAILED)
+    first = w.replicas[1].replica_name
+    assert b"boom" in (await _app_log(cluster, first) or b"")  # kept for the user to read
+
+    await cluster.stub.PurgeReplicas(api.PurgeReplicasRequest(service_name="crashy"))
+    await w.until(lambda w: 1 not in w.replicas)
+    await _until_log_gone(cluster, first)  # purged record: its logs go too
+    w.cancel()
+
+    # The same name, created again, never appends to or shows an old incarnation's logs.
+    w = cl.Watch(cluster.stub, "crashy")
+    await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="crashy"))
+    await w.until(lambda w: w.deleted)
+    await _create(cluster, crashing)
+    w = cl.Watch(cluster.stub, "crashy")
+    await w.until(lambda w: 1 in w.replicas and w.replicas[1].status == res.REPLICA_STATUS_FAILED)
+    second = w.replicas[1].replica_name
+    assert second != first
+    assert (await _app_log(cluster, second) or b"").count(b"boom") == 1
+
+    await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="crashy"))
+    await w.until(lambda w: w.deleted)
+    await _until_log_gone(cluster, second)  # deleted service: the kept logs go too

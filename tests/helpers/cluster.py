@@ -191,12 +191,14 @@ class Watch:
         self.service: res.Service | None = None
         self.replicas: dict[int, res.Replica] = {}
         self.deleted = False
+        self.first_sequence = 0
         self.seen_statuses: dict[int, list[int]] = {}
         self._call = stub.WatchService(api.WatchServiceRequest(service_name=name))
 
     def _apply(self, msg: api.WatchServiceResponse) -> None:
         if msg.snapshot:
             self.replicas = {}
+        self.first_sequence = self.first_sequence or msg.sequence
         self.service = msg.service
         for r in msg.replicas:
             self.replicas[r.replica_id] = r

@@ -82,11 +82,12 @@ async def rpc_error(call) -> grpc_errors.RpcError:  # type: ignore[no-untyped-de
 async def test_failed_scale_down_teardown_is_kept_as_failed_cleanup(env: Env) -> None:
     w = await create(env, spec())
     await w.until(lambda w: w.count(READY) == 1)
-    env.provisioner.fail_teardown.add("svc-1")
+    env.provisioner.fail_teardown.add(w.replicas[1].replica_name)
     await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1))
     await w.until(lambda w: w.replicas.get(1) and w.replicas[1].status == res.REPLICA_STATUS_FAILED_CLEANUP)
     await w.until(lambda w: w.count(READY) == 1 and 2 in w.replicas)
     assert "teardown failed: cloud said no" in w.replicas[1].failure_reason
+    name = w.replicas[1].replica_name
 
     err = await rpc_error(env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1)))
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -94,19 +95,20 @@ async def test_failed_scale_down_teardown_is_kept_as_failed_cleanup(env: Env) ->
 
     await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1, purge=True))
     await w.until(lambda w: 1 not in w.replicas)
-    assert env.provisioner.terminations["svc-1"] == 2  # purge tried the cleanup once more
+    assert env.provisioner.terminations[name] == 2  # purge tried the cleanup once more
     w.cancel()
 
 
 async def test_delete_with_a_failed_teardown_leaves_failed_cleanup_until_purged(env: Env) -> None:
     w = await create(env, spec(replicas=2))
     await w.until(lambda w: w.count(READY) == 2)
-    env.provisioner.fail_teardown.add("svc-2")
+    first, second = w.replicas[1].replica_name, w.replicas[2].replica_name
+    env.provisioner.fail_teardown.add(second)
     await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
     await w.until(lambda w: w.service.status == res.SERVICE_STATUS_FAILED_CLEANUP)
     assert list(w.replicas) == [2]
     assert "delete with purge" in w.service.status_message
-    assert "svc-1" not in env.provisioner.running
+    assert first not in env.provisioner.running
 
     await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc", purge=True))
     await w.until(lambda w: w.deleted)
@@ -130,9 +132,10 @@ async def test_api_errors_follow_the_aip_model(env: Env) -> None:
     err = await rpc_error(env.stub.CreateService(api.CreateServiceRequest(yaml=spec().replace("name: svc\n", ""))))
     assert "service_name" in [f for f, _ in err.field_violations]
 
-    env.provisioner.fail_teardown.add("svc-1")
-    await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
     w = cl.Watch(env.stub, "svc")
+    await w.until(lambda w: w.count(READY) == 1)
+    env.provisioner.fail_teardown.add(w.replicas[1].replica_name)
+    await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
     await w.until(lambda w: w.service.status == res.SERVICE_STATUS_FAILED_CLEANUP)
     err = await rpc_error(env.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=2))))
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -142,7 +145,7 @@ async def test_api_errors_follow_the_aip_model(env: Env) -> None:
 async def test_app_exit_is_a_user_app_failure(env: Env) -> None:
     w = await create(env, spec())
     await w.until(lambda w: w.count(READY) == 1)
-    env.provisioner.app_exited("svc-1", 2)
+    env.provisioner.app_exited(w.replicas[1].replica_name, 2)
     await w.until(lambda w: w.replicas.get(1) and w.replicas[1].status == res.REPLICA_STATUS_FAILED)
     await w.until(lambda w: w.count(READY) == 1)  # it had been ready: replaced, no stop rule
     assert w.replicas[1].failure_reason == "app exited with code 2"
@@ -224,7 +227,7 @@ async def test_paging_purge_and_load(env: Env) -> None:
     )
     assert [r.replica_id for r in rest.replicas] == [3] and not rest.next_page_token
 
-    env.provisioner.app_exited("svc-2", 1)
+    env.provisioner.app_exited(w.replicas[2].replica_name, 1)
     await w.until(lambda w: w.replicas.get(2) and w.replicas[2].status == res.REPLICA_STATUS_FAILED)
     purged = await env.stub.PurgeReplicas(api.PurgeReplicasRequest(service_name="svc"))
     assert list(purged.replica_ids) == [2]
@@ -310,4 +313,29 @@ async def test_failed_teardown_of_a_provisioning_replica_is_failed_cleanup_and_p
     env.provisioner.fail_teardown.discard(name)
     await env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1, purge=True))
     await w.until(lambda w: 1 not in w.replicas)
+    w.cancel()
+
+
+async def test_watch_changes_carry_the_spec_only_when_the_version_changes(env: Env) -> None:
+    big = spec(replicas=2) + "envs:\n  BLOB: " + "x" * 200_000 + "\n"
+    w = await create(env, big)
+    await w.until(lambda w: w.count(READY) == 2)
+    await env.stub.UpdateService(
+        api.UpdateServiceRequest(service_name="svc", yaml=big.replace("replicas: 2", "replicas: 3"))
+    )
+    await w.until(lambda w: w.count(READY) == 3)
+    replay = env.stub.WatchService(api.WatchServiceRequest(service_name="svc", after_sequence=w.first_sequence))
+    versions_with_spec, changes = [], 0
+    while True:
+        msg = await asyncio.wait_for(replay.read(), 5)
+        assert not msg.snapshot  # a replay of the history
+        changes += 1
+        if msg.service.HasField("spec"):
+            versions_with_spec.append(msg.service.latest_version)
+        if msg.service.ready_replicas == 3:
+            break
+    replay.cancel()
+    assert changes > 4
+    # The big spec travels once per version (with the change that brings it), not per change.
+    assert versions_with_spec[-1:] == [2] and len(versions_with_spec) == len(set(versions_with_spec))
     w.cancel()

@@ -286,3 +286,25 @@ async def test_health_check_serves(built) -> None:
             health_pb2.HealthCheckRequest(service=server.SERVICE_NAME)
         )
     assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_delete_logs_removes_a_gone_replicas_kept_logs_and_only_those(stub, state_dir) -> None:
+    request = client.launch_request(4, spec_=client.spec(run="echo hello; sleep 30"))
+    request.name = "svc-4-0a1b2c3d"  # the controller's incarnation suffix
+    await _launch(stub, request)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.DeleteLogs(pb.DeleteLogsRequest(name=request.name))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # still running
+    await client.collect(stub.Terminate(pb.TerminateRequest(name=request.name, keep_logs=True)))
+    assert await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name)))  # kept
+
+    assert (await stub.DeleteLogs(pb.DeleteLogsRequest(name=request.name))).deleted
+    assert not (await stub.DeleteLogs(pb.DeleteLogsRequest(name=request.name))).deleted  # idempotent
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name)))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    for bad in ("../../x", "..", "a/b", ""):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.DeleteLogs(pb.DeleteLogsRequest(name=bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+    assert os.path.isdir(os.path.join(state_dir, "logs"))  # nothing outside a replica's own logs went

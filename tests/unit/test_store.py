@@ -112,7 +112,9 @@ def test_create_service_stores_version_one(store: store_mod.Store) -> None:
         next_replica_id=1,
         deleting=False,
         request_id="req-1",
+        uid=row.uid,
     )
+    assert len(row.uid) == 8
     assert store.get_service("svc") == row
     assert store.list_versions("svc") == [1]
     assert store.get_version("svc", 1) == spec
@@ -186,9 +188,11 @@ def test_delete_service_removes_everything(store: store_mod.Store, svc: str) -> 
 
 def test_recreated_service_starts_fresh(store: store_mod.Store, svc: str) -> None:
     store.allocate_replica_id(svc)
+    old_uid = store.get_service(svc).uid
     store.delete_service(svc)
     row = store.create_service(svc, make_spec(), now=NOW)
     assert (row.latest_version, row.next_replica_id) == (1, 1)
+    assert row.uid != old_uid and len(row.uid) == 8  # a new incarnation: replica names never repeat
 
 
 # ---- versions ---------------------------------------------------------------------------------
@@ -543,17 +547,19 @@ def _old_database(path: str, version: int) -> None:
 def test_opening_a_version_1_database_migrates_it(db_path: str) -> None:
     _old_database(db_path, 1)
     with store_mod.Store(db_path) as s:
-        assert s.schema_version() == store_mod.SCHEMA_VERSION == 2
+        assert s.schema_version() == store_mod.SCHEMA_VERSION == 3
         row = s.get_service("old")
         assert row is not None
         assert (row.request_id, row.status, row.next_replica_id) == ("", 3, 3)
+        assert len(row.uid) == 8  # an existing service gets its incarnation uid too
         assert s.get_version("old", 1) == make_spec()
         assert s.list_replicas("old", statuses=[1]) == [make_replica("old", 2)]
         indexes = {r[0] for r in s._db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
         assert {"replicas_by_version", "replicas_by_status"} <= indexes
         assert s.allocate_replica_id("old") == 3
     with store_mod.Store(db_path) as s:  # reopening is a no-op
-        assert s.schema_version() == 2
+        assert s.schema_version() == 3
+        assert s.get_service("old").uid == row.uid
 
 
 def test_migrations_are_ordered_and_each_bumps_the_version(tmp_path: object) -> None:
@@ -573,7 +579,7 @@ def test_failed_migration_leaves_old_schema(db_path: str, monkeypatch: pytest.Mo
         db.execute("ALTER TABLE services ADD COLUMN request_id TEXT NOT NULL DEFAULT ''")
         raise sqlite3.OperationalError("disk on fire")
 
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (store_mod.MIGRATIONS[0], broken))
+    monkeypatch.setattr(store_mod, "MIGRATIONS", (store_mod.MIGRATIONS[0], broken, *store_mod.MIGRATIONS[2:]))
     with pytest.raises(sqlite3.OperationalError):
         store_mod.Store(db_path)
     conn = sqlite3.connect(db_path)

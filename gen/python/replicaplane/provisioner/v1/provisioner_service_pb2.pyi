@@ -37,7 +37,10 @@ class LaunchRequest(_message.Message):
     AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     ATTACH_ONLY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Replica name, the idempotency key: `{service}-{replica_id}`."""
+    """Replica name, the idempotency key: `{service}-{replica_id}` or
+    `{service}-{replica_id}-{suffix}` (the controller adds a suffix unique to the service's
+    incarnation, so a re-created service never reuses a name).
+    """
     service: _builtins.str
     """The service name."""
     replica_id: _builtins.int
@@ -545,3 +548,47 @@ class ListZonesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListZonesResponse: _TypeAlias = ListZonesResponse  # noqa: Y015
+
+@_typing.final
+class DeleteLogsRequest(_message.Message):
+    """DeleteLogsRequest names the replica whose logs go."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Replica name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLogsRequest: _TypeAlias = DeleteLogsRequest  # noqa: Y015
+
+@_typing.final
+class DeleteLogsResponse(_message.Message):
+    """DeleteLogsResponse says whether there were logs to delete."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """True if logs existed and were deleted."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteLogsResponse: _TypeAlias = DeleteLogsResponse  # noqa: Y015

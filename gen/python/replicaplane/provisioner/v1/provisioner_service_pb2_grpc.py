@@ -85,6 +85,11 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesResponse.FromString,
                 _registered_method=True)
+        self.DeleteLogs = channel.unary_unary(
+                '/replicaplane.provisioner.v1.ProvisionerService/DeleteLogs',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
+                _registered_method=True)
 
 
 class ProvisionerServiceServicer:
@@ -165,6 +170,15 @@ class ProvisionerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteLogs(self, request, context):
+        """Deletes the logs kept for a replica that is gone (its record was purged or its service
+        deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
+        are not there succeeds with `deleted` false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProvisionerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +231,11 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     servicer.ListZones,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesResponse.SerializeToString,
+            ),
+            'DeleteLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteLogs,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +509,33 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/ListZones',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.ListZonesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/DeleteLogs',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

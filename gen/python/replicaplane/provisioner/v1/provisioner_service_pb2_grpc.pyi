@@ -60,6 +60,11 @@ class ProvisionerServiceStub:
     """Chaos and test tool: makes a zone refuse launches for a while."""
     ListZones: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListZonesRequest, _provisioner_service_pb2.ListZonesResponse]
     """Lists zones with prices and availability."""
+    DeleteLogs: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.DeleteLogsRequest, _provisioner_service_pb2.DeleteLogsResponse]
+    """Deletes the logs kept for a replica that is gone (its record was purged or its service
+    deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
+    are not there succeeds with `deleted` false.
+    """
 
 @_typing.type_check_only
 class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
@@ -93,6 +98,11 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     """Chaos and test tool: makes a zone refuse launches for a while."""
     ListZones: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListZonesRequest, _provisioner_service_pb2.ListZonesResponse]  # type: ignore[assignment]
     """Lists zones with prices and availability."""
+    DeleteLogs: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.DeleteLogsRequest, _provisioner_service_pb2.DeleteLogsResponse]  # type: ignore[assignment]
+    """Deletes the logs kept for a replica that is gone (its record was purged or its service
+    deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
+    are not there succeeds with `deleted` false.
+    """
 
 class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
     """ProvisionerService launches and tears down replicas and reports every step as it happens."""
@@ -183,5 +193,16 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_provisioner_service_pb2.ListZonesResponse, _abc.Awaitable[_provisioner_service_pb2.ListZonesResponse]]:
         """Lists zones with prices and availability."""
+
+    @_abc_1.abstractmethod
+    def DeleteLogs(
+        self,
+        request: _provisioner_service_pb2.DeleteLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_provisioner_service_pb2.DeleteLogsResponse, _abc.Awaitable[_provisioner_service_pb2.DeleteLogsResponse]]:
+        """Deletes the logs kept for a replica that is gone (its record was purged or its service
+        deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
+        are not there succeeds with `deleted` false.
+        """
 
 def add_ProvisionerServiceServicer_to_server(servicer: ProvisionerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
