@@ -44,6 +44,12 @@ class Built:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def set_serving(self, serving: bool) -> None:
+        """Report every service SERVING, or NOT_SERVING while a dependency is broken."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
     async def stop(self, grace: float | None) -> None:
         """Mark NOT_SERVING first so balancers drain, then stop with `grace` seconds."""
         await self.health.enter_graceful_shutdown()

@@ -40,6 +40,7 @@ class Controller:
         self._tuning = tuning
         self._services: dict[str, reconciler.ServiceReconciler] = {}
         self._watch_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
         self._probing_stale = False
         self._orphan_tasks: set[asyncio.Task[None]] = set()
         self._watch_generation = 0
@@ -50,12 +51,14 @@ class Controller:
             rec = self._new_reconciler(row.name)
             rec.start()
         self._watch_task = asyncio.create_task(self._watch_provisioner(), name="provisioner watch")
+        self._sweep_task = asyncio.create_task(self._sweep(), name="sweep")
 
     async def stop(self) -> None:
         """Stop following; replicas and records stay for the next start."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
+        for task in (self._watch_task, self._sweep_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
 
     def _new_reconciler(self, name: str) -> reconciler.ServiceReconciler:
@@ -178,7 +181,12 @@ class Controller:
             service, _, rid = result.target_id.rpartition("/")
             rec = self._services.get(service)
             if rec is not None and rid.isdigit():
-                rec.on_probe_result(int(rid), result)
+                try:
+                    rec.on_probe_result(int(rid), result)
+                except Exception:
+                    # Probes repeat: the next result of this replica is applied once the store
+                    # takes writes again. One failure never drops the rest of the batch.
+                    log.exception("could not apply a probe result of %s", result.target_id)
 
     def on_probe_stale(self, stale: bool) -> None:
         """No prober reachable (or reachable again)."""
@@ -209,8 +217,23 @@ class Controller:
                     self._route(ev)
             except grpc.aio.AioRpcError as exc:
                 log.info("provisioner watch broke (%s); reconnecting", exc.code().name)
+            except Exception:
+                # A store error while applying an event: the next snapshot replays the state.
+                log.exception("provisioner watch failed; reconnecting")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._tuning.reconnect_max_s)
+
+    async def _sweep(self) -> None:
+        """The level-triggered pass: events can be lost (a failed write, a dead task); every
+        `sweep_interval_s` whatever should be in motion and is not gets going again."""
+        while True:
+            await asyncio.sleep(self._tuning.sweep_interval_s)
+            self._db.check_writable()
+            for rec in list(self._services.values()):
+                try:
+                    rec.resync()
+                except Exception:
+                    log.exception("resync of service %s failed", rec.name)
 
     def _route(self, ev: prov_res.ReplicaEvent) -> None:
         rec = self._services.get(ev.replica.service)

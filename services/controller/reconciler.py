@@ -63,6 +63,8 @@ class Tuning:
     """First wait before re-opening a broken provisioner stream."""
     reconnect_max_s: float = 2.0
     """Longest wait between re-opens."""
+    sweep_interval_s: float = 5.0
+    """Period of the level-triggered pass (resync)."""
 
 
 # Passes over every replica (publishing a change, reconciling) run at once when the service is
@@ -304,6 +306,47 @@ class ServiceReconciler:
             return "probing is stale: no prober reachable, readiness may be out of date"
         return f"{ready}/{total} ready, target {self._state.target}"
 
+    def _reload(self) -> None:
+        """Make memory follow the store again, after a transaction of several writes failed."""
+        row = self._db.get_service(self.name)
+        if row is None:
+            return
+        self._row = row
+        self._state_stored = self._db.get_autoscaler_state(self.name)
+        self._state = _ScalerState.load_from(self._state_stored)
+        self.replicas = {r.replica_id: r for r in self._db.list_replicas(self.name)}
+        self._stored = {rid: r.SerializeToString() for rid, r in self.replicas.items()}
+        self._views = {rid: convert.view_of(r) for rid, r in self.replicas.items()}
+        self._changed = dict(self.replicas)
+        for r in self.replicas.values():
+            self._sync_probe(r)
+        self._schedule_flush()
+
+    def resync(self) -> None:
+        """The level-triggered pass: a launch, teardown or probe that should be in motion and is
+        not (its task died, an event was lost to a failed write) gets going again."""
+        if self._gone or self._stopping or not self._started:
+            return
+        for rid, r in list(self.replicas.items()):
+            f = r.facts
+            if f.teardown_phase in (TP.TEARDOWN_PHASE_SCHEDULED, TP.TEARDOWN_PHASE_RUNNING):
+                if rid not in self._teardowns:
+                    log.warning("%s/%d: a teardown was not in motion; resuming it", self.name, rid)
+                    self._start_teardown(rid, drain=0.0, keep_logs=not (f.is_scale_down or f.purged))
+            elif f.teardown_phase == TP.TEARDOWN_PHASE_UNSPECIFIED:
+                if f.launch_phase in (LP.LAUNCH_PHASE_SCHEDULED, LP.LAUNCH_PHASE_RUNNING):
+                    if rid not in self._launches:
+                        log.warning("%s/%d: a launch was not followed; re-attaching", self.name, rid)
+                        self._start_launch(rid)
+                elif f.launch_phase == LP.LAUNCH_PHASE_FAILED or f.user_app_failed:
+                    self.teardown(rid, drain=0.0, keep_logs=True)  # a failure whose teardown was lost
+                else:
+                    self._sync_probe(r)
+        if self._row.deleting:
+            self._continue_delete()
+        self.kick()
+        self._schedule_flush()
+
     # ---- decisions -----------------------------------------------------------------------
 
     def _target_from_spec(self) -> int:
@@ -320,6 +363,13 @@ class ServiceReconciler:
         self._last_reconcile = time.monotonic()
         if self._row.deleting or self._gone:
             return
+        try:
+            self._reconcile_once()
+        except Exception:
+            log.exception("%s: reconcile failed; retrying", self.name)
+            asyncio.get_running_loop().call_later(self._tuning.reconnect_max_s, self.kick)
+
+    def _reconcile_once(self) -> None:
         views = list(self._views.values())
         latest = self._row.latest_version
         plan = scaling.plan(
@@ -381,13 +431,20 @@ class ServiceReconciler:
         )
         if dry_run:
             return plan
-        version = self._db.add_version(self.name, new)
-        self._row = self._db.update_service(self.name, update_mode=mode or res.UPDATE_MODE_ROLLING, status_message="")
-        self._state.target = target
-        self._persist_state()
-        for r in kept:
-            r.version = version
-            self._save(r)
+        try:
+            with self._db.transaction():  # all of the update, or none of it
+                version = self._db.add_version(self.name, new)
+                self._row = self._db.update_service(
+                    self.name, update_mode=mode or res.UPDATE_MODE_ROLLING, status_message=""
+                )
+                self._state.target = target
+                self._persist_state()
+                for r in kept:
+                    r.version = version
+                    self._save(r)
+        except Exception:
+            self._reload()
+            raise
         for r in self.replicas.values():
             self._sync_probe(r)  # probe interval and threshold come from the latest version
         self.kick()
@@ -467,6 +524,9 @@ class ServiceReconciler:
                         self._launch_failed(rid, f"provisioner refused the launch: {exc.details()}")
                         return
                     log.info("%s/%d: launch stream broke (%s); re-attaching", self.name, rid, exc.code().name)
+                except Exception:
+                    # A store error applying an event: re-attach and replay, never die silently.
+                    log.exception("%s/%d: following the launch failed; re-attaching", self.name, rid)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._tuning.reconnect_max_s)
         finally:
@@ -761,6 +821,8 @@ class ServiceReconciler:
                             self._save(r)
                 except grpc.aio.AioRpcError as exc:
                     log.info("%s/%d: teardown stream broke (%s); retrying", self.name, rid, exc.code().name)
+                except Exception:
+                    log.exception("%s/%d: following the teardown failed; retrying", self.name, rid)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._tuning.reconnect_max_s)
                 drain = 0.0  # the replica already left the ready set; do not drain twice
@@ -1010,4 +1072,7 @@ class ServiceReconciler:
         if not self._row.deleting and (
             svc.status != self._row.status or svc.status_message != self._row.status_message
         ):
-            self._row = self._db.update_service(self.name, status=svc.status, status_message=svc.status_message)
+            try:
+                self._row = self._db.update_service(self.name, status=svc.status, status_message=svc.status_message)
+            except errors.UnavailableError:
+                log.warning("%s: could not store the service status; the next change retries", self.name)

@@ -34,6 +34,11 @@ class Settings:
     """Drain before a scale-down or manual termination (SkyPilot: 120 s)."""
     probe_fast_interval_s: float = 0.1
     """Probe interval of a replica that has not passed a probe yet."""
+    sweep_interval_s: float = 5.0
+    """How often the level-triggered pass runs: it restarts any launch, teardown or probe that
+    should be in motion and is not, and checks that the store takes writes."""
+    store_busy_timeout_s: float = 5.0
+    """How long a store write waits for another process's lock before it counts as failed."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -65,9 +70,13 @@ class Running:
 
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
-    db = store.Store.in_state_dir(settings.state_dir)
+    db = store.Store.in_state_dir(settings.state_dir, busy_timeout_s=settings.store_busy_timeout_s)
     channel = clients.channel(settings.provisioner_addr)
-    tuning = reconciler.Tuning(drain_s=settings.drain_s, probe_fast_interval_s=settings.probe_fast_interval_s)
+    tuning = reconciler.Tuning(
+        drain_s=settings.drain_s,
+        probe_fast_interval_s=settings.probe_fast_interval_s,
+        sweep_interval_s=settings.sweep_interval_s,
+    )
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(
         settings.prober_addrs,
@@ -84,6 +93,15 @@ async def start(settings: Settings) -> Running:
     server = grpc_server.new_server(domain="controller.replicaplane")
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
+    background: set[asyncio.Task[None]] = set()
+
+    def store_health(writable: bool) -> None:
+        task = asyncio.get_running_loop().create_task(built.set_serving(writable))
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    db.on_writable_change(store_health)
     await ctl.start()
     await fleet.start()
     await built.start()

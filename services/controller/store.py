@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import sqlite3
@@ -15,6 +16,8 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
+
+log = logging.getLogger(__name__)
 
 DB_FILE = "state.db"
 
@@ -137,7 +140,12 @@ def _migrate_3(db: sqlite3.Connection) -> None:
     db.execute("UPDATE services SET uid = lower(hex(randomblob(4))) WHERE uid = ''")
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2, _migrate_3)
+def _migrate_4(db: sqlite3.Connection) -> None:
+    """A small key-value table; `heartbeat` proves the store takes writes."""
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2, _migrate_3, _migrate_4)
 """Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -221,6 +229,8 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._owner: object = None
+        self.writable = True
+        self._on_writable: Callable[[bool], None] | None = None
         try:
             migrate(self._db)
         except BaseException:
@@ -253,6 +263,32 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def on_writable_change(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(writable)` whenever writes start failing or work again."""
+        self._on_writable = callback
+
+    def _set_writable(self, ok: bool) -> None:
+        if ok == self.writable:
+            return
+        self.writable = ok
+        if ok:
+            log.info("the store takes writes again")
+        else:
+            log.error("the store does not take writes: %s", self.path)
+        if self._on_writable is not None:
+            self._on_writable(ok)
+
+    def check_writable(self) -> bool:
+        """Make one small write (a heartbeat); True if the store took it."""
+        try:
+            with self.transaction():
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('heartbeat', strftime('%Y-%m-%dT%H:%M:%fZ'))"
+                )
+        except errors.UnavailableError:
+            return False
+        return True
+
     def schema_version(self) -> int:
         """The schema version of the open database."""
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
@@ -270,7 +306,9 @@ class Store:
             This store.
 
         Raises:
-            errors.UnavailableError: another process held the write lock past the busy timeout.
+            errors.UnavailableError: the store did not take the write: another process held
+                the write lock past the busy timeout, or the disk failed (reason
+                STORE_UNAVAILABLE). `writable` turns false until a write succeeds again.
             RuntimeError: another asyncio task tried to use the store while a transaction
                 was open (an `await` inside the block).
         """
@@ -281,20 +319,23 @@ class Store:
             if self._depth == 0:
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:
-                    raise errors.UnavailableError(f"store busy: {exc}", reason="STORE_BUSY") from exc
+                except sqlite3.Error as exc:
+                    raise self._unavailable(exc) from exc
                 self._owner = owner
                 self._depth = 1
                 try:
                     yield self
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                else:
                     self._db.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    self._rollback()
+                    raise self._unavailable(exc) from exc
+                except BaseException:
+                    self._rollback()
+                    raise
                 finally:
                     self._depth = 0
                     self._owner = None
+                self._set_writable(True)
             else:
                 name = f"sp{self._depth}"
                 self._db.execute(f"SAVEPOINT {name}")
@@ -309,6 +350,18 @@ class Store:
                     self._db.execute(f"RELEASE {name}")
                 finally:
                     self._depth -= 1
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it already
+            self._db.execute("ROLLBACK")
+
+    def _unavailable(self, exc: sqlite3.Error) -> errors.UnavailableError:
+        self._set_writable(False)
+        # The message names the failure class only: SQLite errors can quote statements.
+        return errors.UnavailableError(
+            f"the controller's store is unavailable ({type(exc).__name__}: {str(exc)[:80]})",
+            reason="STORE_UNAVAILABLE",
+        )
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:

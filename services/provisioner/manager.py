@@ -51,6 +51,7 @@ class Options:
     cancel_timeout_s: float = 15.0
     kill_grace_s: float = 5.0
     watch_history: int = 10_000
+    sweep_interval_s: float = 5.0
 
 
 @dataclasses.dataclass
@@ -152,6 +153,7 @@ class Provisioner:
         self._entries: dict[str, _Entry] = {}
         self._hub = events.WatchHub(self._snapshot, history=self._opts.watch_history, clock=clock)
         self._consumer: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
         self._streams_ended = False
 
@@ -175,6 +177,7 @@ class Provisioner:
                 except backend_mod.TeardownError as exc:
                     log.warning("could not tear down unknown replica %s: %s", found.name, exc)
         self._consumer = asyncio.get_running_loop().create_task(self._consume())
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         for entry in list(self._entries.values()):
             self._resume(entry)
 
@@ -210,8 +213,7 @@ class Provisioner:
         """Stop operations (they resume on the next start) and watchers; replicas keep running."""
         self._closing = True
         tasks = [t for e in self._entries.values() for t in (e.launch_task, e.teardown_task) if t and not t.done()]
-        if self._consumer:
-            tasks.append(self._consumer)
+        tasks += [t for t in (self._consumer, self._sweeper) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -591,15 +593,61 @@ class Provisioner:
     # ---- app state -------------------------------------------------------------------------
 
     async def _consume(self) -> None:
-        async for event in self._backend.watch():
-            entry = self._entries.get(event.name)
-            if entry is None:
-                continue
-            if event.token != entry.token:
-                if entry.replica.state == model.ReplicaState.PROVISIONING:
-                    entry.pending[event.token] = event  # the launch has not recorded RUNNING yet
-                continue
-            self._app_changed(entry, event.app_state, event.exit_code, event.message)
+        """Apply the backend's app events; an error on one event never ends the stream."""
+        while True:
+            try:
+                async for event in self._backend.watch():
+                    try:
+                        self._on_backend_event(event)
+                    except Exception:
+                        log.exception("could not apply a backend event of %s", event.name)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the backend's event stream failed; following it again")
+                await asyncio.sleep(1.0)
+
+    def _on_backend_event(self, event: backend_mod.BackendEvent) -> None:
+        entry = self._entries.get(event.name)
+        if entry is None:
+            return
+        if event.token != entry.token:
+            if entry.replica.state == model.ReplicaState.PROVISIONING:
+                entry.pending[event.token] = event  # the launch has not recorded RUNNING yet
+            return
+        self._app_changed(entry, event.app_state, event.exit_code, event.message)
+
+    async def _sweep(self) -> None:
+        """The level-triggered pass: an operation whose task died is started again, and an app
+        whose end was missed is reported, every `sweep_interval_s`."""
+        while True:
+            await asyncio.sleep(self._opts.sweep_interval_s)
+            for entry in list(self._entries.values()):
+                try:
+                    self._resync(entry)
+                except Exception:
+                    log.exception("resync of %s failed", entry.request.name)
+
+    def _resync(self, entry: _Entry) -> None:
+        replica = entry.replica
+        if self._closing or self._entries.get(replica.name) is not entry:
+            return
+        launching = replica.state in (model.ReplicaState.QUEUED, model.ReplicaState.PROVISIONING)
+        if launching and (entry.launch_task is None or entry.launch_task.done()):
+            log.warning("%s: its launch had stopped without an end; starting it again", replica.name)
+            self._start_launch(entry, resumed=True)
+        elif replica.state == model.ReplicaState.TERMINATING and (
+            entry.teardown_task is None or entry.teardown_task.done()
+        ):
+            last = entry.teardown.last
+            if last is None or not last.terminal:
+                log.warning("%s: its teardown had stopped without an end; starting it again", replica.name)
+                self._start_teardown(entry, drain_s=0.0, keep_logs=entry.keep_logs)
+        elif replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING:
+            found = self._backend.get(replica.name)
+            if found is not None and found.token == entry.token and found.app_state != model.AppState.RUNNING:
+                self._app_changed(entry, found.app_state, found.exit_code, f"app {found.app_state.value.lower()}")
 
     def _app_changed(
         self,
@@ -742,7 +790,9 @@ class Provisioner:
         return entry.replica.state == model.ReplicaState.RUNNING and entry.replica.app_state == model.AppState.RUNNING
 
     def _save(self, entry: _Entry) -> None:
+        # Memory is the truth while the provisioner runs; a record that could not be written
+        # only matters after a restart, which re-finds replicas through the backend anyway.
         try:
             self._records.save(entry.request.name, entry.to_record())
-        except OSError:
+        except Exception:
             log.exception("could not persist replica %s", entry.request.name)

@@ -57,6 +57,8 @@ class Settings:
     """Simulated zones of the local backend, as name:price_per_hour pairs."""
     watch_history: int = _CORE.watch_history
     """Watch events kept for resuming; an older resume point gets a new snapshot."""
+    sweep_interval_s: float = _CORE.sweep_interval_s
+    """How often the level-triggered pass restarts operations whose task died."""
     replica_host: str = "127.0.0.1"
     """Address local replicas bind to (given to them as $HOST); 0.0.0.0 in containers."""
     advertise_host: str = ""
@@ -124,6 +126,8 @@ def options(settings: Settings) -> manager.Options:
     ):
         if getattr(settings, name) < 0:
             violations.append(errors.FieldViolation(f"provisioner.{name}", "must not be negative"))
+    if settings.sweep_interval_s <= 0:
+        violations.append(errors.FieldViolation("provisioner.sweep_interval_s", "must be positive"))
     if settings.launch_backoff_multiplier < 1:
         violations.append(errors.FieldViolation("provisioner.launch_backoff_multiplier", "must be at least 1"))
     errors.require(violations, subject="provisioner settings")

@@ -143,7 +143,9 @@ async def _app_log(c: cl.Cluster, name: str) -> bytes | None:
     try:
         stub = prov_grpc.ProvisionerServiceStub(channel)
         data = b""
-        async for chunk in stub.StreamLogs(prov_pb.StreamLogsRequest(name=name, kind=prov_res.LOG_KIND_APP), timeout=10):
+        async for chunk in stub.StreamLogs(
+            prov_pb.StreamLogsRequest(name=name, kind=prov_res.LOG_KIND_APP), timeout=10
+        ):
             data += chunk.data
         return data
     except grpc.aio.AioRpcError as exc:

@@ -4,11 +4,15 @@ provisioner (tests/helpers/fake_provisioner.py) for failures the local backend c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
+import sqlite3
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
@@ -43,29 +47,38 @@ def spec(name: str = "svc", replicas: int = 1, run: str = "serve") -> str:
 class Env:
     stub: api_grpc.ControllerServiceStub
     provisioner: fake_provisioner.FakeProvisioner
+    channel: grpc.aio.Channel
+    state_dir: str
 
 
-@pytest.fixture
-async def env(tmp_path) -> AsyncIterator[Env]:
+@contextlib.asynccontextmanager
+async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
+    """A real controller and prober with a scripted provisioner."""
     async with fake_provisioner.serving() as (fake, provisioner_addr):
         prober = await prober_server.build_server(prober_server.load_settings(listen_addr="127.0.0.1:0"))
         await prober.start()
-        running = await controller_server.start(
-            controller_server.Settings(
-                listen_addr="127.0.0.1:0",
-                state_dir=str(tmp_path / "ctl"),
-                provisioner_addr=provisioner_addr,
-                prober_addrs=f"127.0.0.1:{prober.port}",
-                drain_s=0.05,
-            )
-        )
+        values: dict[str, object] = {
+            "listen_addr": "127.0.0.1:0",
+            "state_dir": str(tmp_path / "ctl"),
+            "provisioner_addr": provisioner_addr,
+            "prober_addrs": f"127.0.0.1:{prober.port}",
+            "drain_s": 0.05,
+            **settings,
+        }
+        running = await controller_server.start(controller_server.Settings(**values))  # type: ignore[arg-type]
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
         try:
-            yield Env(api_grpc.ControllerServiceStub(channel), fake)
+            yield Env(api_grpc.ControllerServiceStub(channel), fake, channel, str(values["state_dir"]))
         finally:
             await channel.close()
             await running.stop(None)
             await prober.stop(None)
+
+
+@pytest.fixture
+async def env(tmp_path) -> AsyncIterator[Env]:
+    async with started(tmp_path) as e:
+        yield e
 
 
 async def create(env: Env, yaml_text: str) -> cl.Watch:
@@ -339,3 +352,47 @@ async def test_watch_changes_carry_the_spec_only_when_the_version_changes(env: E
     # The big spec travels once per version (with the change that brings it), not per change.
     assert versions_with_spec[-1:] == [2] and len(versions_with_spec) == len(set(versions_with_spec))
     w.cancel()
+
+
+async def _health(env: Env) -> int:
+    reply = await health_pb2_grpc.HealthStub(env.channel).Check(health_pb2.HealthCheckRequest(service=""))
+    return reply.status
+
+
+async def _until_health(env: Env, status: int) -> None:
+    for _ in range(100):
+        if await _health(env) == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"health never became {status}")
+
+
+async def test_store_failures_kill_no_task_and_health_says_not_serving(tmp_path) -> None:
+    async with started(tmp_path, sweep_interval_s=0.2, store_busy_timeout_s=0.05) as env:
+        w = await create(env, spec(replicas=1))
+        await w.until(lambda w: w.count(READY) == 1)
+        assert await _health(env) == health_pb2.HealthCheckResponse.SERVING
+
+        # Another process holds the store's write lock: every write of the controller fails.
+        lock = sqlite3.connect(os.path.join(env.state_dir, "state.db"), isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            env.provisioner.app_exited(w.replicas[1].replica_name, 1)  # an event that must be written
+            await _until_health(env, health_pb2.HealthCheckResponse.NOT_SERVING)
+            err = await rpc_error(env.stub.CreateService(api.CreateServiceRequest(yaml=spec(name="other"))))
+            assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
+            err = await rpc_error(
+                env.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="svc", replica_id=1))
+            )
+            assert err.code == grpc.StatusCode.UNAVAILABLE
+            replica = (await env.stub.GetReplica(api.GetReplicaRequest(service_name="svc", replica_id=1))).replica
+            assert replica.status == READY  # memory never ran ahead of the store
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+
+        await _until_health(env, health_pb2.HealthCheckResponse.SERVING)
+        # The app exit was not lost with the failed write: it is applied, and replaced.
+        await w.until(lambda w: status_of(w, 1) == res.REPLICA_STATUS_FAILED and w.count(READY) == 1)
+        await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(name="other")))
+        w.cancel()

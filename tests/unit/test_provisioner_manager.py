@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -413,3 +414,54 @@ async def test_a_teardown_waits_for_a_slot_and_says_so(fake: FakeBackend, tmp_pa
         await second
     finally:
         await limited.close()
+
+
+async def test_an_error_applying_one_app_event_never_ends_the_event_stream(
+    prov: manager.Provisioner, fake: FakeBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _all(prov.launch(_request(1)))
+    await _all(prov.launch(_request(2)))
+    stream = await _live_watch(prov)
+    real_save = prov._records.save
+
+    def broken_save(name: str, record: dict) -> None:
+        if name == "svc-1":
+            raise RuntimeError("store on fire")
+        real_save(name, record)
+
+    monkeypatch.setattr(prov._records, "save", broken_save)
+    fake.exit("svc-1", 1)
+    fake.exit("svc-2", 2)
+    seen = set()
+    while len(seen) < 2:
+        event = await asyncio.wait_for(anext(stream), 5)
+        if event.type == R.APP_EXITED:
+            seen.add(event.replica.name)
+    assert seen == {"svc-1", "svc-2"}
+    assert "store on fire" in caplog.text  # logged with its traceback, not swallowed
+
+
+async def test_the_sweep_restarts_a_launch_whose_task_died(fake: FakeBackend, tmp_path) -> None:
+    prov = manager.Provisioner(
+        backend=fake,
+        records=store.RecordStore(str(tmp_path)),
+        logs=logstore.LogStore(str(tmp_path)),
+        options=dataclasses.replace(FAST, sweep_interval_s=0.05),
+    )
+    await prov.start()
+    try:
+        gate = fake.gates["svc-1"] = asyncio.Event()
+        launch = prov.launch(_request(1))
+        await anext(launch)  # QUEUED
+        await fake.started.wait()
+        entry = prov._entries["svc-1"]
+        entry.launch_task.cancel()  # the task dies without an end event (as after an uncaught error)
+        prov._closing = True  # ...so that it does not report a cancellation either
+        await asyncio.sleep(0)
+        await asyncio.wait({entry.launch_task})
+        prov._closing = False
+        gate.set()
+        events = await asyncio.wait_for(_all(prov.launch(_request(1), after_sequence=0)), 5)
+        assert events[-1].type == model.LaunchEventType.RUNNING
+    finally:
+        await prov.close()

@@ -490,11 +490,19 @@ def test_writer_waits_for_another_process_lock(db_path: str, svc: str) -> None:
 
 def test_busy_past_timeout_is_unavailable(db_path: str, store: store_mod.Store, svc: str) -> None:
     other = store_mod.Store(db_path, busy_timeout_s=0.05)
+    changes: list[bool] = []
+    other.on_writable_change(changes.append)
     with store.transaction():
         store.update_service(svc, status_message="held")
-        with pytest.raises(errors.UnavailableError):
+        with pytest.raises(errors.UnavailableError) as info:
             other.put_autoscaler_state(svc, b"x")
+        assert info.value.reason == "STORE_UNAVAILABLE"
+        assert not other.writable and not other.check_writable()
+        assert other.get_autoscaler_state(svc) is None  # reads go on
+    assert changes == [False]
     other.put_autoscaler_state(svc, b"x")
+    assert other.writable and changes == [False, True]
+    assert other.check_writable()
     other.close()
 
 
@@ -547,7 +555,7 @@ def _old_database(path: str, version: int) -> None:
 def test_opening_a_version_1_database_migrates_it(db_path: str) -> None:
     _old_database(db_path, 1)
     with store_mod.Store(db_path) as s:
-        assert s.schema_version() == store_mod.SCHEMA_VERSION == 3
+        assert s.schema_version() == store_mod.SCHEMA_VERSION == 4
         row = s.get_service("old")
         assert row is not None
         assert (row.request_id, row.status, row.next_replica_id) == ("", 3, 3)
@@ -558,7 +566,7 @@ def test_opening_a_version_1_database_migrates_it(db_path: str) -> None:
         assert {"replicas_by_version", "replicas_by_status"} <= indexes
         assert s.allocate_replica_id("old") == 3
     with store_mod.Store(db_path) as s:  # reopening is a no-op
-        assert s.schema_version() == 3
+        assert s.schema_version() == 4
         assert s.get_service("old").uid == row.uid
 
 
