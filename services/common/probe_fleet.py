@@ -112,6 +112,12 @@ class _Prober:
     streams: list[_Stream]
 
 
+DEFAULT_LIVENESS_TIMEOUT_S = 5.0
+"""A stream with no message (results or heartbeat) for this long counts as broken."""
+HEARTBEAT_INTERVAL_S = 1.0
+"""How often a prober sends an empty message on a quiet stream (its default setting)."""
+
+
 class ProbeFleet:
     """Spreads probe targets over a fleet of probers and delivers their results.
 
@@ -130,6 +136,9 @@ class ProbeFleet:
         resolve_interval_s: how often a DNS name is resolved again.
         start_wait_s: how long start() waits for a first live stream.
         max_request_targets: targets per ProbeRequest message at most.
+        liveness_timeout_s: a live stream with no message for this long is broken: probers
+            send a heartbeat every HEARTBEAT_INTERVAL_S, so a prober that is frozen or cut
+            off without a connection reset is noticed within this time, not keepalive's 40 s.
     """
 
     def __init__(
@@ -145,6 +154,7 @@ class ProbeFleet:
         resolve_interval_s: float = 5.0,
         start_wait_s: float = 1.0,
         max_request_targets: int = 1000,
+        liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
     ) -> None:
         self._mode, self._names = parse_targets(targets)
         self._on_results = on_results
@@ -156,6 +166,7 @@ class ProbeFleet:
         self._resolve_interval_s = resolve_interval_s
         self._start_wait_s = start_wait_s
         self._max_request_targets = max(1, max_request_targets)
+        self._liveness_timeout_s = liveness_timeout_s
         self._targets: dict[str, pb.ProbeTarget] = {}
         self._assigned: dict[str, _Stream] = {}
         self._unassigned: set[str] = set()
@@ -432,7 +443,7 @@ class ProbeFleet:
                 self._went_live(stream)
                 backoff = self._backoff_min_s
                 writer = asyncio.get_running_loop().create_task(self._write(stream, call))
-                async for response in call:
+                while (response := await self._next_message(call)) is not None:
                     results = [r for r in response.results if self._assigned.get(r.target_id) is stream]
                     if results:
                         self._deliver(results)
@@ -451,6 +462,24 @@ class ProbeFleet:
                 return
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _next_message(self, call: grpc.aio.StreamStreamCall) -> pb.ProbeResponse | None:
+        """The next message of a live stream, None at its end.
+
+        Raises:
+            TimeoutError: nothing (not even a heartbeat) within the liveness timeout.
+        """
+        reading = asyncio.ensure_future(call.read())
+        try:
+            done, _ = await asyncio.wait({reading}, timeout=self._liveness_timeout_s)
+        finally:
+            if not reading.done():
+                call.cancel()  # as in _accepted: never wait on a prober that does not answer
+                reading.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if not done:
+            raise TimeoutError(f"no message for {self._liveness_timeout_s:g} s")
+        response = reading.result()
+        return None if response is grpc.aio.EOF else response
 
     async def _accepted(self, call: grpc.aio.StreamStreamCall) -> str | None:
         """Wait for the prober to accept `call`; its prober id, or None if it did not.

@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
-from services.common import config, grpc_server, logs
+from services.common import config, grpc_server, logs, probe_fleet
 from services.prober import probing, servicer, streams
 
 SERVICE_NAME = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
@@ -49,6 +49,9 @@ class Settings:
     """How long a batch waits for more results after its first one."""
     max_targets_per_stream: int = 50_000
     """Targets one stream may hold; more are refused as invalid."""
+    heartbeat_s: float = probe_fleet.HEARTBEAT_INTERVAL_S
+    """An empty message is sent on a stream quiet for this long, so clients can tell a frozen
+    prober from a quiet one."""
 
 
 @dataclasses.dataclass
@@ -99,7 +102,7 @@ async def build_server(settings: Settings) -> Built:
     )
     server = grpc_server.new_server(domain="prober.replicaplane")
     prober_service_pb2_grpc.add_ProberServiceServicer_to_server(
-        servicer.ProberServicer(engine, prober_id(settings)), server
+        servicer.ProberServicer(engine, prober_id(settings), heartbeat_s=settings.heartbeat_s), server
     )
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
     return Built(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)}, engine=engine)

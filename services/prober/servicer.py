@@ -72,11 +72,13 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
     Args:
         engine: the process's probe streams.
         prober_id: this prober's identity, stamped on every result.
+        heartbeat_s: a stream quiet this long gets an empty message (a heartbeat).
     """
 
-    def __init__(self, engine: streams.Engine, prober_id: str) -> None:
+    def __init__(self, engine: streams.Engine, prober_id: str, *, heartbeat_s: float = 1.0) -> None:
         self._engine = engine
         self._prober_id = prober_id
+        self._heartbeat_s = heartbeat_s
 
     async def Probe(
         self, request_iterator: AsyncIterator[pb.ProbeRequest], context: grpc.aio.ServicerContext
@@ -87,7 +89,8 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
         log.info("probe stream opened by %s", context.peer())
         try:
             await context.send_initial_metadata(((PROBER_ID_METADATA, self._prober_id),))
-            while (batch := await stream.next_batch()) is not None:
+            # An empty batch is a heartbeat: the stream was quiet for heartbeat_s.
+            while (batch := await stream.next_batch(self._heartbeat_s)) is not None:
                 yield pb.ProbeResponse(
                     results=[result_to_proto(r, self._prober_id) for r in batch], prober_id=self._prober_id
                 )

@@ -96,13 +96,17 @@ class ProbeStream:
         self._targets.clear()
         self._wakeup.set()
 
-    async def next_batch(self) -> list[probing.Result] | None:
-        """Wait for results and return a batch of them; None once the stream is closed."""
+    async def next_batch(self, timeout: float | None = None) -> list[probing.Result] | None:
+        """Wait for results and return a batch of them; None once the stream is closed, and
+        an empty batch when `timeout` passes with none (the caller's heartbeat)."""
         while not self._buffer:
             if self._closed:
                 return None
             self._wakeup.clear()
-            await self._wakeup.wait()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                return []
         if len(self._buffer) < self._settings.batch_max and self._settings.flush_interval_s > 0:
             # Let results that complete at nearly the same time share one message.
             await asyncio.sleep(self._settings.flush_interval_s)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -301,3 +303,30 @@ async def test_a_prober_that_never_answers_is_stale_and_stop_does_not_hang(app: 
         await fleet.stop()
         assert time.monotonic() - started < 1.0
         silent.close()
+
+
+async def test_a_frozen_prober_is_noticed_within_the_liveness_timeout(app: prober_apps.App) -> None:
+    """SIGSTOP: the connection stays open with no reset, and the prober answers nothing."""
+    probers = [procs.start_service("prober") for _ in range(2)]
+    rec = Recorder()
+    fleet = fleet_of(",".join(p.addr for p in probers), rec, streams_per_prober=2)
+    targets = ids(8)
+    frozen = probers[0]
+    try:
+        await fleet.start()
+        for target_id in targets:
+            fleet.upsert(target(target_id, app.url, "/health", interval=0.2))
+        await rec.wait(lambda: sorted(fleet.prober_loads().values()) == [4, 4])
+        await rec.wait(lambda: {r.target_id for _, r in rec.results if r.ready} == set(targets))
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        # Every target is probed again, by the live prober, within the documented bound.
+        bound = probe_fleet.DEFAULT_LIVENESS_TIMEOUT_S + 2.0
+        await rec.wait(lambda: {r.target_id for r in rec.since(stopped) if r.ready} == set(targets), timeout=bound)
+        assert fleet.prober_loads()[probers[1].addr] == 8
+        assert not fleet.stale
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        await fleet.stop()
+        for p in probers:
+            p.kill()
