@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from services.provisioner import backend, model, ports, procs, zones
+from services.provisioner import addresses, backend, model, ports, procs, zones
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class _Handle:
     app_state: str = model.AppState.UNSPECIFIED.value
     exit_code: int = 0
     host: str = "127.0.0.1"
+    address: str = ""  # the replica's own loopback address ("address" network), else empty
 
     @property
     def endpoint(self) -> str:
@@ -83,6 +84,7 @@ class LocalBackend(backend.Backend):
         clock: Callable[[], float] = time.time,
         replica_host: str = "127.0.0.1",
         advertise_host: str = "",
+        network: str = "port",
     ) -> None:
         self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
         self._root = os.path.join(self._state_dir, "local")
@@ -94,6 +96,13 @@ class LocalBackend(backend.Backend):
             "127.0.0.1" if replica_host in ("0.0.0.0", "", "::") else replica_host
         )
         self._ports = ports.PortAllocator(replica_host)
+        # "address": each replica on its own loopback address, declared ports unchanged;
+        # "port": one address, each declared port mapped to a free one (containers, non-Linux).
+        if network not in ("address", "port"):
+            raise ValueError(f"network must be address or port, got {network!r}")
+        self._network = network
+        self._addresses = addresses.AddressAllocator()
+        self._shim_dir = os.path.join(self._state_dir, "local-shim")
         self._handles: dict[str, _Handle] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
@@ -104,13 +113,18 @@ class LocalBackend(backend.Backend):
     async def start(self) -> None:
         """Load handles, watch the apps still running, report the ones that ended, kill strays."""
         os.makedirs(self._root, mode=0o700, exist_ok=True)
+        if self._network == "address":
+            addresses.write_shim(self._shim_dir)
         for name in sorted(os.listdir(self._root)):
             handle = self._load_handle(name)
             if handle is None:
                 continue
             self._handles[name] = handle
-            for port in (handle.port, *handle.port_map.values()):
-                self._ports.hold(port)
+            if handle.address:
+                self._addresses.hold(handle.address)
+            else:
+                for port in (handle.port, *handle.port_map.values()):
+                    self._ports.hold(port)
             if handle.pgid and handle.app_state == model.AppState.RUNNING.value:
                 self._watch_app(handle)
         known = {h.token for h in self._handles.values()}
@@ -148,8 +162,14 @@ class LocalBackend(backend.Backend):
             await self.delete(launch.name, grace_s=0)
 
         declared = ports.declared(spec.ports, spec.serving_port)
-        port_map = {p: self._ports.allocate() for p in declared}
-        port = port_map[declared[0]] if declared else self._ports.allocate()
+        address = ""
+        if self._network == "address":
+            address = self._addresses.allocate(declared)  # a few bind() calls: fast
+            port_map = {p: p for p in declared}
+            port = declared[0] if declared else ports.PortAllocator(address).allocate()
+        else:
+            port_map = {p: self._ports.allocate() for p in declared}
+            port = port_map[declared[0]] if declared else self._ports.allocate()
         handle = _Handle(
             name=launch.name,
             token=uuid.uuid4().hex,
@@ -159,7 +179,8 @@ class LocalBackend(backend.Backend):
             is_spot=launch.use_spot,
             port=port,
             port_map={str(k): v for k, v in port_map.items()},
-            host=self._advertise_host,
+            host=address or self._advertise_host,
+            address=address,
         )
         self._handles[launch.name] = handle
         root = self._dir(launch.name)
@@ -170,7 +191,7 @@ class LocalBackend(backend.Backend):
             if spec.resources:
                 recorded = ", ".join(f"{k}={v}" for k, v in sorted(spec.resources.items()))
                 _note(request.launch_log, f"recorded, not enforced by the local backend: {recorded}")
-            env = self._environment(launch, spec, port_map, port, handle.token)
+            env = self._environment(launch, spec, port_map, port, handle)
             work = os.path.join(root, "work")
             if spec.setup.strip():
                 _note(request.launch_log, "running setup")
@@ -220,8 +241,7 @@ class LocalBackend(backend.Backend):
             raise backend.TeardownError(f"processes of replica {name} did not exit after SIGKILL")
         if self._handles.get(name) is handle:
             del self._handles[name]
-        for port in (handle.port, *handle.port_map.values()):
-            self._ports.release(port)
+        self._release(handle)
         await asyncio.to_thread(shutil.rmtree, self._dir(name), True)
 
     def get(self, name: str) -> backend.BackendReplica | None:
@@ -260,6 +280,13 @@ class LocalBackend(backend.Backend):
     def _dir(self, name: str) -> str:
         return os.path.join(self._root, name)
 
+    def _release(self, handle: _Handle) -> None:
+        if handle.address:
+            self._addresses.release(handle.address)
+        else:
+            for port in (handle.port, *handle.port_map.values()):
+                self._ports.release(port)
+
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
@@ -296,7 +323,7 @@ class LocalBackend(backend.Backend):
         spec: model.ReplicaSpec,
         port_map: dict[int, int],
         port: int,
-        token: str,
+        handle: _Handle,
     ) -> dict[str, str]:
         # The provisioner's own settings stay out of replicas.
         env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
@@ -306,13 +333,17 @@ class LocalBackend(backend.Backend):
         env.update(
             {
                 "PORT": str(port),
-                "HOST": self._replica_host,
+                "HOST": handle.address or self._replica_host,
                 "REPLICA_ID": str(launch.replica_id),
                 "SKYPILOT_SERVE_REPLICA_ID": str(launch.replica_id),
                 OWNER_ENV: self._state_dir,
-                TOKEN_ENV: token,
+                TOKEN_ENV: handle.token,
             }
         )
+        if handle.address:
+            env[addresses.BIND_HOST_ENV] = handle.address
+            env[addresses.BIND_PORTS_ENV] = ",".join(str(p) for p in sorted({port, *port_map}))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self._shim_dir, env.get("PYTHONPATH", "")) if p)
         return env
 
     def _spawn(self, args: builtins.list[str], cwd: str, env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:

@@ -10,7 +10,7 @@ from typing import Any
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs
 from services.provisioner import backend as backend_mod
-from services.provisioner import local, logstore, manager, servicer, store
+from services.provisioner import addresses, local, logstore, manager, servicer, store
 from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
@@ -63,6 +63,12 @@ class Settings:
     """Address local replicas bind to (given to them as $HOST); 0.0.0.0 in containers."""
     advertise_host: str = ""
     """Host put in replica endpoints; default replica_host (127.0.0.1 when that is a wildcard)."""
+    replica_network: str = "auto"
+    """How local replicas share the machine: `address` gives each its own loopback address
+    (127.77.x.y) with the spec's ports unchanged, so apps that bind a fixed port run side by
+    side; `port` maps each declared port to a free one on replica_host. `auto` is `address`
+    on loopback where the system supports it (Linux), else `port` (containers, replica_host
+    0.0.0.0)."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -96,11 +102,20 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         raise errors.ValidationError(
             [errors.FieldViolation("provisioner.backend", f"unknown backend {settings.backend!r}; use local")]
         )
+    network = settings.replica_network
+    if network not in ("auto", "address", "port"):
+        raise errors.ValidationError(
+            [errors.FieldViolation("provisioner.replica_network", f"must be auto, address or port, got {network!r}")]
+        )
+    if network == "auto":
+        loopback = settings.replica_host == "127.0.0.1" and not settings.advertise_host
+        network = "address" if loopback and addresses.supported() else "port"
     return local.LocalBackend(
         settings.state_dir,
         zone_list=zone_config.parse(settings.zones),
         replica_host=settings.replica_host,
         advertise_host=settings.advertise_host,
+        network=network,
     )
 
 

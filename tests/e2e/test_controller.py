@@ -41,7 +41,7 @@ async def test_two_replicas_become_ready_and_answer(cluster: cl.Cluster) -> None
         code, body = await asyncio.to_thread(_get, r.endpoint + "/health")
         assert code == 200
         assert f"replica {r.replica_id}" in body
-        assert r.replica_name == f"web-{r.replica_id}"
+        assert r.replica_name == f"web-{r.replica_id}-{w.service.uid}"
         assert res.REPLICA_STATUS_STARTING in w.seen_statuses[r.replica_id]
     assert len(cl.replica_pids(cluster.tag)) == 2
     w.cancel()
@@ -177,7 +177,7 @@ async def test_kept_logs_go_with_their_record_and_names_never_repeat(cluster: cl
     w.cancel()
 
     # The same name, created again, never appends to or shows an old incarnation's logs.
-    w = cl.Watch(cluster.stub, "crashy")
+    w = await cl.Watch(cluster.stub, "crashy").until(lambda w: w.service is not None)
     await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="crashy"))
     await w.until(lambda w: w.deleted)
     await _create(cluster, crashing)
@@ -190,3 +190,28 @@ async def test_kept_logs_go_with_their_record_and_names_never_repeat(cluster: cl
     await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="crashy"))
     await w.until(lambda w: w.deleted)
     await _until_log_gone(cluster, second)  # deleted service: the kept logs go too
+
+
+async def test_unchanged_skypilot_yaml_with_a_fixed_port_app_runs_two_replicas(cluster: cl.Cluster) -> None:
+    """SkyPilot's http_server example: `run: python3 server.py`, the app binds ('', 8080)."""
+    import os
+
+    workdir = os.path.join(os.path.dirname(cl.APP), "fixed_port")
+    yaml_text = (
+        "name: fixed\n"
+        "service:\n"
+        "  readiness_probe:\n    path: /health\n    initial_delay_seconds: 20\n"
+        "    endpoint_probe_interval_seconds: 0.2\n"
+        "  replicas: 2\n"
+        "resources:\n  ports: 8080\n  cpus: 2+\n"
+        f"workdir: {workdir}\n"
+        "run: python3 server.py\n"
+    )
+    await _create(cluster, yaml_text)
+    w = cl.Watch(cluster.stub, "fixed")
+    await w.until(lambda w: w.count(READY) == 2)
+    endpoints = sorted(r.endpoint for r in w.replicas.values())
+    assert len(set(endpoints)) == 2
+    assert all(e.endswith(":8080") for e in endpoints), endpoints  # the declared port, unchanged
+    answers = sorted(_get(e + "/")[1] for e in endpoints)
+    assert answers == ["replica 1\n", "replica 2\n"]

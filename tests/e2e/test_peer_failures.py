@@ -70,7 +70,7 @@ async def test_preempted_spot_replica_is_removed_and_replaced(cluster: cl.Cluste
     assert all(r.is_spot for r in w.replicas.values())
 
     prov = prov_grpc.ProvisionerServiceStub(clients.channel(cluster.provisioner.addr))
-    await prov.PreemptReplica(prov_pb.PreemptReplicaRequest(name="spot-1"), timeout=10)
+    await prov.PreemptReplica(prov_pb.PreemptReplicaRequest(name=w.replicas[1].replica_name), timeout=10)
 
     await w.until(lambda w: 1 not in w.replicas and w.count(READY) == 2)
     assert res.REPLICA_STATUS_PREEMPTED in w.seen_statuses[1]

@@ -81,8 +81,8 @@ async def test_three_concurrent_launches_run_on_distinct_endpoints_that_answer(s
         assert running.endpoint == running.replica.endpoint
         body = json.loads(await client.wait_http(running.endpoint + "/health"))
         assert body["replica_id"] == str(i)
-        # The spec says 8080; each replica got its own port, substituted in the command.
-        assert f"http://127.0.0.1:{body['port']}" == running.endpoint
+        # The spec says 8080: each replica serves it on its own loopback address.
+        assert running.endpoint.startswith("http://127.77.") and str(body["port"]) == "8080"
         endpoints.add(running.endpoint)
     assert len(endpoints) == 3
     listed = await stub.ListReplicas(pb.ListReplicasRequest(service="svc"))
@@ -276,8 +276,27 @@ async def test_replica_environment_workdir_and_followed_app_log(stub, state_dir,
     chunks = await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-4", follow=True)), timeout=10)
     text = b"".join(c.data for c in chunks).decode()
     assert "from the workdir" in text
-    assert f"PORT={port} ID=4 SKY=4 URL=http://localhost:{port}/x" in text
-    assert port != "8080"
+    assert port == "8080"  # the declared port, unchanged, on the replica's own address
+    assert "PORT=8080 ID=4 SKY=4 URL=http://localhost:8080/x" in text
+
+
+async def test_port_network_maps_each_declared_port_to_a_free_one(state_dir) -> None:
+    srv = await server.build_server(_settings(state_dir, replica_network="port"))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            run = 'echo "PORT=$PORT HOST=$HOST URL=$URL"; sleep 0.5'
+            spec = client.spec(run, envs={"URL": "http://localhost:8080/x"})
+            events = await _launch(stub, client.launch_request(5, spec_=spec))
+            port = events[-1].endpoint.rsplit(":", 1)[1]
+            assert events[-1].endpoint == f"http://127.0.0.1:{port}" and port != "8080"
+            chunks = await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-5", follow=True)), timeout=10)
+            text = b"".join(c.data for c in chunks).decode()
+            assert f"PORT={port} HOST=127.0.0.1 URL=http://localhost:{port}/x" in text
+    finally:
+        await srv.stop(None)
+        provisioner_procs.kill_replicas(state_dir)
 
 
 async def test_health_check_serves(built) -> None:
