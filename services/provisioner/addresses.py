@@ -97,7 +97,7 @@ class AddressAllocator:
 
     def __init__(self) -> None:
         self._taken: set[str] = set()
-        self._next = random.randrange(_POOL)  # noqa: S311 - spreading, not security
+        self._next = random.randrange(_POOL)
 
     def allocate(self, ports: Iterable[int]) -> str:
         """An address on which every port in `ports` can be bound now.

@@ -9,8 +9,8 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs
-from services.provisioner import backend as backend_mod
 from services.provisioner import addresses, local, logstore, manager, servicer, store
+from services.provisioner import backend as backend_mod
 from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name

@@ -10,7 +10,7 @@ import socketserver
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         body = f"replica {os.environ.get('REPLICA_ID', '?')}\n".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
