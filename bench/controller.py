@@ -81,7 +81,7 @@ async def main() -> None:
             for rid, seen_at in seen_ready.items():
                 answered_at = read_time(os.path.join(ready_dir, str(rid)))
                 ready_ms.append((seen_at - answered_at) * 1000)
-                burst_ms.append(await launch_started_ms(prov, f"{name}-{rid}", t0))
+                burst_ms.append(await launch_started_ms(prov, w.replicas[rid].replica_name, t0))
             await c.stub.DeleteService(api.DeleteServiceRequest(service_name=name))
             await w.until(lambda w: w.deleted, timeout=30)
         # Dispatch alone: one replica per create, an app that costs no CPU to start, so the
@@ -93,7 +93,7 @@ async def main() -> None:
             await c.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
             w = cl.Watch(c.stub, name)
             await w.until(lambda w: w.count(res.REPLICA_STATUS_STARTING) == 1)
-            dispatch_ms.append(await launch_started_ms(prov, f"{name}-1", t0))
+            dispatch_ms.append(await launch_started_ms(prov, w.replicas[1].replica_name, t0))
             await c.stub.DeleteService(api.DeleteServiceRequest(service_name=name))
             await w.until(lambda w: w.deleted, timeout=30)
     finally:
