@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -152,6 +153,10 @@ class FakeKubelet:
                 except (TimeoutError, OSError, kc.exceptions.ApiException):
                     await asyncio.sleep(0.01)
         finally:
+            tasks = [p.task for p in self.pods.values() if p.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for pod in self.pods.values():
                 self._kill(pod, grace_s=0)
             await self._api.close()
@@ -340,7 +345,7 @@ class FakeKubelet:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
         if grace_s > 0:
-            asyncio.get_running_loop().call_later(grace_s, self._kill, fake, grace_s=0)
+            asyncio.get_running_loop().call_later(grace_s, functools.partial(self._kill, fake, grace_s=0))
         else:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1)
