@@ -17,7 +17,10 @@ loop plays scheduler and kubelet for the Pods of one namespace:
 - Status goes Pending, then Running with podIP 127.0.0.1 (`started` once an exec startup
   probe passes; probes run every 50 ms, whatever periodSeconds says), Ready once the port
   accepts, and Succeeded or Failed with the exit code and termination message when it ends.
-- A deleted Pod's process group gets SIGTERM, then SIGKILL after `kill_grace_s`.
+- Graceful deletion: the fake kubelet puts a finalizer of its own on every Pod; a deleted Pod
+  stays terminating while its process group gets SIGTERM (SIGKILL after `kill_grace_s`) and
+  is removed once the process is gone, so "the Pod object is gone" implies "the app is dead",
+  as on a real node.
 
 Chaos hooks model what others do to Pods: `delete_pod` (node loss, someone's kubectl),
 `evict` (kubelet eviction: Failed/Evicted with a DisruptionTarget condition), `hold` and
@@ -58,6 +61,7 @@ T = TypeVar("T")
 
 PORT_ANNOTATION = "fake-kubelet.test/port"
 HOLD_FINALIZER = "fake-kubelet.test/hold"
+KUBELET_FINALIZER = "fake-kubelet.test/running"
 NODE = "fake-node"
 NODE_LABELS = {"kubernetes.io/hostname": NODE, "topology.kubernetes.io/zone": "fake-zone-a"}
 NODE_CAPACITY = {"cpu": 8.0, "memory": 32 * 2**30, "nvidia.com/gpu": 0.0}
@@ -171,23 +175,58 @@ class FakeKubelet:
                 return  # an older incarnation's last event
             self._kill(fake, grace_s=0)
             fake = None
-        if kind == "DELETED" or meta.get("deletionTimestamp"):
-            if fake is not None and not fake.deleted:
+        if kind == "DELETED":
+            if fake is not None:
                 fake.deleted = True
-                self._kill(fake, grace_s=self.kill_grace_s)
-            if kind == "DELETED" and fake is not None:
+                self._kill(fake, grace_s=0)
                 self.pods.pop(name, None)
+            return
+        if meta.get("deletionTimestamp"):
+            if fake is None or not fake.deleted:
+                # Graceful deletion: the object goes once the container is dead, as with a kubelet.
+                if fake is not None:
+                    fake.deleted = True
+                asyncio.get_running_loop().create_task(self._terminate(name, fake))
             return
         if fake is not None or (pod.get("status") or {}).get("phase"):
             return  # known, or already handled by an earlier fake kubelet
         fake = _FakePod(name=name, token=token, dir=os.path.join(self.workdir, f"{name}-{token[:8]}"))
         self.pods[name] = fake
+        finalizers = [*(meta.get("finalizers") or []), KUBELET_FINALIZER]
+        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": finalizers}})
         fake.task = asyncio.get_running_loop().create_task(self._run_pod(fake, pod))
 
+    async def _raw(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        """Call the API without the client's models; None on 404 (or any error status)."""
+        resp = await getattr(self._core, f"{method}_without_preload_content")(*args, **kwargs)
+        try:
+            if resp.status >= 400:
+                return None
+            return dict(json.loads(await resp.read()))
+        finally:
+            resp.release()
+
+    async def _terminate(self, name: str, fake: _FakePod | None) -> None:
+        """SIGTERM, grace, SIGKILL; once the process is gone, drop our finalizer."""
+        if fake is not None:
+            if fake.task is not None:
+                fake.task.cancel()
+            self._kill(fake, grace_s=self.kill_grace_s)
+            while fake.proc is not None and fake.proc.poll() is None:
+                await asyncio.sleep(0.02)
+        await self._drop_finalizer(name, KUBELET_FINALIZER)
+
+    async def _drop_finalizer(self, name: str, finalizer: str) -> None:
+        pod = await self._raw("read_namespaced_pod", name, self.namespace)
+        if pod is None:
+            return
+        left = [f for f in (pod["metadata"].get("finalizers") or []) if f != finalizer]
+        # An empty list would not do: this emulator deletes an object when finalizers go to null.
+        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": left or None}})
+
     async def _patch(self, fake: _FakePod, body: dict[str, Any]) -> None:
-        with contextlib.suppress(kc.exceptions.ApiException):
-            if not fake.deleted:
-                await self._core.patch_namespaced_pod(fake.name, self.namespace, body)
+        if not fake.deleted:
+            await self._raw("patch_namespaced_pod", fake.name, self.namespace, body)
 
     async def _set_status(self, fake: _FakePod, **fields: Any) -> None:
         fake.status.update(fields)
@@ -358,7 +397,8 @@ class FakeKubelet:
         if fake is not None:
             fake.deleted = True
             self._kill(fake, grace_s=0)
-        await self._core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+        await self._raw("delete_namespaced_pod", name, self.namespace, grace_period_seconds=0)
+        await self._drop_finalizer(name, KUBELET_FINALIZER)
 
     async def evict(self, name: str) -> None:
         """The kubelet evicts the Pod under node pressure: Failed, reason Evicted."""
@@ -387,11 +427,13 @@ class FakeKubelet:
 
     async def hold(self, name: str) -> None:
         """Add a finalizer: a delete then leaves the Pod terminating until release()."""
-        await self._core.patch_namespaced_pod(name, self.namespace, {"metadata": {"finalizers": [HOLD_FINALIZER]}})
+        pod = await self._raw("read_namespaced_pod", name, self.namespace)
+        finalizers = [*((pod or {}).get("metadata", {}).get("finalizers") or []), HOLD_FINALIZER]
+        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": finalizers}})
 
     async def release(self, name: str) -> None:
         """Remove the finalizer hold() added."""
-        await self._core.patch_namespaced_pod(name, self.namespace, {"metadata": {"finalizers": None}})
+        await self._drop_finalizer(name, HOLD_FINALIZER)
 
     def alive(self) -> list[str]:
         """Names of Pods whose process runs."""
