@@ -526,6 +526,11 @@ class KubernetesBackend(backend.Backend):
                 log.warning("pod watch failed (%s); retrying in %.1f s", exc.message, delay)
                 relist = True
                 await asyncio.sleep(delay)
+            except Exception:  # a bug must not end the only watch: log it, relist
+                delay = min(5.0, max(0.2, delay * 2))
+                log.exception("pod watch broke unexpectedly; relisting in %.1f s", delay)
+                relist = True
+                await asyncio.sleep(delay)
 
     def _apply_list(self, items: builtins.list[dict[str, Any]]) -> None:
         listed = set()
