@@ -9,9 +9,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first, so code changes do not reinstall them.
-COPY requirements.txt ./
-RUN pip install -r requirements.txt
+# Dependencies first, so code changes do not reinstall them. The kubernetes client (for the
+# provisioner's kubernetes backend) is an optional extra elsewhere; the image carries it.
+COPY requirements.txt requirements-kubernetes.txt ./
+RUN pip install -r requirements.txt -r requirements-kubernetes.txt
 
 COPY gen/ gen/
 COPY services/ services/

@@ -14,7 +14,7 @@ BREAKING_AGAINST ?= HEAD~1
 
 .PHONY: setup gen check-gen lint breaking compose-check test e2e up down bench clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-kubernetes.txt requirements-dev.txt pyproject.toml
 	@$(PY_SYS) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Replicaplane needs Python >= 3.11")'
 	$(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

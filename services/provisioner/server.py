@@ -9,7 +9,7 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs
-from services.provisioner import addresses, local, logstore, manager, servicer, store
+from services.provisioner import addresses, kube, kube_objects, local, logstore, manager, servicer, store
 from services.provisioner import backend as backend_mod
 from services.provisioner import zones as zone_config
 
@@ -32,7 +32,7 @@ class Settings:
     state_dir: str = "~/.replicaplane/provisioner"
     """Where records, logs and replica working directories live; replicas are re-found from it."""
     backend: str = "local"
-    """Which backend runs replicas; only "local" (process groups on this machine) exists."""
+    """Which backend runs replicas: "local" (process groups on this machine) or "kubernetes" (Pods)."""
     max_in_flight: float = _CORE.max_in_flight
     """Launches in flight at once; a teardown counts 1/2. More wait in FIFO order."""
     launch_attempts: int = _CORE.launch_attempts
@@ -69,6 +69,52 @@ class Settings:
     side; `port` maps each declared port to a free one on replica_host. `auto` is `address`
     on loopback where the system supports it (Linux), else `port` (containers, replica_host
     0.0.0.0)."""
+    kubernetes_kubeconfig: str = ""
+    """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
+    kubernetes_context: str = ""
+    """Kubeconfig context; empty: the file's current context."""
+    kubernetes_in_cluster: bool = False
+    """Use the Pod's service account (the provisioner runs inside the cluster) instead of a kubeconfig."""
+    kubernetes_namespace: str = "default"
+    """Namespace of every replica object; it must exist unless kubernetes_create_namespace is set."""
+    kubernetes_create_namespace: bool = False
+    """Create the namespace at start when it is missing (needs cluster-wide namespace rights)."""
+    kubernetes_instance: str = "replicaplane"
+    """Label value that tells this provisioner's Pods apart from another's in the same namespace."""
+    kubernetes_image: str = "python:3.11-slim"
+    """Container image of replicas whose spec has no image_id."""
+    kubernetes_service_type: str = ""
+    """Service per replica: "" (none), ClusterIP, NodePort or LoadBalancer."""
+    kubernetes_endpoint: str = "pod"
+    """Reported endpoint: "pod" (Pod IP and port) or "service" (the Service's cluster DNS name)."""
+    kubernetes_cluster_domain: str = "cluster.local"
+    """Cluster DNS domain, for "service" endpoints."""
+    kubernetes_labels: str = ""
+    """Extra labels on replica objects, as k=v,k=v."""
+    kubernetes_annotations: str = ""
+    """Extra annotations on replica objects, as k=v,k=v."""
+    kubernetes_spot_node_selector: str = ""
+    """Node selector of spot replicas, as k=v,k=v (for example cloud.google.com/gke-spot=true)."""
+    kubernetes_spot_tolerations: str = ""
+    """Tolerations of spot replicas, as key[=value]:Effect,..."""
+    kubernetes_accelerator_label: str = "replicaplane.dev/accelerator"
+    """Node label matched to the lowercased accelerator name; empty: no accelerator node selector."""
+    kubernetes_gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource that accelerator counts are requested as."""
+    kubernetes_schedule_timeout_s: float = 600.0
+    """How long a Pod may stay unschedulable before the launch attempt fails."""
+    kubernetes_start_timeout_s: float = 900.0
+    """How long a Pod may take to start its container (image pull included)."""
+    kubernetes_setup_timeout_s: float = 3600.0
+    """How long setup may run inside the container (its startup probe's budget)."""
+    kubernetes_delete_timeout_s: float = 60.0
+    """How long past its grace period a deleted Pod may stay terminating before teardown fails."""
+    kubernetes_watch_timeout_s: float = 300.0
+    """Server-side timeout of one Pod watch; it is then resumed from the last resourceVersion."""
+    kubernetes_watch_idle_s: float = 330.0
+    """A watch silent this long is treated as broken: relist and watch again."""
+    kubernetes_port_annotation: str = ""
+    """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -96,11 +142,17 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
     """The backend the settings name.
 
     Raises:
-        errors.ValidationError: an unknown backend or malformed zones.
+        errors.ValidationError: an unknown backend, malformed zones or kubernetes settings.
     """
+    if settings.backend == "kubernetes":
+        return kube.KubernetesBackend(kube_options(settings))
     if settings.backend != "local":
         raise errors.ValidationError(
-            [errors.FieldViolation("provisioner.backend", f"unknown backend {settings.backend!r}; use local")]
+            [
+                errors.FieldViolation(
+                    "provisioner.backend", f"unknown backend {settings.backend!r}; use local or kubernetes"
+                )
+            ]
         )
     network = settings.replica_network
     if network not in ("auto", "address", "port"):
@@ -116,6 +168,84 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         replica_host=settings.replica_host,
         advertise_host=settings.advertise_host,
         network=network,
+    )
+
+
+def kube_options(settings: Settings) -> kube.Options:
+    """The kubernetes backend's options from the settings.
+
+    Raises:
+        errors.ValidationError: every malformed `kubernetes_*` setting, each named.
+    """
+    violations = []
+
+    def field(name: str) -> str:
+        return f"provisioner.kubernetes_{name}"
+
+    def parsed(name: str, parse: Any, default: Any) -> Any:
+        try:
+            return parse(getattr(settings, f"kubernetes_{name}"), field(name))
+        except ValueError as exc:
+            violations.append(errors.FieldViolation(field(name), str(exc).split(": ", 1)[-1]))
+            return default
+
+    labels = parsed("labels", kube_objects.parse_pairs, {})
+    try:
+        kube_objects.check_label_values(labels, field("labels"))
+    except ValueError as exc:
+        violations.append(errors.FieldViolation(field("labels"), str(exc).split(": ", 1)[-1]))
+    annotations = parsed("annotations", kube_objects.parse_pairs, {})
+    spot_selector = parsed("spot_node_selector", kube_objects.parse_pairs, {})
+    tolerations = parsed("spot_tolerations", kube_objects.parse_tolerations, ())
+    ns = settings.kubernetes_namespace
+    if len(ns) > 63 or not kube_objects.is_dns_label(ns):
+        violations.append(errors.FieldViolation(field("namespace"), "must be a DNS label (a-z, 0-9, '-'), at most 63"))
+    instance = settings.kubernetes_instance
+    if not instance or len(instance) > 63 or not kube_objects.is_label_value(instance):
+        violations.append(errors.FieldViolation(field("instance"), "must be a non-empty label value, at most 63"))
+    if settings.kubernetes_service_type not in kube_objects.SERVICE_TYPES:
+        violations.append(
+            errors.FieldViolation(field("service_type"), "must be empty, ClusterIP, NodePort or LoadBalancer")
+        )
+    if settings.kubernetes_endpoint not in kube_objects.ENDPOINT_MODES:
+        violations.append(errors.FieldViolation(field("endpoint"), "must be pod or service"))
+    elif settings.kubernetes_endpoint == "service" and not settings.kubernetes_service_type:
+        violations.append(errors.FieldViolation(field("endpoint"), "service endpoints need kubernetes_service_type"))
+    if not settings.kubernetes_image:
+        violations.append(errors.FieldViolation(field("image"), "must not be empty"))
+    for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
+        if getattr(settings, f"kubernetes_{name}") < 0:
+            violations.append(errors.FieldViolation(field(name), "must not be negative"))
+    for name in ("watch_timeout_s", "watch_idle_s"):
+        if getattr(settings, f"kubernetes_{name}") < 1:
+            violations.append(errors.FieldViolation(field(name), "must be at least 1"))
+    errors.require(violations, subject="provisioner settings")
+    return kube.Options(
+        pods=kube_objects.PodConfig(
+            namespace=ns,
+            instance=instance,
+            default_image=settings.kubernetes_image,
+            service_type=settings.kubernetes_service_type,
+            labels=labels,
+            annotations=annotations,
+            spot_node_selector=spot_selector,
+            spot_tolerations=tolerations,
+            accelerator_label=settings.kubernetes_accelerator_label,
+            gpu_resource=settings.kubernetes_gpu_resource,
+            setup_timeout_s=settings.kubernetes_setup_timeout_s,
+        ),
+        kubeconfig=os.path.expanduser(settings.kubernetes_kubeconfig) if settings.kubernetes_kubeconfig else "",
+        context=settings.kubernetes_context,
+        in_cluster=settings.kubernetes_in_cluster,
+        create_namespace=settings.kubernetes_create_namespace,
+        endpoint=settings.kubernetes_endpoint,
+        cluster_domain=settings.kubernetes_cluster_domain,
+        port_annotation=settings.kubernetes_port_annotation,
+        schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
+        start_timeout_s=settings.kubernetes_start_timeout_s,
+        delete_timeout_s=settings.kubernetes_delete_timeout_s,
+        watch_timeout_s=settings.kubernetes_watch_timeout_s,
+        watch_idle_s=settings.kubernetes_watch_idle_s,
     )
 
 

@@ -185,5 +185,6 @@ def test_settings_come_from_the_environment() -> None:
     settings = server.load_settings(environ=env)
     assert settings.max_in_flight == 2.5
     assert [z.name for z in zones.parse(settings.zones)] == ["x", "y"]
-    with pytest.raises(errors.ValidationError):
-        server.make_backend(server.Settings(backend="kubernetes"))
+    with pytest.raises(errors.ValidationError) as info:
+        server.make_backend(server.Settings(backend="nomad"))
+    assert [v.field for v in info.value.violations] == ["provisioner.backend"]

@@ -1,0 +1,682 @@
+"""The `kubernetes` backend: each replica is a Pod (plus an optional Service) in one namespace.
+
+The official client's asyncio flavour (`kubernetes.aio`) is imported lazily, when the backend
+starts, so the local backend never pays for it. Objects are built as plain dicts by
+kube_objects.py; this module sends them and follows their Pods.
+
+One watch over the Pods carrying this instance's labels drives everything: a list, then a
+watch from the list's resourceVersion, re-watched when the server ends it, relisted on 410
+Gone, on an idle read timeout and after errors. Every (re)list replays every Pod; the state
+kept per replica makes duplicates harmless (an event is reported once per incarnation).
+Labels are also checked on the client side, for servers that ignore selectors.
+
+Restart safety: the Pods themselves are the record. Each carries the full replica name and
+the incarnation token in annotations, so a restarted provisioner lists its Pods by label and
+re-adopts them; Pods that ended while it was down are reported then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from services.provisioner import backend, kube_objects, model
+
+log = logging.getLogger(__name__)
+
+_KINDS = ("pod", "service", "secret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Settings of the kubernetes backend (see server.Settings, `kubernetes_*`, for each)."""
+
+    pods: kube_objects.PodConfig = dataclasses.field(default_factory=kube_objects.PodConfig)
+    kubeconfig: str = ""
+    context: str = ""
+    in_cluster: bool = False
+    create_namespace: bool = False
+    endpoint: str = "pod"
+    cluster_domain: str = "cluster.local"
+    port_annotation: str = ""
+    schedule_timeout_s: float = 600.0
+    start_timeout_s: float = 900.0
+    delete_timeout_s: float = 60.0
+    watch_timeout_s: float = 300.0
+    watch_idle_s: float = 330.0
+    request_timeout_s: float = 30.0
+
+
+class ApiError(Exception):
+    """A Kubernetes API call failed: `status` is the HTTP status (0 when there was no answer)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old (410): relist."""
+
+
+class _Api:
+    """The few calls the backend makes, with dict bodies and dict answers."""
+
+    def __init__(self, opts: Options) -> None:
+        self._opts = opts
+        self._client: Any = None
+        self._core: Any = None
+        self._api_exception: type[BaseException] = Exception
+        self._errors: tuple[type[BaseException], ...] = ()
+
+    async def open(self) -> None:
+        from kubernetes.aio import client, config
+
+        cfg = client.Configuration()
+        try:
+            if self._opts.in_cluster:
+                config.load_incluster_config(client_configuration=cfg)
+            else:
+                await config.load_kube_config(
+                    config_file=self._opts.kubeconfig or None,
+                    context=self._opts.context or None,
+                    client_configuration=cfg,
+                )
+        except Exception as exc:  # ConfigException, a missing or malformed file
+            where = (
+                "in-cluster config" if self._opts.in_cluster else (self._opts.kubeconfig or "the default kubeconfig")
+            )
+            raise ApiError(0, f"cannot load {where}: {exc}") from None
+        self._client = client.ApiClient(cfg)
+        self._core = client.CoreV1Api(self._client)
+        self._api_exception = client.exceptions.ApiException
+        import aiohttp
+
+        self._errors = (aiohttp.ClientError, OSError, TimeoutError)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` and return the answer's JSON as a dict.
+
+        The raw (`_without_preload_content`) variants are used: the client's generated models
+        reject objects that lack fields they think required, and plain dicts are all we need.
+        """
+        kwargs.setdefault("_request_timeout", self._opts.request_timeout_s)
+        try:
+            resp = await getattr(self._core, f"{method}_without_preload_content")(*args, **kwargs)
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+        except self._api_exception as exc:
+            raise ApiError(int(getattr(exc, "status", 0) or 0), _api_message(exc)) from None
+        except self._errors as exc:
+            raise ApiError(0, f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        if resp.status >= 400:
+            message = str(data.get("message") or body[:300].decode(errors="replace") or f"HTTP {resp.status}")
+            raise ApiError(int(resp.status), message)
+        return data
+
+    async def create(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        ns = body["metadata"]["namespace"]
+        return await self._call(f"create_namespaced_{kind}", ns, body)
+
+    async def delete(self, kind: str, name: str, namespace: str, *, grace_s: float | None = None) -> bool:
+        """Delete one object; False when it was not there."""
+        kwargs: dict[str, Any] = {}
+        if grace_s is not None:
+            kwargs["grace_period_seconds"] = max(0, round(grace_s))
+        try:
+            await self._call(f"delete_namespaced_{kind}", name, namespace, **kwargs)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def get_pod(self, name: str, namespace: str) -> dict[str, Any] | None:
+        try:
+            return await self._call("read_namespaced_pod", name, namespace)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def ensure_namespace(self, namespace: str) -> None:
+        try:
+            await self._call("read_namespace", namespace)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+            with contextlib.suppress(ApiError):  # a racing creator is fine
+                await self._call("create_namespace", body)
+
+    async def list_pods(self, namespace: str, labels: str) -> tuple[list[dict[str, Any]], str]:
+        data = await self._call("list_namespaced_pod", namespace, label_selector=labels)
+        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_pods(
+        self, namespace: str, labels: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Pod events until the server ends the watch.
+
+        Raises:
+            _Gone: the resourceVersion is too old.
+            TimeoutError: nothing arrived for `watch_idle_s`.
+            ApiError: the watch could not be opened or broke.
+        """
+        kwargs: dict[str, Any] = {
+            "label_selector": labels,
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "timeout_seconds": max(1, round(self._opts.watch_timeout_s)),
+            "_request_timeout": None,
+        }
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        try:
+            resp = await self._core.list_namespaced_pod_without_preload_content(namespace, **kwargs)
+        except self._errors as exc:
+            raise ApiError(0, f"{type(exc).__name__}: {exc}") from None
+        try:
+            if resp.status == 410:
+                raise _Gone()
+            if resp.status >= 400:
+                raise ApiError(resp.status, (await resp.text())[:300])
+            while True:
+                try:
+                    line = await asyncio.wait_for(resp.content.readline(), self._opts.watch_idle_s)
+                except self._errors as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    raise ApiError(0, f"watch broke: {type(exc).__name__}") from None
+                if not line:
+                    return
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                kind, obj = event.get("type", ""), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone()
+                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or "watch error"))
+                yield kind, obj
+        finally:
+            resp.release()
+
+
+def _api_message(exc: Any) -> str:
+    """The API server's message from an ApiException (its JSON Status body when there is one)."""
+    try:
+        body = json.loads(exc.body or "{}")
+        return str(body.get("message") or exc.reason or "")
+    except (ValueError, TypeError):
+        return str(exc.reason or "")
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One replica incarnation's Pod, as last seen."""
+
+    name: str
+    obj: str
+    token: str
+    is_spot: bool
+    zone: str
+    created_at: float
+    port: int
+    has_setup: bool = False
+    pod: dict[str, Any] | None = None
+    status: kube_objects.PodStatus = dataclasses.field(default_factory=kube_objects.PodStatus)
+    gone: bool = False
+    launching: bool = False
+    deleting: bool = False
+    reported: bool = False
+    app_state: model.AppState = model.AppState.RUNNING
+    exit_code: int = 0
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def touch(self) -> None:
+        """Wake whoever waits for a change."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class KubernetesBackend(backend.Backend):
+    """Replicas as Pods; see the module docstring."""
+
+    name = "kubernetes"
+
+    def __init__(self, options: Options, *, clock: Callable[[], float] = time.time) -> None:
+        self._opts = options
+        self._cfg = options.pods
+        self._ns = options.pods.namespace
+        self._labels = kube_objects.selector(options.pods.instance)
+        self._selector = kube_objects.selector_text(self._labels)
+        self._clock = clock
+        self._api = _Api(options)
+        self._tracked: dict[str, _Tracked] = {}
+        self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
+        self._watcher: asyncio.Task[None] | None = None
+        # Tokens of incarnations deleted here: a replayed event of theirs must not re-adopt them.
+        self._deleted: collections.deque[str] = collections.deque(maxlen=10_000)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, list this instance's Pods and adopt them, then start the watch."""
+        try:
+            await self._api.open()
+            if self._opts.create_namespace:
+                await self._api.ensure_namespace(self._ns)
+            items, version = await self._api.list_pods(self._ns, self._selector)
+        except ApiError as exc:
+            raise RuntimeError(f"kubernetes backend: cannot list Pods in namespace {self._ns}: {exc.message}") from None
+        self._apply_list(items)
+        log.info("kubernetes backend: namespace %s, %d replica Pods found", self._ns, len(self._tracked))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(version))
+
+    async def close(self) -> None:
+        """Stop watching; the Pods keep running and are re-adopted on the next start()."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self._api.close()
+
+    # ---- backend interface -----------------------------------------------------------------
+
+    async def create(self, request: backend.CreateRequest) -> backend.BackendReplica:
+        """Create the replica's objects and wait until its container has finished setup."""
+        launch = request.launch
+        token = uuid.uuid4().hex
+        created_at = self._clock()
+        try:
+            pod, notes = kube_objects.pod_manifest(launch, self._cfg, token=token, created_at=created_at)
+        except kube_objects.ManifestError as exc:
+            raise backend.LaunchError(str(exc), permanent=True) from None
+        if launch.name in self._tracked:
+            await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+        obj = pod["metadata"]["name"]
+        tracked = _Tracked(
+            name=launch.name,
+            obj=obj,
+            token=token,
+            is_spot=launch.use_spot,
+            zone=launch.zone,
+            created_at=created_at,
+            port=kube_objects.serving_port(launch.spec),
+            has_setup=bool(launch.spec.setup.strip()),
+            launching=True,
+        )
+        self._tracked[launch.name] = tracked
+        for note in notes:
+            _note(request.launch_log, note)
+        image = pod["spec"]["containers"][0]["image"]
+        try:
+            if launch.spec.secrets:
+                await self._create("secret", kube_objects.secret_manifest(launch, self._cfg))
+            _note(request.launch_log, f"creating Pod {self._ns}/{obj} (image {image})")
+            await self._create("pod", pod)
+            if self._cfg.service_type:
+                await self._create("service", kube_objects.service_manifest(launch, self._cfg))
+            result = await self._await_start(tracked, request.launch_log, image)
+        except asyncio.CancelledError:
+            tracked.deleting = True
+            with contextlib.suppress(Exception):
+                await self._delete_objects(obj, grace_s=0)
+            raise
+        finally:
+            tracked.launching = False
+        self._report(tracked)  # an app that exited before we looked
+        return result
+
+    async def _create(self, kind: str, body: dict[str, Any]) -> None:
+        name = body["metadata"]["name"]
+        try:
+            await self._api.create(kind, body)
+        except ApiError as exc:
+            raise _launch_error(kind, name, self._ns, exc) from None
+
+    async def _await_start(self, tracked: _Tracked, launch_log: str, image: str) -> backend.BackendReplica:
+        start = time.monotonic()
+        said: set[str] = set()
+
+        def say(key: str, text: str) -> None:
+            if key not in said:
+                said.add(key)
+                _note(launch_log, text)
+
+        while True:
+            st = tracked.status
+            waited = time.monotonic() - start
+            if tracked.gone or st.deleting:
+                raise backend.LaunchError(f"Pod {tracked.obj} was deleted during the launch")
+            if st.finished:
+                if st.disruption:
+                    raise backend.LaunchError(f"Pod {tracked.obj} was {st.disruption} during the launch")
+                if tracked.has_setup and not st.started and not _app_started(st):
+                    message = st.termination_message.splitlines()[0] if st.termination_message else ""
+                    if not message.startswith(kube_objects.SETUP_FAILED_PREFIX):
+                        message = f"the container exited with code {st.exit_code} before setup finished"
+                    raise backend.LaunchError(message)
+                return self._describe(tracked)
+            if st.running and st.started:
+                say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
+                return self._describe(tracked)
+            if st.running:
+                say("setup", "container running; waiting for setup to finish")
+            if st.waiting_reason in kube_objects.IMAGE_PULL_ERRORS:
+                raise backend.LaunchError(
+                    f"image {image} could not be pulled ({st.waiting_reason}): {st.waiting_message}".rstrip(": "),
+                    permanent=st.waiting_reason == "InvalidImageName",
+                )
+            if st.waiting_reason in kube_objects.CONTAINER_ERRORS:
+                raise backend.LaunchError(f"{st.waiting_reason}: {st.waiting_message}".rstrip(": "))
+            if st.unschedulable:
+                say("unschedulable", f"Pod cannot be scheduled yet: {st.unschedulable}")
+                if waited > self._opts.schedule_timeout_s:
+                    raise backend.LaunchError(
+                        f"Pod could not be scheduled within {self._opts.schedule_timeout_s:g} s: {st.unschedulable}",
+                        capacity_unavailable=True,
+                    )
+            elif st.node:
+                say("scheduled", f"Pod scheduled to node {st.node}")
+            if not st.running and waited > self._opts.start_timeout_s:
+                reason = st.waiting_reason or st.phase or "no status"
+                raise backend.LaunchError(f"Pod did not start within {self._opts.start_timeout_s:g} s ({reason})")
+            changed = tracked.changed
+            try:
+                await asyncio.wait_for(changed.wait(), 2.0)
+            except TimeoutError:
+                await self._refresh(tracked)  # the watch may be reconnecting: look directly
+
+    async def _refresh(self, tracked: _Tracked) -> None:
+        try:
+            pod = await self._api.get_pod(tracked.obj, self._ns)
+        except ApiError as exc:
+            log.debug("could not read Pod %s: %s", tracked.obj, exc.message)
+            return
+        if pod is None:
+            if tracked.pod is not None:  # seen before, gone now
+                self._on_pod("DELETED", tracked.pod)
+        elif _token(pod) == tracked.token:
+            self._on_pod("MODIFIED", pod)
+
+    async def delete(self, name: str, *, grace_s: float) -> None:
+        """Delete the Pod with `grace_s` as its grace period (and its Service and Secret), then
+        wait until the Pod is gone. A Pod that is still terminating after the grace period
+        plus `delete_timeout_s` fails the attempt (TeardownError): it is reported, not forgotten.
+        """
+        tracked = self._tracked.get(name)
+        obj = tracked.obj if tracked else kube_objects.object_name(name)
+        if tracked is not None:
+            tracked.deleting = True
+        try:
+            await self._delete_objects(obj, grace_s=grace_s)
+        except ApiError as exc:
+            raise backend.TeardownError(f"could not delete Pod {self._ns}/{obj}: {exc.message}") from None
+        deadline = time.monotonic() + grace_s + self._opts.delete_timeout_s
+        while True:
+            try:
+                pod = await self._api.get_pod(obj, self._ns)
+            except ApiError as exc:
+                raise backend.TeardownError(f"could not read Pod {self._ns}/{obj}: {exc.message}") from None
+            if pod is None:
+                break
+            if time.monotonic() >= deadline:
+                meta = pod.get("metadata") or {}
+                finalizers = ", ".join(meta.get("finalizers") or []) or "none"
+                raise backend.TeardownError(
+                    f"Pod {self._ns}/{obj} is stuck terminating (deletion requested at "
+                    f"{meta.get('deletionTimestamp') or '?'}, finalizers: {finalizers}, "
+                    f"node: {(pod.get('spec') or {}).get('nodeName') or 'none'})"
+                )
+            if tracked is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(tracked.changed.wait(), 0.5)
+            else:
+                await asyncio.sleep(0.5)
+        if tracked is not None:
+            self._deleted.append(tracked.token)
+            if self._tracked.get(name) is tracked:
+                del self._tracked[name]
+
+    async def _delete_objects(self, obj: str, *, grace_s: float) -> None:
+        await self._api.delete("pod", obj, self._ns, grace_s=grace_s)
+        for kind in ("service", "secret"):
+            await self._api.delete(kind, obj, self._ns)
+
+    def get(self, name: str) -> backend.BackendReplica | None:
+        """The replica `name`, if one of this instance's Pods runs it."""
+        tracked = self._tracked.get(name)
+        return self._describe(tracked) if tracked else None
+
+    def list(self) -> builtins.list[backend.BackendReplica]:
+        """Every replica with a Pod of this instance, by name."""
+        return [self._describe(self._tracked[n]) for n in sorted(self._tracked)]
+
+    async def watch(self) -> AsyncIterator[backend.BackendEvent]:
+        """App exits, evictions and deletions by others, as the Pod watch sees them."""
+        while True:
+            yield await self._events.get()
+
+    async def preempt(self, name: str) -> None:
+        """Delete the replica's Pod at once (grace 0), as a node loss or spot reclaim would."""
+        tracked = self._tracked.get(name)
+        if tracked is None:
+            return
+        tracked.reported = True  # the caller reports PREEMPTED itself
+        tracked.app_state = model.AppState.PREEMPTED
+        try:
+            await self._api.delete("pod", tracked.obj, self._ns, grace_s=0)
+        except ApiError as exc:
+            log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, exc.message)
+
+    # ---- the watch -------------------------------------------------------------------------
+
+    async def _watch(self, version: str) -> None:
+        delay = 0.0
+        relist = False
+        while True:
+            try:
+                if relist:
+                    items, version = await self._api.list_pods(self._ns, self._selector)
+                    self._apply_list(items)
+                    relist = False
+                # Emulators without resourceVersions answer "..."; resuming from that is meaningless.
+                resume = version if version and version != "..." else ""
+                async for kind, obj in self._api.watch_pods(self._ns, self._selector, resume):
+                    delay = 0.0
+                    meta = obj.get("metadata") or {}
+                    if meta.get("resourceVersion"):
+                        version = str(meta["resourceVersion"])
+                    if kind != "BOOKMARK":
+                        self._on_pod(kind, obj)
+                relist = not resume  # without a resume point, a new watch replays everything anyway
+            except _Gone:
+                log.info("pod watch: resourceVersion expired (410); relisting")
+                relist = True
+            except TimeoutError:
+                log.debug("pod watch idle for %.0f s; relisting", self._opts.watch_idle_s)
+                relist = True
+            except ApiError as exc:
+                delay = min(5.0, max(0.2, delay * 2))
+                log.warning("pod watch failed (%s); retrying in %.1f s", exc.message, delay)
+                relist = True
+                await asyncio.sleep(delay)
+            except Exception:  # a bug must not end the only watch: log it, relist
+                delay = min(5.0, max(0.2, delay * 2))
+                log.exception("pod watch broke unexpectedly; relisting in %.1f s", delay)
+                relist = True
+                await asyncio.sleep(delay)
+
+    def _apply_list(self, items: builtins.list[dict[str, Any]]) -> None:
+        listed = set()
+        for pod in items:
+            name = self._on_pod("ADDED", pod)
+            if name:
+                listed.add(name)
+        for name, tracked in builtins.list(self._tracked.items()):
+            # A Pod we saw before and the list no longer has was deleted while the watch was down.
+            if name not in listed and tracked.pod is not None and not tracked.gone:
+                self._on_pod("DELETED", tracked.pod)
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> str:
+        """Apply one Pod event; returns the replica name it belongs to ("" for a foreign Pod)."""
+        if not kube_objects.matches(pod, self._labels):
+            return ""
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        name = annotations.get(kube_objects.ANNOTATION_REPLICA, "")
+        token = annotations.get(kube_objects.ANNOTATION_TOKEN, "")
+        if not name or not token or token in self._deleted:
+            return ""
+        tracked = self._tracked.get(name)
+        if tracked is None:
+            if kind == "DELETED":
+                return ""
+            tracked = self._adopt(name, token, pod)
+        elif tracked.token != token:
+            return ""  # an older incarnation's Pod (its last events)
+        tracked.pod = pod
+        tracked.status = kube_objects.read_status(pod)
+        if kind == "DELETED":
+            tracked.gone = True
+        tracked.touch()
+        self._report(tracked)
+        return name
+
+    def _adopt(self, name: str, token: str, pod: dict[str, Any]) -> _Tracked:
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        container: dict[str, Any] = next(iter((pod.get("spec") or {}).get("containers") or []), {})
+        port = next(
+            (p.get("containerPort") for p in container.get("ports") or [] if p.get("name") == "serve"),
+            kube_objects.DEFAULT_PORT,
+        )
+        try:
+            created = float(annotations.get(kube_objects.ANNOTATION_CREATED, "0"))
+        except ValueError:
+            created = 0.0
+        tracked = _Tracked(
+            name=name,
+            obj=str(meta.get("name", "")),
+            token=token,
+            is_spot=(meta.get("labels") or {}).get(kube_objects.LABEL_SPOT) == "true",
+            zone=annotations.get(kube_objects.ANNOTATION_ZONE, ""),
+            created_at=created,
+            port=int(port),
+            has_setup="startupProbe" in container,
+        )
+        self._tracked[name] = tracked
+        return tracked
+
+    def _report(self, tracked: _Tracked) -> None:
+        """Turn a finished, evicted or deleted Pod into one backend event per incarnation."""
+        if tracked.launching or tracked.deleting or tracked.reported:
+            return
+        st = tracked.status
+        outside = tracked.gone or st.deleting or bool(st.disruption)
+        if outside:
+            state = model.AppState.PREEMPTED if tracked.is_spot else model.AppState.VANISHED
+            how = st.disruption or "deleted by someone else"
+            message = f"Pod {tracked.obj} was {how}"
+            code = 0
+        elif st.finished:
+            state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_objects.exit_message(st)
+        else:
+            return
+        tracked.reported = True
+        tracked.app_state = state
+        tracked.exit_code = code
+        self._events.put_nowait(
+            backend.BackendEvent(
+                name=tracked.name,
+                token=tracked.token,
+                app_state=state,
+                exit_code=code,
+                time=self._clock(),
+                message=message,
+            )
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _endpoint(self, tracked: _Tracked) -> str:
+        port = tracked.port
+        if self._opts.endpoint == "service":
+            host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"
+            return kube_objects.endpoint(host, port)
+        if self._opts.port_annotation and tracked.pod is not None:
+            annotations = (tracked.pod.get("metadata") or {}).get("annotations") or {}
+            with contextlib.suppress(KeyError, ValueError):
+                port = int(annotations[self._opts.port_annotation])
+        return kube_objects.endpoint(tracked.status.pod_ip, port) if tracked.status.pod_ip else ""
+
+    def _describe(self, tracked: _Tracked) -> backend.BackendReplica:
+        return backend.BackendReplica(
+            name=tracked.name,
+            token=tracked.token,
+            endpoint=self._endpoint(tracked),
+            zone=tracked.zone,
+            price_per_hour=0.0,
+            is_spot=tracked.is_spot,
+            app_state=tracked.app_state,
+            exit_code=tracked.exit_code,
+            start_time=tracked.created_at,
+        )
+
+
+def _app_started(status: kube_objects.PodStatus) -> bool:
+    """A container that ended after setup (the setup marker exists only inside it): the exit
+    is the app's when the termination message is not setup's own."""
+    return status.exit_code is not None and not status.termination_message.startswith(kube_objects.SETUP_FAILED_PREFIX)
+
+
+def _token(pod: dict[str, Any]) -> str:
+    return str(((pod.get("metadata") or {}).get("annotations") or {}).get(kube_objects.ANNOTATION_TOKEN, ""))
+
+
+def _launch_error(kind: str, name: str, namespace: str, exc: ApiError) -> backend.LaunchError:
+    """A create failure as a launch error: permanent unless waiting could help."""
+    what = f"could not create {kind} {namespace}/{name}"
+    text = exc.message or f"HTTP {exc.status}"
+    if exc.status == 403 and "quota" in text.lower():
+        return backend.LaunchError(f"{what}: quota exceeded: {text}", capacity_unavailable=True)
+    if exc.status in (401, 403):
+        return backend.LaunchError(f"{what}: no access: {text}", permanent=True)
+    if exc.status == 404:
+        return backend.LaunchError(f"{what}: namespace {namespace} not found: {text}", permanent=True)
+    if exc.status in (400, 422):
+        return backend.LaunchError(f"{what}: rejected by the API server: {text}", permanent=True)
+    if exc.status == 409:
+        return backend.LaunchError(f"{what}: an object of that name still exists (terminating?): {text}")
+    return backend.LaunchError(f"{what}: {text}")
+
+
+def _note(path: str, text: str) -> None:
+    """Append a provisioner line to a launch log."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as fh:
+        fh.write(f"[{stamp}Z provisioner] {text}\n")

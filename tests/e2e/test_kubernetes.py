@@ -1,0 +1,80 @@
+"""End to end with `--backend kubernetes`: the local backend's scenarios, replicas as Pods.
+
+The provisioner process runs the kubernetes backend against the in-memory API emulator (a
+kubeconfig on loopback), whose fake kubelet runs each Pod's command as a local process; the
+controller and prober are the same as with the local backend.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from tests.e2e import test_controller as local_scenarios
+from tests.helpers import cluster as cl
+from tests.helpers import kube_emulator
+
+pytestmark = pytest.mark.e2e
+
+READY = res.REPLICA_STATUS_READY
+
+
+@pytest.fixture
+def emulator(tmp_path) -> Iterator[kube_emulator.Emulator]:
+    emu = kube_emulator.Emulator(str(tmp_path / "emu")).start()
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+@pytest.fixture
+async def kube_cluster(tmp_path, emulator: kube_emulator.Emulator) -> AsyncIterator[cl.Cluster]:
+    env = {
+        "REPLICAPLANE_PROVISIONER_BACKEND": "kubernetes",
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_KUBECONFIG": emulator.kubeconfig(str(tmp_path / "kubeconfig")),
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_NAMESPACE": emulator.namespace,
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_INSTANCE": f"e2e-{uuid.uuid4().hex[:8]}",
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_PORT_ANNOTATION": kube_emulator.PORT_ANNOTATION,
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_WATCH_IDLE_S": "5",
+    }
+    c = cl.Cluster(str(tmp_path), provisioner_env=env)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_two_replicas_become_ready_and_answer(kube_cluster: cl.Cluster, emulator) -> None:
+    await local_scenarios.test_two_replicas_become_ready_and_answer(kube_cluster)
+    assert await emulator.names("pod") == ["web-1", "web-2"]
+
+
+async def test_app_exit_fails_without_relaunch_loop(kube_cluster: cl.Cluster) -> None:
+    await local_scenarios.test_app_exit_fails_without_relaunch_loop(kube_cluster)
+
+
+async def test_manual_terminate_of_ready_replica_is_replaced(kube_cluster: cl.Cluster, emulator) -> None:
+    await local_scenarios.test_manual_terminate_of_ready_replica_is_replaced(kube_cluster)
+    assert await emulator.names("pod") == ["term-2"]
+
+
+async def test_delete_removes_every_replica_process_and_pod(kube_cluster: cl.Cluster, emulator) -> None:
+    await local_scenarios.test_delete_removes_every_replica_process(kube_cluster)
+    assert await emulator.names("pod") == []
+
+
+async def test_spot_pod_deleted_by_someone_else_is_preempted_and_replaced(kube_cluster: cl.Cluster, emulator) -> None:
+    yaml_text = cl.app_yaml("spot", kube_cluster.tag).replace("  ports: 8080\n", "  ports: 8080\n  use_spot: true\n")
+    await kube_cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
+    w = cl.Watch(kube_cluster.stub, "spot")
+    await w.until(lambda w: w.count(READY) == 2)
+    await emulator.call(emulator.kubelet.delete_pod("spot-1"))
+    await w.until(lambda w: 1 not in w.replicas and w.count(READY) == 2)
+    assert res.REPLICA_STATUS_PREEMPTED in w.seen_statuses[1]
+    assert sorted(w.replicas) == [2, 3]
+    w.cancel()

@@ -1,0 +1,189 @@
+"""Pure parts of the kubernetes backend: names, manifests, settings parsing, Pod status reading."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.common import errors
+from services.provisioner import kube_objects as ko
+from services.provisioner import model, server
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _launch(name: str = "web-1", **spec_fields: object) -> model.LaunchRequest:
+    values: dict[str, object] = {"run": "python3 -m http.server 8080", "ports": (8080,), "serving_port": 8080}
+    values.update(spec_fields)
+    return model.LaunchRequest(name=name, service="web", replica_id=1, version=2, spec=model.ReplicaSpec(**values))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "replica",
+    ["web-1", "web-12-0a1b2c3d", "Web_1", "a" * 63 + "-7-deadbeef", "9lives-1", "x" * 70],
+)
+def test_object_names_are_dns_labels_and_deterministic(replica: str) -> None:
+    name = ko.object_name(replica)
+    assert len(name) <= 63 and DNS_1035.match(name), name
+    assert ko.object_name(replica) == name
+
+
+def test_short_valid_names_are_kept_and_long_ones_get_distinct_hashes() -> None:
+    assert ko.object_name("web-1-0a1b2c3d") == "web-1-0a1b2c3d"
+    long_a, long_b = "s" * 60 + "-1-aaaaaaaa", "s" * 60 + "-1-bbbbbbbb"
+    assert ko.object_name(long_a) != ko.object_name(long_b)
+    assert ko.object_name("Web_1") != "web-1"  # changed names always carry the hash
+
+
+def test_pod_manifest_carries_labels_env_command_and_ports() -> None:
+    pod, _ = ko.pod_manifest(_launch(setup="pip install x", envs={"A": "b"}), ko.PodConfig(), token="t", created_at=1.0)
+    labels = pod["metadata"]["labels"]
+    assert labels[ko.LABEL_SERVICE] == "web" and labels[ko.LABEL_VERSION] == "2" and labels[ko.LABEL_REPLICA_ID] == "1"
+    assert labels[ko.MANAGED_BY] == "replicaplane" and labels[ko.LABEL_INSTANCE] == "replicaplane"
+    assert pod["metadata"]["annotations"][ko.ANNOTATION_REPLICA] == "web-1"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "python:3.11-slim"
+    assert container["command"][-2:] == ["pip install x", "python3 -m http.server 8080"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PORT"] == "8080" and env["A"] == "b" and env["REPLICA_ID"] == "1"
+    assert container["ports"] == [{"containerPort": 8080, "protocol": "TCP", "name": "serve"}]
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 3600
+
+
+def test_no_setup_means_no_startup_probe() -> None:
+    pod, _ = ko.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
+    assert "startupProbe" not in pod["spec"]["containers"][0]
+
+
+def test_resources_become_requests_limits_and_node_selectors() -> None:
+    spec = _launch(resources={"cpus": "2+", "memory": "16", "accelerators": "A100:2", "image_id": "docker:img:1"})
+    cfg = ko.PodConfig(spot_node_selector={"spot": "yes"}, spot_tolerations=(ko.Toleration("spot", "", "NoSchedule"),))
+    pod, notes = ko.pod_manifest(spec, cfg, token="t", created_at=1.0)
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == "img:1"
+    assert container["resources"] == {
+        "requests": {"cpu": "2", "memory": "16Gi"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"},
+    }
+    assert pod["spec"]["nodeSelector"] == {"replicaplane.dev/accelerator": "a100"}  # not spot
+    assert "tolerations" not in pod["spec"]
+    assert notes == []
+
+    spot = model.LaunchRequest(**{**_launch().__dict__, "use_spot": True, "zone": "z1"})
+    pod, _ = ko.pod_manifest(spot, cfg, token="t", created_at=1.0)
+    assert pod["spec"]["nodeSelector"] == {"spot": "yes", ko.ZONE_LABEL: "z1"}
+    assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["metadata"]["labels"][ko.LABEL_SPOT] == "true"
+
+
+def test_requests_kubernetes_cannot_express_are_errors_or_notes() -> None:
+    with pytest.raises(ko.ManifestError):
+        ko.pod_manifest(_launch(resources={"accelerators": "T4:0.5"}), ko.PodConfig(), token="t", created_at=1)
+    with pytest.raises(ko.ManifestError):
+        ko.pod_manifest(_launch(num_nodes=2), ko.PodConfig(), token="t", created_at=1)
+    launch = _launch(resources={"memory": "4x", "cloud": "gcp"})
+    _, notes = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1)
+    assert any("memory 4x" in n for n in notes) and any("cloud=gcp" in n for n in notes)
+
+
+def test_secrets_are_referenced_from_a_secret_never_inlined() -> None:
+    launch = _launch(secrets={"TOKEN": "hunter2"})
+    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    assert "hunter2" not in repr(pod)
+    ref = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "TOKEN")
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "web-1", "key": "TOKEN"}
+    assert ko.secret_manifest(launch, ko.PodConfig())["data"] == {"TOKEN": "aHVudGVyMg=="}
+
+
+def test_service_selects_exactly_its_pod() -> None:
+    svc = ko.service_manifest(_launch(), ko.PodConfig(service_type="ClusterIP", instance="i1"))
+    assert svc["spec"]["selector"] == {ko.MANAGED_BY: "replicaplane", ko.LABEL_INSTANCE: "i1", ko.LABEL_POD: "web-1"}
+    assert svc["spec"]["ports"][0]["port"] == 8080
+
+
+def test_status_reading() -> None:
+    pending = {
+        "status": {
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no gpu"}],
+        }
+    }
+    assert ko.read_status(pending).unschedulable == "no gpu"
+    pulling = {
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "replica", "state": {"waiting": {"reason": "ErrImagePull", "message": "m"}}}
+            ],
+        }
+    }
+    assert ko.read_status(pulling).waiting_reason == "ErrImagePull"
+    setup = {"status": {"phase": "Running", "containerStatuses": [{"state": {"running": {}}, "started": False}]}}
+    assert ko.read_status(setup).running and not ko.read_status(setup).started
+    evicted = {"status": {"phase": "Failed", "reason": "Evicted", "message": "low memory"}}
+    assert ko.read_status(evicted).disruption == "evicted: low memory"
+    target = {
+        "status": {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}
+    }
+    assert ko.read_status(target).disruption == "PreemptionByScheduler"
+    oom = {
+        "metadata": {"deletionTimestamp": "x"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
+        },
+    }
+    status = ko.read_status(oom)
+    assert status.deleting and status.finished and status.exit_code == 137
+    assert ko.exit_message(status) == "app exited with code 137 (OOMKilled)"
+    assert ko.endpoint("fd00::1", 80) == "http://[fd00::1]:80"
+
+
+def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
+    settings = server.Settings(
+        backend="kubernetes",
+        kubernetes_labels="team=a b",
+        kubernetes_annotations="no-equals",
+        kubernetes_spot_node_selector="=x",
+        kubernetes_spot_tolerations="k=v:Never",
+        kubernetes_namespace="UPPER",
+        kubernetes_instance="",
+        kubernetes_endpoint="service",
+        kubernetes_watch_idle_s=0,
+    )
+    with pytest.raises(errors.ValidationError) as caught:
+        server.make_backend(settings)
+    fields = {v.field for v in caught.value.violations}
+    assert fields == {
+        f"provisioner.kubernetes_{f}"
+        for f in (
+            "labels",
+            "annotations",
+            "spot_node_selector",
+            "spot_tolerations",
+            "namespace",
+            "instance",
+            "endpoint",
+            "watch_idle_s",
+        )
+    }
+
+
+def test_parsed_settings_reach_the_pod_config() -> None:
+    opts = server.kube_options(
+        server.Settings(
+            kubernetes_labels="team=ml",
+            kubernetes_spot_node_selector="cloud.google.com/gke-spot=true",
+            kubernetes_spot_tolerations="cloud.google.com/gke-spot=true:NoSchedule",
+        )
+    )
+    assert opts.pods.labels == {"team": "ml"}
+    assert opts.pods.spot_node_selector == {"cloud.google.com/gke-spot": "true"}
+    assert opts.pods.spot_tolerations[0].to_dict() == {
+        "key": "cloud.google.com/gke-spot",
+        "operator": "Equal",
+        "value": "true",
+        "effect": "NoSchedule",
+    }
