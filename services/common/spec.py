@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml
@@ -278,9 +278,10 @@ def is_in_place_update(old: spec_pb2.ServiceSpec, new: spec_pb2.ServiceSpec) -> 
 def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
     """Returns a copy safe to show: header and secret values replaced by `<redacted>`.
 
-    In the YAML text every literal occurrence of a header or secret value is replaced too.
-    A value the YAML spells differently (escaped, folded over lines) is not found there, so
-    callers that must never show secrets should not show `yaml` at all.
+    Every literal occurrence of a header or secret value in any string of the spec is masked
+    too, since secrets are substituted into `service`, `file_mounts` and `workdir`. A value the
+    YAML spells differently (escaped, folded over lines) is not found in `yaml`, so callers that
+    must never show secrets should not show `yaml` at all.
 
     Args:
         spec: A parsed spec.
@@ -288,25 +289,61 @@ def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
     Returns:
         A new message.
     """
-    mask = "<redacted>"
     out = spec_pb2.ServiceSpec()
     out.CopyFrom(spec)
-    values = set(spec.secrets.values()) | set(spec.service.readiness_probe.headers.values())
-    for key in out.secrets:
-        out.secrets[key] = mask
+    values = secret_values(spec)
+    # Keys are listed first: assigning to a protobuf map while iterating it skips entries.
+    for key in list(out.secrets):
+        out.secrets[key] = REDACTED
     headers = out.service.readiness_probe.headers
-    for key in headers:
-        headers[key] = mask
-    text = out.yaml
-    # Longest first, so a value that contains another is masked whole.
-    for value in sorted((v for v in values if v), key=len, reverse=True):
-        text = text.replace(value, mask)
-    out.yaml = text
+    for key in list(headers):
+        headers[key] = REDACTED
+    if values:
+        _mask_strings(out, lambda text: mask_secrets(text, values))
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Parsing.
+REDACTED = "<redacted>"
+
+
+def secret_values(spec: spec_pb2.ServiceSpec) -> list[str]:
+    """The header and secret values of a spec, longest first (so a value holding another is masked whole)."""
+    values = set(spec.secrets.values()) | set(spec.service.readiness_probe.headers.values())
+    return sorted((v for v in values if v), key=len, reverse=True)
+
+
+def mask_secrets(text: str, values: list[str]) -> str:
+    """Replaces every occurrence of each value (from `secret_values`) in text."""
+    for value in values:
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return text
+
+
+def _mask_strings(message: Any, fill: Callable[[str], str]) -> None:
+    """Applies fill to every string field, map key and value of a message, recursively."""
+    for field, value in list(message.ListFields()):
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            entries = list(value.items())
+            for key, _ in entries:
+                del value[key]
+            for key, item in entries:
+                new_key = fill(key) if isinstance(key, str) else key
+                if value_field.message_type is not None:
+                    _mask_strings(item, fill)
+                    value[new_key].CopyFrom(item)
+                else:
+                    value[new_key] = fill(item) if isinstance(item, str) else item
+        elif field.message_type is not None:
+            items = value if field.is_repeated else [value]
+            for item in items:
+                _mask_strings(item, fill)
+        elif field.type == field.TYPE_STRING:
+            if field.is_repeated:
+                value[:] = [fill(item) for item in value]
+            else:
+                setattr(message, field.name, fill(value))
 
 
 def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec_pb2.ServiceSpec:
@@ -383,7 +420,17 @@ def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec
     if port is not None:
         out.service.port = port
 
-    errors.require(c.violations, subject="service spec")
+    # Secrets are substituted into fields a description may quote (an enum, a path).
+    hidden = sorted(
+        (v for v in {*secrets.values(), *out.service.readiness_probe.headers.values()} if v), key=len, reverse=True
+    )
+    errors.require(
+        [
+            errors.FieldViolation(mask_secrets(v.field, hidden), mask_secrets(v.description, hidden))
+            for v in c.violations
+        ],
+        subject="service spec",
+    )
     return out
 
 

@@ -698,6 +698,49 @@ def test_redacted_hides_header_and_secret_values() -> None:
     assert dict(shown.envs) == {"PLAIN": "visible"}
 
 
+def test_redacted_masks_every_header_and_secret_of_a_large_spec() -> None:
+    # Assigning to a protobuf map while iterating it skipped entries: some values leaked.
+    headers = "\n".join(f"      H{i}: header-value-{i}" for i in range(40))
+    secrets = "\n".join(f"  S{i}: secret-value-{i}" for i in range(40))
+    text = f"service:\n  readiness_probe:\n    path: /\n    headers:\n{headers}\n{PORT}secrets:\n{secrets}\n"
+    shown = str(spec.redacted(spec.parse(text, name="svc")))
+    assert "header-value-" not in shown and "secret-value-" not in shown
+
+
+def test_redacted_masks_secrets_substituted_into_any_field() -> None:
+    text = _yaml("""
+        service:
+          readiness_probe:
+            path: /health?key=${TOKEN}
+            post_data: {key: $TOKEN}
+        resources: {ports: 80}
+        workdir: /srv/${TOKEN}
+        file_mounts:
+          /data/${TOKEN}: s3://bucket/${TOKEN}
+        secrets: {TOKEN: zz-secret-42}
+        """)
+    parsed = spec.parse(text, name="svc")
+    assert "zz-secret-42" in parsed.service.readiness_probe.path  # substituted, as SkyPilot does
+    shown = spec.redacted(parsed)
+    assert "zz-secret-42" not in str(shown)
+    assert shown.service.readiness_probe.path == "/health?key=<redacted>"
+    assert shown.workdir == "/srv/<redacted>"
+    assert dict(shown.file_mounts) == {"/data/<redacted>": "s3://bucket/<redacted>"}
+
+
+def test_a_secret_substituted_into_a_bad_field_is_not_quoted_in_the_error() -> None:
+    text = _yaml("""
+        service:
+          readiness_probe: /
+          load_balancing_policy: ${TOKEN}
+        resources: {ports: 80}
+        secrets: {TOKEN: zz-secret-42}
+        """)
+    violations = _violations(text, name="svc")
+    assert [v.field for v in violations] == ["service.load_balancing_policy"]
+    assert "zz-secret-42" not in violations[0].description
+
+
 def test_alias_bomb_is_rejected() -> None:
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     for i in range(1, 8):
