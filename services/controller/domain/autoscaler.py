@@ -49,6 +49,8 @@ class Policy:
     use_spot: bool = False
     base_ondemand: int = 0
     dynamic_fallback: bool = False
+    spot_placer: bool = False
+    """Spot replicas are placed by the `dynamic_fallback` placer."""
 
     @property
     def kind(self) -> str:
