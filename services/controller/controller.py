@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
+# Load reports may carry request times this far ahead of the controller's clock (clock skew).
+MAX_FUTURE_S = 60.0
 
 
 class Controller:
@@ -46,9 +48,11 @@ class Controller:
         self._probing_stale = False
         self._orphan_tasks: set[asyncio.Task[None]] = set()
         self._watch_generation = 0
+        self._zones: list[tuple[str, float]] = []
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
+        await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
             rec.start()
@@ -72,6 +76,7 @@ class Controller:
             tuning=self._tuning,
             on_gone=self._forget,
             watch_generation=lambda: self._watch_generation,
+            zones=lambda: self._zones,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -203,8 +208,23 @@ class Controller:
             yield msg
 
     def report_load(self, name: str, times: list[float], count: int) -> float:
-        """Record a load report; returns the QPS seen."""
-        return self._get(name).report_load(times, count, time.time())
+        """Record a load report; returns the QPS seen.
+
+        Raises:
+            errors.ValidationError: a negative count or a time more than a minute ahead; the
+                report is not recorded.
+        """
+        now = time.time()
+        violations = []
+        if count < 0:
+            violations.append(errors.FieldViolation("request_count", f"must not be negative, got {count}"))
+        violations += [
+            errors.FieldViolation(f"request_times[{i}]", f"more than {MAX_FUTURE_S:g} s in the future")
+            for i, t in enumerate(times)
+            if t > now + MAX_FUTURE_S
+        ]
+        errors.require(violations, subject="load report")
+        return self._get(name).report_load(times, count, now)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
@@ -256,11 +276,23 @@ class Controller:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._tuning.reconnect_max_s)
 
+    async def _load_zones(self) -> None:
+        """The provisioner's zones, for the spot placer; left empty (the backend picks) while
+        the provisioner does not answer, and asked again by the sweep."""
+        try:
+            response = await self._prov.ListZones(prov_pb.ListZonesRequest(), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("zones not known yet (%s); the provisioner places spot replicas", exc.code().name)
+            return
+        self._zones = [(z.name, z.price_per_hour) for z in response.zones]
+
     async def _sweep(self) -> None:
         """The level-triggered pass: events can be lost (a failed write, a dead task); every
         `sweep_interval_s` whatever should be in motion and is not gets going again."""
         while True:
             await asyncio.sleep(self._tuning.sweep_interval_s)
+            if not self._zones:
+                await self._load_zones()
             self._db.check_writable()
             for rec in list(self._services.values()):
                 try:
