@@ -169,9 +169,12 @@ class Controller:
         async for msg in rec.hub.watch_endpoints(after_version):
             yield msg
 
-    def report_load(self, name: str, times: list[float], count: int) -> float:
-        """Record a load report; returns the QPS seen."""
-        return self._get(name).report_load(times, count, time.time())
+    def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
+        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen."""
+        rec = self._get(name)
+        if load_balancer_url:
+            rec.set_load_balancer_url(load_balancer_url)
+        return rec.report_load(times, count, time.time())
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
