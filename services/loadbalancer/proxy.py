@@ -16,6 +16,7 @@ import logging
 import ssl
 
 import aiohttp
+import yarl
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -116,7 +117,7 @@ class Proxy:
             try:
                 upstream = await self.session.request(
                     request.method,
-                    replica.url.rstrip("/") + request.raw_path,
+                    yarl.URL(replica.url.rstrip("/") + request.raw_path, encoded=True),  # byte for byte
                     headers=headers,
                     data=body or None,
                     allow_redirects=False,

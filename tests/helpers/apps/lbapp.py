@@ -78,7 +78,7 @@ def make_app(replica: str) -> web.Application:
                 "replica": replica,
                 "method": request.method,
                 "path": request.path,
-                "query": request.query_string,
+                "raw_path": request.raw_path,
                 "headers": dict(request.headers),
                 "body": body.decode(errors="replace"),
             }
