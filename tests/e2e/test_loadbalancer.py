@@ -158,3 +158,23 @@ async def test_request_to_a_service_scaled_to_zero_is_held_and_served(
         assert (await b.state()).held_requests == 0
     finally:
         await b.close()
+
+
+async def test_controller_outage_keeps_routing_and_reports_the_load_later(
+    cluster: cl.Cluster, client: aiohttp.ClientSession
+) -> None:
+    await create(cluster, lb.lb_app_yaml("steady", cluster.tag, replicas=2))
+    b = await start_balancer(cluster, "steady")
+    try:
+        await b.until(lambda s: sum(r.ready for r in s.replicas) == 2 and s.unreported_requests == 0)
+        cluster.controller.kill()
+        await b.until(lambda s: not s.controller_connected, timeout=15)
+        for _ in range(10):
+            assert (await get_text(client, b.url + "/whoami"))[0] == 200  # the last known set
+        await asyncio.sleep(1.5)  # a report interval passes: the reports fail, the counts stay
+        assert (await b.state()).unreported_requests == 10
+        await cluster.restart_controller()
+        await b.until(lambda s: s.controller_connected and s.unreported_requests == 0, timeout=30)
+        assert (await get_text(client, b.url + "/whoami"))[0] == 200
+    finally:
+        await b.close()
