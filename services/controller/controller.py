@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
@@ -21,6 +22,7 @@ from services.controller import reconciler, store
 log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
+_CHECK_TIMEOUT_S = 5.0
 
 
 class Controller:
@@ -86,7 +88,7 @@ class Controller:
 
     # ---- services ------------------------------------------------------------------------
 
-    def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
+    async def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
         """Validate and store a new service, then start reconciling it.
 
         Raises:
@@ -94,15 +96,35 @@ class Controller:
             errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
                 request id, which returns the existing service).
         """
-        parsed = spec.parse(yaml_text, name=name, require_name=True)
+        parsed = spec.parse(yaml_text, name=name, require_name=True, replica_cap=self._tuning.max_replicas_per_service)
         name = spec.effective_name(parsed, name)
         existing = self._db.get_service(name)
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
+        await self._check_runnable(parsed)
         self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
         rec = self._new_reconciler(name)
         rec.start()
         return rec.service()
+
+    async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
+        """Refuse a spec the provisioner cannot run (accelerators, missing workdir), naming fields.
+
+        An unreachable provisioner does not block the API: the launch reports the problem then.
+        """
+        try:
+            answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not check the spec with the provisioner (%s); accepting it", exc.code().name)
+            return
+        hidden = spec.secret_values(parsed)
+        errors.require(
+            [
+                errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))
+                for p in answer.problems
+            ],
+            subject="service spec",
+        )
 
     def get_service(self, name: str) -> res.Service:
         """A service."""
@@ -110,6 +132,9 @@ class Controller:
 
     def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
         """A page of services in name order; the token is the last name of the page."""
+        _check_page_size(page_size)
+        if page_token:
+            errors.require(spec.validate_service_name(page_token, field="page_token"))
         size = min(page_size or 100, _MAX_PAGE)
         names = sorted(n for n in self._services if n > page_token)
         page = names[:size]
@@ -122,12 +147,15 @@ class Controller:
         rec.delete(purge=purge)
         return rec.service()
 
-    def update_service(
+    async def update_service(
         self, name: str, yaml_text: str, *, mode: int, dry_run: bool
     ) -> tuple[res.Service, res.UpdatePlan]:
         """Update a service to a new spec (a new version), or return the plan on a dry run."""
-        rec = self._get(name)
-        parsed = spec.parse(yaml_text, name=name)
+        errors.require(_check_mode(mode))
+        self._get(name)
+        parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
+        await self._check_runnable(parsed)
+        rec = self._get(name)  # it may have gone while the check ran
         plan = rec.update(parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
@@ -135,9 +163,14 @@ class Controller:
 
     def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
         """A page of a service's replicas in id order; the token is the last id of the page."""
+        _check_page_size(page_size)
+        if page_token and not (page_token.isascii() and page_token.isdigit() and len(page_token) <= 10):
+            raise errors.ValidationError(
+                [errors.FieldViolation("page_token", "must be the next_page_token of an earlier page")]
+            )
         rec = self._get(name)
         size = min(page_size or 100, _MAX_PAGE)
-        after = int(page_token) if page_token.isdigit() else 0
+        after = int(page_token) if page_token else 0
         ids = sorted(i for i in rec.replicas if i > after)
         page = ids[:size]
         token = str(page[-1]) if len(ids) > size else ""
@@ -263,3 +296,14 @@ class Controller:
     def _after_snapshot(self, seen: set[str], generation: int) -> None:
         for rec in self._services.values():
             rec.on_missing(seen, generation)
+
+
+def _check_page_size(page_size: int) -> None:
+    if page_size < 0:
+        raise errors.ValidationError([errors.FieldViolation("page_size", f"must be >= 0, got {page_size}")])
+
+
+def _check_mode(mode: int) -> list[errors.FieldViolation]:
+    if mode in (res.UPDATE_MODE_UNSPECIFIED, res.UPDATE_MODE_ROLLING, res.UPDATE_MODE_BLUE_GREEN):
+        return []
+    return [errors.FieldViolation("mode", f"must be UPDATE_MODE_ROLLING or UPDATE_MODE_BLUE_GREEN, got {mode}")]

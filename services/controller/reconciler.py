@@ -65,6 +65,8 @@ class Tuning:
     """Longest wait between re-opens."""
     sweep_interval_s: float = 5.0
     """Period of the level-triggered pass (resync)."""
+    max_replicas_per_service: int = 1000
+    """Specs asking for more replicas (or min/max) than this are refused."""
 
 
 # Passes over every replica (publishing a change, reconciling) run at once when the service is

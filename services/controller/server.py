@@ -39,6 +39,8 @@ class Settings:
     should be in motion and is not, and checks that the store takes writes."""
     store_busy_timeout_s: float = 5.0
     """How long a store write waits for another process's lock before it counts as failed."""
+    max_replicas_per_service: int = 1000
+    """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -76,6 +78,7 @@ async def start(settings: Settings) -> Running:
         drain_s=settings.drain_s,
         probe_fast_interval_s=settings.probe_fast_interval_s,
         sweep_interval_s=settings.sweep_interval_s,
+        max_replicas_per_service=settings.max_replicas_per_service,
     )
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(
