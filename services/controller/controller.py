@@ -25,6 +25,22 @@ _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
 
 
+_MAX_URL = 2048
+
+
+def _check_load_balancer_url(url: str) -> None:
+    if not url:
+        return
+    if len(url) > _MAX_URL or not url.startswith(("http://", "https://")) or not url.isprintable() or " " in url:
+        raise errors.ValidationError(
+            [
+                errors.FieldViolation(
+                    "load_balancer_url", f"must be an http:// or https:// URL of at most {_MAX_URL} characters"
+                )
+            ]
+        )
+
+
 class Controller:
     """Owns every service's reconciler, the provisioner watch, and probe result routing."""
 
@@ -203,7 +219,12 @@ class Controller:
             yield msg
 
     def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
-        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen."""
+        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
+
+        Raises:
+            errors.ValidationError: the URL is not a plain http(s) URL; nothing is recorded.
+        """
+        _check_load_balancer_url(load_balancer_url)
         rec = self._get(name)
         if load_balancer_url:
             rec.set_load_balancer_url(load_balancer_url)
