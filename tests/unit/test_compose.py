@@ -255,3 +255,14 @@ def test_watch_printer_prints_one_line_per_status_change() -> None:
         "hello: service SHUTTING_DOWN (0/0 ready, versions 1)",
     ]
     assert printer.lines(_event(resources_pb2.SERVICE_STATUS_SHUTTING_DOWN, 0, 0, deleted=True)) == ["hello: deleted"]
+
+
+def test_watch_printer_prints_the_balancer_url_once() -> None:
+    printer = api.WatchPrinter()
+    event = _event(resources_pb2.SERVICE_STATUS_READY, 1, 1)
+    event.service.load_balancer_url = "http://127.0.0.1:30001"
+    assert printer.lines(event) == [
+        "hello: service READY (1/1 ready, versions 1)",
+        "hello: endpoint http://127.0.0.1:30001 (load balancer)",
+    ]
+    assert printer.lines(event) == []
