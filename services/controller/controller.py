@@ -27,6 +27,22 @@ _CHECK_TIMEOUT_S = 5.0
 MAX_FUTURE_S = 60.0
 
 
+_MAX_URL = 2048
+
+
+def _check_load_balancer_url(url: str) -> None:
+    if not url:
+        return
+    if len(url) > _MAX_URL or not url.startswith(("http://", "https://")) or not url.isprintable() or " " in url:
+        raise errors.ValidationError(
+            [
+                errors.FieldViolation(
+                    "load_balancer_url", f"must be an http:// or https:// URL of at most {_MAX_URL} characters"
+                )
+            ]
+        )
+
+
 class Controller:
     """Owns every service's reconciler, the provisioner watch, and probe result routing."""
 
@@ -207,12 +223,12 @@ class Controller:
         async for msg in rec.hub.watch_endpoints(after_version):
             yield msg
 
-    def report_load(self, name: str, times: list[float], count: int) -> float:
-        """Record a load report; returns the QPS seen.
+    def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
+        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
 
         Raises:
-            errors.ValidationError: a negative count or a time more than a minute ahead; the
-                report is not recorded.
+            errors.ValidationError: a negative count, a time more than a minute ahead, or a URL
+                that is not a plain http(s) URL; nothing is recorded.
         """
         now = time.time()
         violations = []
@@ -224,7 +240,11 @@ class Controller:
             if t > now + MAX_FUTURE_S
         ]
         errors.require(violations, subject="load report")
-        return self._get(name).report_load(times, count, now)
+        _check_load_balancer_url(load_balancer_url)
+        rec = self._get(name)
+        if load_balancer_url:
+            rec.set_load_balancer_url(load_balancer_url)
+        return rec.report_load(times, count, now)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 

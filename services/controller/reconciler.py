@@ -182,6 +182,7 @@ class ServiceReconciler:
         self._started = False
         self._stopping = False
         self._gone = False
+        self.load_balancer_url = ""
         self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self._capacity_backoff_s = 0.0
         self._launch_not_before = 0.0  # monotonic time; launches wait after capacity failures
@@ -296,6 +297,7 @@ class ServiceReconciler:
             update_mode=self._row.update_mode,  # type: ignore[arg-type]
             endpoints=self._endpoints(views, active),
             uid=self._row.uid,
+            load_balancer_url=self.load_balancer_url,
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
@@ -1087,6 +1089,12 @@ class ServiceReconciler:
         self._on_gone(self.name)
 
     # ---- load ----------------------------------------------------------------------------
+
+    def set_load_balancer_url(self, url: str) -> None:
+        """Show `url` (the balancer that reports this service's load) as the service's endpoint."""
+        if url != self.load_balancer_url:
+            self.load_balancer_url = url  # memory only: the balancer reports again within seconds
+            self._schedule_flush()
 
     def report_load(self, times: list[float], count: int, now: float) -> float:
         """Record requests into the load window and decide at once; return the window's QPS."""

@@ -80,7 +80,10 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
         times = [pbtime.from_timestamp(t) for t in request.request_times]
-        return api.ReportLoadResponse(qps=self._ctl.report_load(request.service_name, times, request.request_count))
+        qps = self._ctl.report_load(
+            request.service_name, times, request.request_count, load_balancer_url=request.load_balancer_url
+        )
+        return api.ReportLoadResponse(qps=qps)
 
     async def WatchEndpoints(
         self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext
