@@ -8,7 +8,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import yaml
@@ -232,6 +232,46 @@ class Controller:
                     out(f"{name}: watch interrupted ({err.code().name}); reconnecting")
                 failures += 1
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+
+    async def list_names(self) -> list[str]:
+        """Every service the controller has, in name order (all pages).
+
+        Raises:
+            StackError: the controller could not be reached.
+        """
+        names: list[str] = []
+        token = ""
+        for _ in range(10_000):  # bounded: 1,000 per page
+            try:
+                resp = await self._stub.ListServices(
+                    pb.ListServicesRequest(page_size=1000, page_token=token), timeout=10
+                )
+            except grpc.aio.AioRpcError as err:
+                raise StackError(f"listing services failed: {err.code().name}: {err.details()}") from None
+            names += [s.name for s in resp.services]
+            token = resp.next_page_token
+            if not token:
+                break
+        return names
+
+    async def delete_everything(self, *, timeout: float, out: Out, also: Sequence[str] = ()) -> list[str]:
+        """Delete every service the controller has (plus `also`) and wait until each is gone.
+
+        Returns:
+            The names of services still there (empty when everything is deleted).
+        """
+        try:
+            names = sorted(set(await self.list_names()) | set(also))
+        except StackError as exc:
+            out(f"error: {exc}")
+            return sorted(set(also)) or ["(unknown: the controller did not answer)"]
+        results = await asyncio.gather(*(self.delete_and_wait(n, timeout=timeout, out=out) for n in names))
+        left = [n for n, ok in zip(names, results, strict=True) if not ok]
+        if left:
+            out(f"services left: {', '.join(left)} (their replicas may still run)")
+        else:
+            out(f"services left: none ({len(names)} deleted)")
+        return left
 
     async def delete_and_wait(self, name: str, *, timeout: float, out: Out) -> bool:
         """Delete `name` and wait (at most `timeout` s) until the controller says NOT_FOUND.
