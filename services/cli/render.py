@@ -176,7 +176,12 @@ def status_text(
     """The `replicactl status` output: a services table, then a replicas table."""
     now = time.time() if now is None else now
     out = table("Services", SERVICE_HEADERS, [service_row(s, now) for s in services], tty=tty, width=width)
-    messages = [f"{s.name}: {s.status_message}" for s in services if s.status_message]
+    # A READY service's message only repeats the counts; the others say why they are where they are.
+    messages = [
+        f"{s.name}: {s.status_message}"
+        for s in services
+        if s.status_message and (show_all or s.status != res.SERVICE_STATUS_READY)
+    ]
     stale = [f"{s.name}: probing is stale (no prober answered recently)" for s in services if s.probing_stale]
     if messages or stale:
         out += "\n" + "\n".join(messages + stale) + "\n"

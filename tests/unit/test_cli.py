@@ -92,6 +92,7 @@ def test_plain_table_when_not_a_terminal_and_rich_on_one() -> None:
 
 def test_status_messages_and_stale_probing_are_shown() -> None:
     svc = service(status_message="scaling stopped: version 2 failed", probing_stale=True)
+    svc.status = res.SERVICE_STATUS_NO_REPLICA
     text = render.status_text([svc], [], tty=False, now=NOW)
     assert "hello: scaling stopped: version 2 failed" in text
     assert "hello: probing is stale" in text
