@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from tests.e2e.test_stack import stack_env
 from tests.helpers import cluster as cl
 from tests.helpers import procs, provisioner_procs
 
@@ -35,6 +36,16 @@ def replicactl(addr: str, *args: str, timeout: float = 120) -> subprocess.Comple
 def write_bigger(v1: str, dest: pathlib.Path) -> None:
     text = pathlib.Path(v1).read_text().replace("replicas: 2", "replicas: 3")
     dest.write_text(text.replace("../hello", EXAMPLES + "/hello"))
+
+
+def start_watch(addr: str, name: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "--controller", addr, "watch", name],
+        cwd=procs.REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def get(url: str) -> dict:
@@ -99,9 +110,19 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     after = json.loads((await ctl(addr, "status", "shop", "--json")).stdout)
     assert after["services"][0]["ready_replicas"] == 2  # v1 keeps serving
 
-    down = await ctl(addr, "down", "shop", "--wait", "--timeout", "60")
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert "shop: deleted" in down.stdout
+    watcher = start_watch(addr, "shop")
+    try:
+        first = await asyncio.to_thread(watcher.stdout.readline)  # type: ignore[union-attr]
+        down = await ctl(addr, "down", "shop", "--wait", "--timeout", "60")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert "shop: deleted" in down.stdout
+        rest, _ = await asyncio.to_thread(watcher.communicate, timeout=30)
+        watched = first + rest
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, watched
+    assert "shop: replica 1 READY" in watched and "shop: service SHUTTING_DOWN" in watched
+    assert watched.rstrip().endswith("shop: deleted")
     assert provisioner_procs.wait_no_replicas(cluster.provisioner_state_dir, timeout=15) == []
 
 
@@ -131,3 +152,26 @@ async def test_replicactl_errors_are_one_line_with_an_exit_code(cluster: cl.Clus
     assert result.returncode == 4
     assert result.stderr.strip().startswith("error: cannot reach the controller at 127.0.0.1:1")
     assert (await ctl(addr, "status")).stdout.strip() == "No services."
+
+
+def test_replicactl_stack_up_and_down(tmp_path) -> None:
+    env = stack_env()
+    state = str(tmp_path / "state")
+    base = [sys.executable, "-m", "services.cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*base, *args], cwd=procs.REPO, env=env, capture_output=True, text=True, timeout=200, check=False
+        )
+
+    up = run("stack", "up", "--detach", "--state-dir", state)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "stack running in the background" in up.stdout
+        addr = env["REPLICAPLANE_CONTROLLER_LISTEN_ADDR"]
+        status = run("--controller", addr, "status")
+        assert (status.returncode, status.stdout.strip()) == (0, "No services.")
+    finally:
+        down = run("stack", "down", "--state-dir", state)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "services left: none" in down.stdout and "stack stopped" in down.stdout
