@@ -109,6 +109,11 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     assert "scaling stopped: version 2 failed before ever being ready" in broken.stderr
     after = json.loads((await ctl(addr, "status", "shop", "--json")).stdout)
     assert after["services"][0]["ready_replicas"] == 2  # v1 keeps serving
+    failed = [r for r in after["replicas"] if r["status"] == "REPLICA_STATUS_FAILED"]
+    assert failed, after["replicas"]
+    why = await ctl(addr, "logs", "shop", "--replica-id", failed[0]["replica_id"])
+    assert why.returncode == 0, why.stderr
+    assert "cannot start: missing config file /etc/shop/v2.conf" in why.stdout
 
     watcher = start_watch(addr, "shop")
     try:
