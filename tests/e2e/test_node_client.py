@@ -51,6 +51,10 @@ def run_node(node: str, *args: str, timeout: float = 60) -> subprocess.Completed
     )
 
 
+def start_node(node: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([node, "client.js", *args], cwd=NODE_DIR, stdout=subprocess.PIPE, text=True)
+
+
 async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster: cl.Cluster) -> None:
     addr = cluster.controller.addr
     yaml_text = cl.app_yaml("node-demo", cluster.tag, replicas=2)
@@ -63,7 +67,6 @@ async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster
     messages = [json.loads(line) for line in watched.stdout.splitlines()]
     assert messages[0]["snapshot"] is True
     statuses = [r["status"] for m in messages for r in m["replicas"]]
-    assert "REPLICA_STATUS_STARTING" in statuses or "REPLICA_STATUS_PROVISIONING" in statuses
     assert statuses.count("REPLICA_STATUS_READY") >= 2
 
     listed = await asyncio.to_thread(run_node, node, "--controller", addr, "list")
@@ -72,6 +75,20 @@ async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster
     assert [(s["name"], s["status"], s["ready_replicas"]) for s in services] == [
         ("node-demo", "SERVICE_STATUS_READY", 2)
     ]
+
+    # Changes arrive as they happen: a watch that is running sees the deletion, then ends.
+    follower = start_node(node, "--controller", addr, "watch", "node-demo")
+    try:
+        first = json.loads(await asyncio.to_thread(follower.stdout.readline))  # type: ignore[union-attr]
+        assert first["snapshot"] is True
+        await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="node-demo"))
+        rest, _ = await asyncio.to_thread(follower.communicate, timeout=60)
+    finally:
+        follower.kill()
+    changes = [json.loads(line) for line in rest.splitlines()]
+    assert follower.returncode == 0
+    assert any(m["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN" for m in changes)
+    assert changes[-1]["deleted"] is True
 
     missing = await asyncio.to_thread(run_node, node, "--controller", addr, "watch", "nope")
     assert missing.returncode == 3
