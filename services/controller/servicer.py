@@ -21,7 +21,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def CreateService(
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
-        svc = self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
+        svc = await self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
     async def GetService(
@@ -38,7 +38,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def UpdateService(
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
-        svc, plan = self._ctl.update_service(
+        svc, plan = await self._ctl.update_service(
             request.service_name, request.yaml, mode=request.mode, dry_run=request.dry_run
         )
         return api.UpdateServiceResponse(service=svc, plan=plan)
