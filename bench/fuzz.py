@@ -9,6 +9,7 @@ INVALID_ARGUMENT without field violations, or a failed call that changed state.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=1000, help="hypothesis examples per strategy")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)  # the scripted provisioner's warnings are noise here
     started = time.monotonic()
     cases = 0
     crashes: list[str] = []
