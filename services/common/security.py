@@ -281,21 +281,42 @@ def allowed_names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def client_token(environ: Mapping[str, str] | None = None) -> str:
-    """The token a client sends: $REPLICAPLANE_API_TOKEN, else the first token of the file named
-    by $REPLICAPLANE_API_TOKEN_FILE (a `NAME:` prefix is dropped), else ""."""
-    env = os.environ if environ is None else environ
-    if env.get(CLIENT_TOKEN_ENV):
-        return env[CLIENT_TOKEN_ENV].strip()
-    path = env.get(CLIENT_TOKEN_FILE_ENV)
-    if not path:
-        return ""
+def _first_token(path: str) -> str:
     with open(os.path.expanduser(path), encoding="utf-8") as fh:
         for line in fh:
             text = line.strip()
             if text and not text.startswith("#"):
                 return text.partition(":")[2].strip() if ":" in text else text
     return ""
+
+
+def client_token(environ: Mapping[str, str] | None = None) -> str:
+    """The token a client sends, or "": $REPLICAPLANE_API_TOKEN, the first token of the file
+    named by $REPLICAPLANE_API_TOKEN_FILE, and else the controller's own token settings (so a
+    local stack started with them talks to its controller)."""
+    env = os.environ if environ is None else environ
+    for var, var_file in (
+        (CLIENT_TOKEN_ENV, CLIENT_TOKEN_FILE_ENV),
+        ("REPLICAPLANE_CONTROLLER_AUTH_TOKEN", "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE"),
+    ):
+        if env.get(var):
+            return env[var].strip()
+        if env.get(var_file):
+            return _first_token(env[var_file])
+    return ""
+
+
+def client_tls(environ: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
+    """Client TLS credentials from the first of the controller's, provisioner's or prober's
+    REPLICAPLANE_<SECTION>_TLS_* files set in the environment, or None. Used for health checks of
+    mTLS servers (health is open to any certificate the CA signed, if it allows client auth)."""
+    env = os.environ if environ is None else environ
+    for section in ("controller", "provisioner", "prober"):
+        prefix = f"REPLICAPLANE_{section.upper()}_TLS_"
+        tls = Tls(env.get(f"{prefix}CERT_FILE", ""), env.get(f"{prefix}KEY_FILE", ""), env.get(f"{prefix}CA_FILE", ""))
+        if tls.enabled:
+            return tls.channel_credentials(section)
+    return None
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, header: tuple[str, str]) -> grpc.aio.ClientCallDetails:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 import uuid
 
 import grpc
@@ -21,6 +22,7 @@ from replicaplane.prober.v1 import prober_service_pb2_grpc as prober_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import security
+from tests.e2e import test_stack
 from tests.helpers import certs
 from tests.helpers import cluster as cl
 
@@ -196,3 +198,45 @@ async def test_mtls_admits_only_the_controller(tmp_path) -> None:
             assert len(reply.replicas) == 1
     finally:
         await cluster.close()
+
+
+def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
+    ca = certs.Authority(str(tmp_path / "pki"))
+    token = f"tok-{uuid.uuid4().hex}"
+    env = {
+        **test_stack.stack_env(),
+        "REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token,
+        **ca.issue("controller").env("controller"),
+        **ca.issue("provisioner").env("provisioner"),
+        **ca.issue("prober").env("prober"),
+    }
+    state_dir = tmp_path / "state"
+    up = test_stack.stack(
+        "up", "--detach", "--state-dir", str(state_dir), "--example", test_stack.EXAMPLE, env=env, timeout=240
+    )
+    try:
+        assert up.returncode == 0, f"{up.stdout}{up.stderr}\n{test_stack.logs(state_dir)}"
+        state = json.loads((state_dir / "stack.json").read_text())
+        addrs = {p["name"]: p["addr"] for p in state["processes"]}
+        with grpc.insecure_channel(state["controller"]) as channel:
+            stub = api_grpc.ControllerServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetService(api.GetServiceRequest(service_name="hello"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            auth = [("authorization", f"Bearer {token}")]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                svc = stub.GetService(api.GetServiceRequest(service_name="hello"), metadata=auth, timeout=10).service
+                if svc.ready_replicas == 2:
+                    break
+                time.sleep(0.25)
+            assert svc.ready_replicas == 2, test_stack.logs(state_dir)
+        prov = addrs["provisioner"].replace("0.0.0.0", "127.0.0.1")
+        assert test_stack.stack("health", prov, "--tls", env=env, timeout=30).returncode == 0
+        assert test_stack.stack("health", prov, "--timeout", "1", env=env, timeout=30).returncode == 1
+    finally:
+        down = test_stack.stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
+    assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{test_stack.logs(state_dir)}"
+    printed = up.stdout + up.stderr + down.stdout + down.stderr + test_stack.logs(state_dir)
+    assert "hello" in printed
+    assert token not in printed
