@@ -59,11 +59,6 @@ def rate_policy(lo: int, hi: int, up: float, down: float) -> str:
     )
 
 
-def live(w: cl.Watch) -> list[res.Replica]:
-    gone = (res.REPLICA_STATUS_SHUTTING_DOWN, res.REPLICA_STATUS_PREEMPTED)
-    return [r for r in w.replicas.values() if r.status not in gone]
-
-
 async def load(c: cl.Cluster, name: str, count: int) -> None:
     await c.stub.ReportLoad(api.ReportLoadRequest(service_name=name, request_count=count), timeout=10)
 

@@ -46,12 +46,6 @@ run: serve
 """
 
 
-def live(w: cl.Watch) -> list[res.Replica]:
-    """Replicas not on their way out."""
-    gone = (res.REPLICA_STATUS_SHUTTING_DOWN, res.REPLICA_STATUS_PREEMPTED)
-    return [r for r in w.replicas.values() if r.status not in gone]
-
-
 @pytest.fixture
 async def env(tmp_path) -> AsyncIterator[tc.Env]:
     async with tc.started(tmp_path, **FAST) as e:
@@ -80,13 +74,20 @@ async def test_load_scales_up_after_the_delay_and_back_down(env: tc.Env) -> None
     await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=3))
     svc = (await env.stub.GetService(api.GetServiceRequest(service_name="auto"))).service
     assert svc.target_replicas == 1  # held for the upscale delay
+    a = svc.autoscaler
+    assert (a.kind, a.target_replicas, a.min_replicas, a.max_replicas) == ("request_rate", 1, 1, 3)
+    assert a.qps == pytest.approx(3.0)
+    assert a.last_decision_reason.startswith("scale up to 3 in ")
+    assert a.HasField("last_decision_time")
     await w.until(lambda w: w.service.target_replicas == 3)
     assert time.monotonic() - t0 >= 0.3
+    assert w.service.autoscaler.last_decision_reason == "scaled up from 1 to 3 after 0.3 s"
     await w.until(lambda w: w.count(READY) == 3)
     # The window empties after 1 s; the lower target holds for the downscale delay.
     await w.until(lambda w: w.service.target_replicas == 1, timeout=10)
     await w.until(lambda w: len(w.replicas) == 1 and w.count(READY) == 1)
     assert sorted(w.replicas) == [1]  # the newest went first
+    assert w.service.autoscaler.last_decision_reason == "scaled down from 3 to 1 after 0.6 s"
     w.cancel()
 
 
@@ -131,6 +132,7 @@ async def test_spot_with_base_fallback_runs_ondemand_beside_spot(env: tc.Env) ->
     w = await tc.create(env, yaml_text)
     await w.until(lambda w: w.count(READY) == 3)
     assert sorted(r.is_spot for r in w.replicas.values()) == [False, True, True]
+    assert w.service.autoscaler.kind == "fallback"
     w.cancel()
 
 
