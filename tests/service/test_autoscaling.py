@@ -187,3 +187,22 @@ async def test_restart_resumes_the_autoscaler_without_churn(tmp_path) -> None:
             assert len(launches) == 3
         finally:
             await prober.stop(None)
+
+
+async def test_instance_aware_targets_per_accelerator_and_endpoints_name_it(env: tc.Env) -> None:
+    yaml_text = scaling_yaml(up=0).replace(
+        "    target_qps_per_replica: 1\n", "    target_qps_per_replica: {A100: 2, 'H100:1': 4}\n"
+    )
+    yaml_text = yaml_text.replace("service:\n", "service:\n  load_balancing_policy: instance_aware_least_load\n")
+    yaml_text = yaml_text.replace("  ports: 8080\n", "  ports: 8080\n  accelerators: A100:1\n")
+    w = await tc.create(env, yaml_text)
+    await w.until(lambda w: w.count(READY) == 1)
+    endpoints = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="auto"))
+    first = await anext(aiter(endpoints))
+    assert [(e.replica_id, e.accelerator) for e in first.endpoints] == [(1, "A100")]
+    endpoints.cancel()
+    assert w.service.autoscaler.kind == "instance_aware"
+    # 3 QPS over the 1 s window; one A100 serves 2: one more replica.
+    await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=3))
+    await w.until(lambda w: w.service.target_replicas == 2 and w.count(READY) == 2)
+    w.cancel()
