@@ -351,6 +351,9 @@ class ServiceReconciler:
         if row is None:
             return
         self._row = row
+        # A rolled-back version number may come back with another spec: forget cached ones.
+        self._specs.clear()
+        self._policy_cache = (0, autoscaler.Policy())
         self._state_stored = self._db.get_autoscaler_state(self.name)
         self._state = _ScalerState.load_from(self._state_stored)
         self.replicas = {r.replica_id: r for r in self._db.list_replicas(self.name)}
