@@ -301,7 +301,22 @@ class ServiceReconciler:
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
+        svc.autoscaler.CopyFrom(self._autoscaler_status())
         return svc
+
+    def _autoscaler_status(self) -> res.AutoscalerStatus:
+        policy = self._policy()
+        out = res.AutoscalerStatus(
+            kind=policy.kind,
+            target_replicas=self._final_target(),
+            min_replicas=policy.min_replicas,
+            max_replicas=policy.max_replicas,
+            qps=self._qps(time.time()),
+            last_decision_reason=self._state.reason,
+        )
+        if self._state.decided_at:
+            out.last_decision_time.CopyFrom(pbtime.timestamp(self._state.decided_at))
+        return out
 
     def snapshot(self) -> api.WatchServiceResponse:
         """The whole service for a new watcher."""
@@ -340,6 +355,9 @@ class ServiceReconciler:
         if row is None:
             return
         self._row = row
+        # A rolled-back version number may come back with another spec: forget cached ones.
+        self._specs.clear()
+        self._policy_cache = (0, autoscaler.Policy())
         self._state_stored = self._db.get_autoscaler_state(self.name)
         self._state = _ScalerState.load_from(self._state_stored)
         self.replicas = {r.replica_id: r for r in self._db.list_replicas(self.name)}
