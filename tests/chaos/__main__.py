@@ -38,6 +38,8 @@ def main() -> None:
     kills = sum(sum(r.kills.values()) for r in reports)
     print(f"figure: chaos_rounds {rounds} count")
     print(f"figure: chaos_kills {kills} count")
+    print(f"figure: chaos_racing_writes {sum(r.racing for r in reports)} count")
+    print(f"figure: chaos_unacknowledged_writes {sum(r.unacknowledged for r in reports)} count")
     print(f"figure: chaos_violations {violations} count")
     print(f"figure: chaos_seconds {time.monotonic() - started:.1f} s")
     sys.exit(1 if violations else 0)
