@@ -14,6 +14,8 @@ model adopts whichever outcome the service shows. The checks:
 - no replica id was reused within a service incarnation;
 - the kept failure record of a broken service is still there.
 
+With `secure`, the services run with mTLS between them and a token on the API.
+
 Every choice comes from `random.Random(seed)`, so a seed replays the same kill points (the
 timing of the system under test still varies with machine load).
 """
@@ -27,6 +29,7 @@ import os
 import random
 import sys
 import time
+import uuid
 
 import grpc
 
@@ -35,6 +38,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+from tests.helpers import certs
 from tests.helpers import cluster as cl
 
 READY = res.REPLICA_STATUS_READY
@@ -89,6 +93,7 @@ class Chaos:
         converge_timeout: float = 90.0,
         max_outage_s: float = 1.5,
         race_share: float = 0.3,
+        secure: bool = False,
     ) -> None:
         self.rng = random.Random(seed)
         self.report = Report(seed)
@@ -96,6 +101,8 @@ class Chaos:
         self.converge_timeout = converge_timeout
         self.max_outage_s = max_outage_s
         self.race_share = race_share
+        self.secure = secure
+        self.controller_id: certs.Identity | None = None
         self.cluster: cl.Cluster | None = None
         self.target = 2
         self.version = 0
@@ -117,7 +124,7 @@ class Chaos:
     async def run(self, rounds: int) -> Report:
         """Set up, run `rounds` rounds, tear down; violations are collected, not raised."""
         started = time.monotonic()
-        self.cluster = cl.Cluster(self.tmp, probers=2)
+        self.cluster = self._new_cluster()
         try:
             await self._setup()
             for _ in range(rounds):
@@ -129,6 +136,27 @@ class Chaos:
             await self.c.close()
             self.report.seconds = time.monotonic() - started
         return self.report
+
+    def _new_cluster(self) -> cl.Cluster:
+        if not self.secure:
+            return cl.Cluster(self.tmp, probers=2)
+        ca = certs.Authority(os.path.join(self.tmp, "pki"))
+        self.controller_id = ca.issue("controller")
+        token = f"chaos-{uuid.uuid4().hex}"
+        return cl.Cluster(
+            self.tmp,
+            probers=2,
+            controller_env={**self.controller_id.env("controller"), "REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token},
+            provisioner_env=ca.issue("provisioner").env("provisioner"),
+            prober_env=ca.issue("prober").env("prober"),
+            api_token=token,
+        )
+
+    def _provisioner_channel(self) -> grpc.aio.Channel:
+        if self.controller_id is None:
+            return grpc.aio.insecure_channel(self.c.provisioner.addr)
+        cert, key, ca = self.controller_id.read()
+        return grpc.aio.secure_channel(self.c.provisioner.addr, grpc.ssl_channel_credentials(ca, key, cert))
 
     async def _setup(self) -> None:
         await self.c.stub.CreateService(api.CreateServiceRequest(yaml=_broken_yaml(self.c.tag)), timeout=30)
@@ -326,7 +354,7 @@ class Chaos:
         missing = sorted(known - set(live))
         if missing:
             self.violation(f"replicas the controller counts have no process: {missing}")
-        channel = grpc.aio.insecure_channel(self.c.provisioner.addr)
+        channel = self._provisioner_channel()
         try:
             stub = prov_grpc.ProvisionerServiceStub(channel)
             records = (await stub.ListReplicas(prov_pb.ListReplicasRequest(), timeout=30)).replicas
@@ -347,13 +375,15 @@ class Chaos:
                 self.violation(f"kept failure record {BROKEN}/{rid} lost: {statuses.get(rid)}")
 
 
-async def run_seeds(seeds: list[int], rounds: int, tmp_root: str, *, out: object = sys.stdout) -> list[Report]:
+async def run_seeds(
+    seeds: list[int], rounds: int, tmp_root: str, *, secure: bool = False, out: object = sys.stdout
+) -> list[Report]:
     """Run each seed on a fresh cluster, one after the other, printing a line per run."""
     reports = []
     for seed in seeds:
         folder = os.path.join(tmp_root, f"seed{seed}")
         os.makedirs(folder, exist_ok=True)
-        report = await Chaos(folder, seed).run(rounds)
+        report = await Chaos(folder, seed, secure=secure).run(rounds)
         reports.append(report)
         print(
             f"seed {seed}: rounds {report.rounds} kills {dict(report.kills)} scenarios {dict(report.scenarios)} "
