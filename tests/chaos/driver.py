@@ -1,8 +1,10 @@
 """Seeded chaos: scale up, scale down, rolling updates, replica terminations and deletes while the controller, the
 provisioner or a prober is SIGKILLed at a random moment; then the invariants are checked.
 
-A round is: one acknowledged API write, a random pause (inside drain, launch, startup or
-teardown), a SIGKILL of a random component, a random outage, the restart, and then:
+A round is: one API write, a random pause (inside drain, launch, startup or teardown), a
+SIGKILL of a random component, a random outage, the restart, and then the checks. In some
+rounds the kill races the write instead; a write that then fails was not acknowledged, and the
+model adopts whichever outcome the service shows. The checks:
 
 - the service converges to its acknowledged target (all READY, all at the latest version);
 - no acknowledged write was lost (version and target as acknowledged; a deleted service stays
@@ -11,6 +13,8 @@ teardown), a SIGKILL of a random component, a random outage, the restart, and th
   running twice;
 - no replica id was reused within a service incarnation;
 - the kept failure record of a broken service is still there.
+
+With `secure`, the services run with mTLS between them and a token on the API.
 
 Every choice comes from `random.Random(seed)`, so a seed replays the same kill points (the
 timing of the system under test still varies with machine load).
@@ -25,6 +29,7 @@ import os
 import random
 import sys
 import time
+import uuid
 
 import grpc
 
@@ -33,6 +38,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+from tests.helpers import certs
 from tests.helpers import cluster as cl
 
 READY = res.REPLICA_STATUS_READY
@@ -60,6 +66,10 @@ class Report:
     scenarios: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     violations: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    racing: int = 0
+    """Rounds whose kill raced the write."""
+    unacknowledged: int = 0
+    """Racing writes that failed (the model then adopts whichever outcome landed)."""
 
 
 def _yaml(tag: str, name: str, replicas: int, generation: int) -> str:
@@ -75,12 +85,24 @@ def _broken_yaml(tag: str) -> str:
 class Chaos:
     """One seeded run against a fresh cluster in `tmp`."""
 
-    def __init__(self, tmp: str, seed: int, *, converge_timeout: float = 90.0, max_outage_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        tmp: str,
+        seed: int,
+        *,
+        converge_timeout: float = 90.0,
+        max_outage_s: float = 1.5,
+        race_share: float = 0.3,
+        secure: bool = False,
+    ) -> None:
         self.rng = random.Random(seed)
         self.report = Report(seed)
         self.tmp = tmp
         self.converge_timeout = converge_timeout
         self.max_outage_s = max_outage_s
+        self.race_share = race_share
+        self.secure = secure
+        self.controller_id: certs.Identity | None = None
         self.cluster: cl.Cluster | None = None
         self.target = 2
         self.version = 0
@@ -89,6 +111,7 @@ class Chaos:
         self.ids_seen: set[int] = set()
         self.ids_gone: set[int] = set()
         self.kept_failed: dict[int, int] = {}
+        self.intended = (self.target, self.generation)
 
     @property
     def c(self) -> cl.Cluster:
@@ -101,7 +124,7 @@ class Chaos:
     async def run(self, rounds: int) -> Report:
         """Set up, run `rounds` rounds, tear down; violations are collected, not raised."""
         started = time.monotonic()
-        self.cluster = cl.Cluster(self.tmp, probers=2)
+        self.cluster = self._new_cluster()
         try:
             await self._setup()
             for _ in range(rounds):
@@ -113,6 +136,27 @@ class Chaos:
             await self.c.close()
             self.report.seconds = time.monotonic() - started
         return self.report
+
+    def _new_cluster(self) -> cl.Cluster:
+        if not self.secure:
+            return cl.Cluster(self.tmp, probers=2)
+        ca = certs.Authority(os.path.join(self.tmp, "pki"))
+        self.controller_id = ca.issue("controller")
+        token = f"chaos-{uuid.uuid4().hex}"
+        return cl.Cluster(
+            self.tmp,
+            probers=2,
+            controller_env={**self.controller_id.env("controller"), "REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token},
+            provisioner_env=ca.issue("provisioner").env("provisioner"),
+            prober_env=ca.issue("prober").env("prober"),
+            api_token=token,
+        )
+
+    def _provisioner_channel(self) -> grpc.aio.Channel:
+        if self.controller_id is None:
+            return grpc.aio.insecure_channel(self.c.provisioner.addr)
+        cert, key, ca = self.controller_id.read()
+        return grpc.aio.secure_channel(self.c.provisioner.addr, grpc.ssl_channel_credentials(ca, key, cert))
 
     async def _setup(self) -> None:
         await self.c.stub.CreateService(api.CreateServiceRequest(yaml=_broken_yaml(self.c.tag)), timeout=30)
@@ -131,32 +175,85 @@ class Chaos:
         self.version, self.uid = svc.latest_version, svc.uid
         self.ids_seen, self.ids_gone = set(), set()
 
-    async def _write(self, scenario: str) -> None:
-        """The acknowledged API write of a round."""
+    async def _write(self, scenario: str, pick: float) -> None:
+        """The API write of a round; the model follows it once it is acknowledged.
+
+        `pick` (in [0, 1)) chooses the replica to terminate; it is drawn before the write, so a
+        write racing a kill draws nothing from the seeded generator at an unknown moment.
+        """
         if scenario == "delete":
             await self.c.stub.DeleteService(api.DeleteServiceRequest(service_name=SERVICE), timeout=30)
             return
         if scenario == "terminate":
             listed = await self.c.stub.ListReplicas(api.ListReplicasRequest(service_name=SERVICE), timeout=30)
-            victim = self.rng.choice(sorted(r.replica_id for r in listed.replicas if r.status == READY))
+            ready = sorted(r.replica_id for r in listed.replicas if r.status == READY)
+            if not ready:
+                return
+            victim = ready[int(pick * len(ready))]
             request = api.TerminateReplicaRequest(service_name=SERVICE, replica_id=victim)
             await self.c.stub.TerminateReplica(request, timeout=30)
             self.ids_gone.add(victim)
             return
+        target, generation = self.target, self.generation
         if scenario == "scale_up":
-            self.target = min(self.target + 1, 4)
+            target = min(target + 1, 4)
         elif scenario == "scale_down":
-            self.target = max(self.target - 1, 1)
+            target = max(target - 1, 1)
         else:
-            self.generation += 1
-        yaml_text = _yaml(self.c.tag, SERVICE, self.target, self.generation)
+            generation += 1
+        self.intended = (target, generation)
+        yaml_text = _yaml(self.c.tag, SERVICE, target, generation)
         reply = await self.c.stub.UpdateService(
             api.UpdateServiceRequest(service_name=SERVICE, yaml=yaml_text), timeout=30
         )
-        self.version = reply.service.latest_version
+        self.target, self.generation, self.version = target, generation, reply.service.latest_version
+
+    async def _write_during_kill(self, scenario: str, pick: float, target: str) -> bool:
+        """The write and the kill at (nearly) the same moment; True when the write failed."""
+        write = asyncio.create_task(self._write(scenario, pick))
+        await asyncio.sleep(self.rng.uniform(0.0, 0.01))
+        await self._kill(target)
+        try:
+            await write
+        except grpc.aio.AioRpcError:
+            return True
+        return False
+
+    async def _adopt(self, scenario: str) -> bool:
+        """After a write that was not acknowledged, take whichever outcome the service shows.
+
+        Returns True when the service is gone or going (an unacknowledged delete that landed).
+        """
+        deadline = time.monotonic() + self.converge_timeout
+        while True:
+            try:
+                svc = (await self.c.stub.GetService(api.GetServiceRequest(service_name=SERVICE), timeout=10)).service
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return True
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        if svc.status == res.SERVICE_STATUS_SHUTTING_DOWN:
+            return scenario == "delete" or self._bad(f"service shutting down after an unacknowledged {scenario}")
+        generation = int(svc.spec.envs.get("GENERATION", self.generation))
+        if (svc.target_replicas, generation) not in ((self.target, self.generation), self.intended):
+            self.violation(
+                f"after an unacknowledged {scenario}: target {svc.target_replicas} generation {generation}, "
+                f"neither the old {(self.target, self.generation)} nor the new {self.intended}"
+            )
+        self.target, self.generation = svc.target_replicas, generation
+        self.version = max(self.version, svc.latest_version)
+        return False
+
+    def _bad(self, text: str) -> bool:
+        self.violation(text)
+        return False
 
     async def _kill(self, target: str) -> None:
         outage = self.rng.uniform(0.0, self.max_outage_s)
+        prober = self.rng.randrange(len(self.c.probers)) if target == "prober" else 0
         if target == "controller":
             self.c.controller.kill()
             await asyncio.sleep(outage)
@@ -166,22 +263,29 @@ class Chaos:
             await asyncio.sleep(outage)
             self.c.restart_provisioner(kill=True)
         else:
-            i = self.rng.randrange(len(self.c.probers))
-            target = f"prober{i}"
-            self.c.stop_prober(i)
+            self.c.stop_prober(prober)
             await asyncio.sleep(outage)
-            self.c.start_prober(i)
-        self.report.kills[target.rstrip("0123456789")] += 1
+            self.c.start_prober(prober)
+        self.report.kills[target] += 1
 
     async def _round(self) -> None:
         scenario = self.rng.choice(SCENARIOS)
         target = self.rng.choice(TARGETS)
         pause = self.rng.uniform(0.0, 1.0)
+        racing = self.rng.random() < self.race_share
+        pick = self.rng.random()
         self.report.scenarios[scenario] += 1
-        await self._write(scenario)
-        await asyncio.sleep(pause)
-        await self._kill(target)
-        if scenario == "delete":
+        deleted = scenario == "delete"
+        if racing:
+            self.report.racing += 1
+            if await self._write_during_kill(scenario, pick, target):
+                self.report.unacknowledged += 1
+                deleted = await self._adopt(scenario)
+        else:
+            await self._write(scenario, pick)
+            await asyncio.sleep(pause)
+            await self._kill(target)
+        if deleted:
             await self._check_deleted()
             await self._create()
         await self._converge()
@@ -250,7 +354,7 @@ class Chaos:
         missing = sorted(known - set(live))
         if missing:
             self.violation(f"replicas the controller counts have no process: {missing}")
-        channel = grpc.aio.insecure_channel(self.c.provisioner.addr)
+        channel = self._provisioner_channel()
         try:
             stub = prov_grpc.ProvisionerServiceStub(channel)
             records = (await stub.ListReplicas(prov_pb.ListReplicasRequest(), timeout=30)).replicas
@@ -271,16 +375,19 @@ class Chaos:
                 self.violation(f"kept failure record {BROKEN}/{rid} lost: {statuses.get(rid)}")
 
 
-async def run_seeds(seeds: list[int], rounds: int, tmp_root: str, *, out: object = sys.stdout) -> list[Report]:
+async def run_seeds(
+    seeds: list[int], rounds: int, tmp_root: str, *, secure: bool = False, out: object = sys.stdout
+) -> list[Report]:
     """Run each seed on a fresh cluster, one after the other, printing a line per run."""
     reports = []
     for seed in seeds:
         folder = os.path.join(tmp_root, f"seed{seed}")
         os.makedirs(folder, exist_ok=True)
-        report = await Chaos(folder, seed).run(rounds)
+        report = await Chaos(folder, seed, secure=secure).run(rounds)
         reports.append(report)
         print(
             f"seed {seed}: rounds {report.rounds} kills {dict(report.kills)} scenarios {dict(report.scenarios)} "
+            f"racing {report.racing} unacknowledged {report.unacknowledged} "
             f"violations {len(report.violations)} seconds {report.seconds:.1f}",
             file=out,  # type: ignore[arg-type]
             flush=True,

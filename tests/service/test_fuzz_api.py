@@ -12,11 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_fuzzed_specs_get_clean_statuses_and_change_nothing_on_error(tmp_path) -> None:
-    outcome = fuzzing.run_session(str(tmp_path), fuzzing.spec_requests, 80, raise_on_crash=True)
+    outcome = fuzzing.run_session(str(tmp_path), fuzzing.spec_requests, 50, raise_on_crash=True)
     assert outcome.crashes == []
     assert outcome.codes.get("INVALID_ARGUMENT", 0) > 0
 
 
 def test_fuzzed_requests_of_every_method_get_clean_statuses(tmp_path) -> None:
-    outcome = fuzzing.run_session(str(tmp_path), fuzzing.requests, 150, raise_on_crash=True)
+    outcome = fuzzing.run_session(str(tmp_path), fuzzing.requests, 100, raise_on_crash=True)
     assert outcome.crashes == []
