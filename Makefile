@@ -12,7 +12,7 @@ UP_ARGS ?=
 # `make breaking` compares the protos with this git ref (when it has protos/).
 BREAKING_AGAINST ?= HEAD~1
 
-.PHONY: setup gen check-gen lint breaking compose-check test e2e up down bench clean
+.PHONY: setup gen check-gen lint breaking compose-check test e2e demo up down bench clean
 
 $(VENV)/.installed: requirements.txt requirements-kubernetes.txt requirements-dev.txt pyproject.toml
 	@$(PY_SYS) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Replicaplane needs Python >= 3.11")'
@@ -60,6 +60,9 @@ test: setup  ## Run every test (unit, service, end to end).
 
 e2e: setup  ## Run only the end-to-end tests.
 	$(PY) -m pytest -m e2e
+
+demo: setup  ## Start a local stack, deploy the 2-replica example, show status and one request, stop it all.
+	$(PY) -m services.cli.demo
 
 up: setup  ## Start the local stack (controller, provisioner, $(PROBERS) prober) with the example service.
 	$(PY) -m services.stack up --probers $(PROBERS) --example examples/hello/service.yaml $(UP_ARGS)

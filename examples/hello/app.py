@@ -1,7 +1,8 @@
 """A tiny stdlib-only HTTP app for Replicaplane's example service.
 
 `/` answers with a hello naming the replica (env REPLICA_ID), `/health` answers 200 for the
-readiness probe. The port comes from `--port` or env PORT (the local backend sets both); the
+readiness probe. With env HELLO_FAIL set, it prints that reason and exits 1 at once (the
+broken-v2 example). The port comes from `--port` or env PORT (the local backend sets both); the
 address from `--host` or env HOST, loopback by default.
 """
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
     parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
     args = parser.parse_args(argv)
+    if os.environ.get("HELLO_FAIL"):
+        # The broken-v2 example: a version that cannot start, as a bad release would.
+        print(f"replica {REPLICA_ID}: cannot start: {os.environ['HELLO_FAIL']}", flush=True)
+        sys.exit(1)
 
     server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True

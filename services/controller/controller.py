@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
+# Load reports may carry request times this far ahead of the controller's clock (clock skew).
+MAX_FUTURE_S = 60.0
 
 
 _MAX_URL = 2048
@@ -39,6 +41,13 @@ def _check_load_balancer_url(url: str) -> None:
                 )
             ]
         )
+
+
+_LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
+    api.REPLICA_LOG_KIND_UNSPECIFIED: prov_res.LOG_KIND_APP,
+    api.REPLICA_LOG_KIND_APP: prov_res.LOG_KIND_APP,
+    api.REPLICA_LOG_KIND_LAUNCH: prov_res.LOG_KIND_LAUNCH,
+}
 
 
 class Controller:
@@ -62,9 +71,11 @@ class Controller:
         self._probing_stale = False
         self._orphan_tasks: set[asyncio.Task[None]] = set()
         self._watch_generation = 0
+        self._zones: list[tuple[str, float]] = []
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
+        await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
             rec.start()
@@ -88,6 +99,7 @@ class Controller:
             tuning=self._tuning,
             on_gone=self._forget,
             watch_generation=lambda: self._watch_generation,
+            zones=lambda: self._zones,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -222,13 +234,61 @@ class Controller:
         """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
 
         Raises:
-            errors.ValidationError: the URL is not a plain http(s) URL; nothing is recorded.
+            errors.ValidationError: a negative count, a time more than a minute ahead, or a URL
+                that is not a plain http(s) URL; nothing is recorded.
         """
+        now = time.time()
+        violations = []
+        if count < 0:
+            violations.append(errors.FieldViolation("request_count", f"must not be negative, got {count}"))
+        violations += [
+            errors.FieldViolation(f"request_times[{i}]", f"more than {MAX_FUTURE_S:g} s in the future")
+            for i, t in enumerate(times)
+            if t > now + MAX_FUTURE_S
+        ]
+        errors.require(violations, subject="load report")
         _check_load_balancer_url(load_balancer_url)
         rec = self._get(name)
         if load_balancer_url:
             rec.set_load_balancer_url(load_balancer_url)
-        return rec.report_load(times, count, time.time())
+        return rec.report_load(times, count, now)
+
+    async def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
+        """A replica's log (app output or launch log) as the provisioner streams it.
+
+        Raises:
+            errors.ValidationError: empty or too long service name, replica id below 1, unknown kind.
+            errors.NotFoundError: no such service or replica, or the provisioner has no log of it.
+            errors.UnavailableError: the provisioner could not be reached.
+        """
+        violations = []
+        if not name:
+            violations.append(errors.FieldViolation("service_name", "required"))
+        elif len(name) > spec.MAX_NAME_LEN:
+            violations.append(errors.FieldViolation("service_name", f"at most {spec.MAX_NAME_LEN} characters"))
+        if replica_id < 1:
+            violations.append(errors.FieldViolation("replica_id", f"must be >= 1, got {replica_id}"))
+        if kind not in _LOG_KINDS:
+            violations.append(errors.FieldViolation("kind", f"unknown log kind {kind}"))
+        errors.require(violations)
+        replica = self._get(name).replica(replica_id)
+        request = prov_pb.StreamLogsRequest(name=replica.replica_name, kind=_LOG_KINDS[kind], follow=follow)
+        try:
+            async for chunk in self._prov.StreamLogs(request):
+                yield chunk.data
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise errors.NotFoundError(
+                    f"no logs of replica {replica_id} of service {name!r}",
+                    reason="LOGS_NOT_FOUND",
+                    service=name,
+                    replica_id=replica_id,
+                ) from None
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise errors.UnavailableError(
+                f"could not read the logs from the provisioner: {exc.code().name}", reason="PROVISIONER_UNAVAILABLE"
+            ) from None
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
@@ -280,11 +340,23 @@ class Controller:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._tuning.reconnect_max_s)
 
+    async def _load_zones(self) -> None:
+        """The provisioner's zones, for the spot placer; left empty (the backend picks) while
+        the provisioner does not answer, and asked again by the sweep."""
+        try:
+            response = await self._prov.ListZones(prov_pb.ListZonesRequest(), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("zones not known yet (%s); the provisioner places spot replicas", exc.code().name)
+            return
+        self._zones = [(z.name, z.price_per_hour) for z in response.zones]
+
     async def _sweep(self) -> None:
         """The level-triggered pass: events can be lost (a failed write, a dead task); every
         `sweep_interval_s` whatever should be in motion and is not gets going again."""
         while True:
             await asyncio.sleep(self._tuning.sweep_interval_s)
+            if not self._zones:
+                await self._load_zones()
             self._db.check_writable()
             for rec in list(self._services.values()):
                 try:

@@ -90,3 +90,12 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     ) -> AsyncIterator[api.WatchEndpointsResponse]:
         async for msg in self._ctl.watch_endpoints(request.service_name, request.after_version):
             yield msg
+
+    async def StreamReplicaLogs(
+        self, request: api.StreamReplicaLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.StreamReplicaLogsResponse]:
+        logs = self._ctl.stream_replica_logs(
+            request.service_name, request.replica_id, request.kind, follow=request.follow
+        )
+        async for chunk in logs:
+            yield api.StreamReplicaLogsResponse(data=chunk)

@@ -3,140 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as pb
-from replicaplane.controller.v1 import controller_service_pb2_grpc, resources_pb2
-from services.common import clients
+from replicaplane.controller.v1 import controller_service_pb2_grpc
+from services.common import clients, specfile, watchlines
 
 Out = Callable[[str], None]
-
-_TOP_LEVEL_WORKDIR = re.compile(r"^workdir:[^\n]*$", re.MULTILINE)
 
 
 class StackError(Exception):
     """A step of the stack failed; the message says which and why."""
 
 
-def resolve_workdir(yaml_text: str, base_dir: str) -> str:
-    """Return the YAML with a relative `workdir` made absolute against `base_dir`.
-
-    The provisioner copies `workdir` into each replica's working directory, and its own working
-    directory is no guide to where the YAML came from, so a client resolves the path (as
-    SkyPilot's CLI does) before sending it. Comments and layout are kept.
-
-    Args:
-        yaml_text: the task YAML.
-        base_dir: directory relative paths are resolved against (the YAML file's directory).
-
-    Returns:
-        The YAML text, unchanged when there is no relative workdir.
-    """
-    doc = yaml.safe_load(yaml_text)
-    workdir = doc.get("workdir") if isinstance(doc, dict) else None
-    if not isinstance(workdir, str) or not workdir or os.path.isabs(os.path.expanduser(workdir)):
-        return yaml_text
-    absolute = os.path.normpath(os.path.join(os.path.abspath(base_dir), workdir))
-    # A JSON string is a YAML scalar, so the quoting is always right.
-    line = f"workdir: {json.dumps(absolute)}"
-    replaced, count = _TOP_LEVEL_WORKDIR.subn(lambda _m: line, yaml_text)
-    if count == 1 and yaml.safe_load(replaced).get("workdir") == absolute:
-        return replaced
-    doc["workdir"] = absolute
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
-def read_spec(yaml_path: str) -> str:
-    """Read a service YAML file, with a relative `workdir` resolved against its directory."""
-    with open(yaml_path, encoding="utf-8") as fh:
-        return resolve_workdir(fh.read(), os.path.dirname(os.path.abspath(yaml_path)))
-
-
-def spec_name(yaml_path: str) -> str:
-    """The `name:` of a service YAML file, or "" if it has none."""
-    with open(yaml_path, encoding="utf-8") as fh:
-        doc = yaml.safe_load(fh)
-    return str(doc.get("name") or "") if isinstance(doc, dict) else ""
-
-
-def _short(enum_value_name: str, prefix: str) -> str:
-    return enum_value_name.removeprefix(prefix)
-
-
-_FAILED = {
-    resources_pb2.REPLICA_STATUS_FAILED,
-    resources_pb2.REPLICA_STATUS_FAILED_CLEANUP,
-    resources_pb2.REPLICA_STATUS_FAILED_INITIAL_DELAY,
-    resources_pb2.REPLICA_STATUS_FAILED_PROBING,
-    resources_pb2.REPLICA_STATUS_FAILED_PROVISION,
-    resources_pb2.REPLICA_STATUS_UNKNOWN,
-}
-_HAS_ENDPOINT = {
-    resources_pb2.REPLICA_STATUS_STARTING,
-    resources_pb2.REPLICA_STATUS_READY,
-    resources_pb2.REPLICA_STATUS_NOT_READY,
-}
-
-
-class WatchPrinter:
-    """Turns WatchService messages into one line per replica or service status change."""
-
-    def __init__(self) -> None:
-        self._service_status: dict[str, int] = {}
-        self._replica_status: dict[tuple[str, int], int] = {}
-        self._balancer_url: dict[str, str] = {}
-
-    def lines(self, resp: pb.WatchServiceResponse) -> list[str]:
-        """The lines for one message; empty when nothing visible changed."""
-        svc = resp.service
-        name = svc.name
-        out: list[str] = []
-        counts = f"({svc.ready_replicas}/{svc.total_replicas} ready)"
-        if resp.snapshot:
-            # A snapshot lists every replica: the ones we knew that are missing are gone.
-            present = {r.replica_id for r in resp.replicas}
-            for key in sorted(k for k in self._replica_status if k[0] == name and k[1] not in present):
-                del self._replica_status[key]
-                out.append(f"{name}: replica {key[1]} removed {counts}")
-        for replica in sorted(resp.replicas, key=lambda r: r.replica_id):
-            key = (name, replica.replica_id)
-            if self._replica_status.get(key) == replica.status:
-                continue
-            self._replica_status[key] = replica.status
-            status = _short(resources_pb2.ReplicaStatus.Name(replica.status), "REPLICA_STATUS_")
-            line = f"{name}: replica {replica.replica_id} {status}"
-            if replica.status in _HAS_ENDPOINT and replica.endpoint:
-                line += f" at {replica.endpoint}"
-            if replica.status in _FAILED and replica.failure_reason:
-                line += f" ({replica.failure_reason})"
-            out.append(f"{line} {counts}")
-        for replica_id in sorted(resp.removed_replica_ids):
-            if self._replica_status.pop((name, replica_id), None) is not None:
-                out.append(f"{name}: replica {replica_id} removed {counts}")
-        if resp.deleted:
-            self._service_status.pop(name, None)
-            out.append(f"{name}: deleted")
-        elif self._service_status.get(name) != svc.status:
-            self._service_status[name] = svc.status
-            status = _short(resources_pb2.ServiceStatus.Name(svc.status), "SERVICE_STATUS_")
-            versions = ",".join(str(v) for v in svc.active_versions) or "-"
-            line = f"{name}: service {status} {counts[:-1]}, versions {versions})"
-            if svc.status_message:
-                line += f": {svc.status_message}"
-            out.append(line)
-        if not resp.deleted and svc.load_balancer_url and self._balancer_url.get(name) != svc.load_balancer_url:
-            self._balancer_url[name] = svc.load_balancer_url
-            out.append(f"{name}: endpoint {svc.load_balancer_url} (load balancer)")
-        return out
+resolve_workdir = specfile.resolve_workdir
+read_spec = specfile.read_spec
+spec_name = specfile.spec_name
+WatchPrinter = watchlines.WatchPrinter
 
 
 async def wait_serving(addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
@@ -236,6 +125,46 @@ class Controller:
                     out(f"{name}: watch interrupted ({err.code().name}); reconnecting")
                 failures += 1
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+
+    async def list_names(self) -> list[str]:
+        """Every service the controller has, in name order (all pages).
+
+        Raises:
+            StackError: the controller could not be reached.
+        """
+        names: list[str] = []
+        token = ""
+        for _ in range(10_000):  # bounded: 1,000 per page
+            try:
+                resp = await self._stub.ListServices(
+                    pb.ListServicesRequest(page_size=1000, page_token=token), timeout=10
+                )
+            except grpc.aio.AioRpcError as err:
+                raise StackError(f"listing services failed: {err.code().name}: {err.details()}") from None
+            names += [s.name for s in resp.services]
+            token = resp.next_page_token
+            if not token:
+                break
+        return names
+
+    async def delete_everything(self, *, timeout: float, out: Out, also: Sequence[str] = ()) -> list[str]:
+        """Delete every service the controller has (plus `also`) and wait until each is gone.
+
+        Returns:
+            The names of services still there (empty when everything is deleted).
+        """
+        try:
+            names = sorted(set(await self.list_names()) | set(also))
+        except StackError as exc:
+            out(f"error: {exc}")
+            return sorted(set(also)) or ["(unknown: the controller did not answer)"]
+        results = await asyncio.gather(*(self.delete_and_wait(n, timeout=timeout, out=out) for n in names))
+        left = [n for n, ok in zip(names, results, strict=True) if not ok]
+        if left:
+            out(f"services left: {', '.join(left)} (their replicas may still run)")
+        else:
+            out(f"services left: none ({len(names)} deleted)")
+        return left
 
     async def delete_and_wait(self, name: str, *, timeout: float, out: Out) -> bool:
         """Delete `name` and wait (at most `timeout` s) until the controller says NOT_FOUND.

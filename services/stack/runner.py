@@ -112,6 +112,11 @@ class StateFiles:
         """One log file per service process."""
         return os.path.join(self.state_dir, "logs")
 
+    @property
+    def result_path(self) -> str:
+        """JSON the stopping stack leaves for `down`: the services it could not delete."""
+        return os.path.join(self.state_dir, "stack.result.json")
+
     def running_pid(self) -> int | None:
         """Pid of a live stack using this state dir, if any."""
         try:
@@ -214,21 +219,23 @@ class Stack:
             await asyncio.sleep(0.5)
         return message
 
-    async def delete_services(self, delete_timeout: float) -> None:
-        """Delete the created services and wait until they are gone, so no replica is left."""
+    async def delete_services(self, delete_timeout: float) -> list[str]:
+        """Delete every service the controller has (not only the ones this stack created) and
+        wait until they are gone, so no replica is left.
+
+        Returns:
+            Services that could not be confirmed deleted.
+        """
         controller = self.procs.get("controller")
-        if self.created and controller is not None and controller.poll() is None:
+        if controller is not None and controller.poll() is None:
             client = api.Controller(self.controller_addr)
             try:
-                results = await asyncio.gather(
-                    *(client.delete_and_wait(n, timeout=delete_timeout, out=self.out) for n in self.created)
-                )
+                return await client.delete_everything(timeout=delete_timeout, out=self.out, also=self.created)
             finally:
                 await client.close()
-            if not all(results):
-                self.out("warning: some services were not confirmed deleted; their replicas may still run")
-        elif self.created:
+        if self.created:
             self.out("warning: the controller is not running, so services could not be deleted")
+        return list(self.created)
 
     async def stop_processes(self) -> None:
         """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
@@ -292,6 +299,8 @@ async def up(
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
     files.write(files.pid_path, f"{os.getpid()}\n")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(files.result_path)  # a stale report of an earlier stack
     stack = Stack(specs, files, out)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -319,7 +328,10 @@ async def up(
             main.cancel()
             await asyncio.gather(main, return_exceptions=True)
         # While the deletes run, the watch (if running) keeps printing the teardown.
-        await stack.delete_services(delete_timeout)
+        services_left = await stack.delete_services(delete_timeout)
+        if services_left:
+            rc = 1
+        files.write(files.result_path, json.dumps({"services_left": services_left}) + "\n")
         main.cancel()
         await asyncio.gather(main, exits, stopped, return_exceptions=True)
         await stack.stop_processes()
@@ -376,8 +388,11 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     If the stack process itself is gone (killed), its children are cleaned up from the state
     file: created services are deleted through the controller, then the processes stopped.
 
+    Every service the controller has is deleted (not only the ones the stack created), and the
+    services that could not be deleted are reported.
+
     Returns:
-        0 when nothing of the stack is left running, 1 otherwise.
+        0 when nothing of the stack is left running and every service was deleted, 1 otherwise.
     """
     files = StateFiles(state_dir)
     pid = files.running_pid()
@@ -386,6 +401,7 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         out(f"no stack is running from {state_dir}")
         files.remove()
         return 0
+    failed = False
     if pid is not None:
         out(f"stopping the stack (pid {pid})")
         os.kill(pid, signal.SIGTERM)
@@ -394,6 +410,14 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _wait_gone(pid, "services.stack", 2.0)
+        result = _read_result(files)
+        if result is None:
+            out("the stack did not say whether every service was deleted; see its log")
+        elif result:
+            out(f"services left: {', '.join(result)} (their replicas may still run)")
+            failed = True
+        else:
+            out("services left: none")
     left = [
         (p["name"], int(p["pid"]), f"services.{p['name'].split('-')[0]}")
         for p in state.get("processes", [])
@@ -403,8 +427,8 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         out("cleaning up after a stack that is gone: " + ", ".join(n for n, _, _ in left))
         services = state.get("services", [])
         controller_alive = any(n == "controller" for n, _, _ in left)
-        if services and controller_alive:
-            asyncio.run(_delete_all(state["controller"], services, timeout, out))
+        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out)):
+            failed = True
         terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
     files.remove()
     still = [n for n, p, m in left if is_ours(p, m)]
@@ -412,12 +436,25 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         out("still running: " + ", ".join(still))
         return 1
     out("stack stopped")
-    return 0
+    return 1 if failed else 0
 
 
-async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out) -> None:
+def _read_result(files: StateFiles) -> list[str] | None:
+    """The services a stopped stack could not delete (read once, then removed), or None."""
+    try:
+        with open(files.result_path, encoding="utf-8") as fh:
+            left = json.load(fh).get("services_left")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(files.result_path)
+    return [str(n) for n in left] if isinstance(left, list) else None
+
+
+async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out) -> list[str]:
     client = api.Controller(addr)
     try:
-        await asyncio.gather(*(client.delete_and_wait(n, timeout=timeout, out=out) for n in names))
+        return await client.delete_everything(timeout=timeout, out=out, also=names)
     finally:
         await client.close()

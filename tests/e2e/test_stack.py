@@ -244,3 +244,38 @@ def test_down_cleans_up_after_a_killed_stack(state_dir, tmp_path) -> None:
     assert "cleaning up after a stack that is gone" in down.stdout
     assert not [p for p in state["processes"] if alive(p["pid"])]
     assert processes_touching(str(tmp_path), []) == []
+
+
+def test_down_deletes_services_created_through_the_api_and_reports_none_left(state_dir, tmp_path) -> None:
+    env = stack_env()
+    up = stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=120)
+    assert up.returncode == 0, f"{up.stdout}\n{logs(state_dir)}"
+    state = json.loads((state_dir / "stack.json").read_text())
+    assert state["services"] == []
+    app = os.path.join(REPO, "examples", "hello", "app.py")
+    spec = (
+        "service:\n  readiness_probe: /health\n  replicas: 1\nresources:\n  ports: 8080\n"
+        f"run: {sys.executable} {app} --port 8080\n"
+    )
+    with grpc.insecure_channel(state["controller"]) as channel:
+        stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
+        for name in ("api-one", "api-two"):
+            stub.CreateService(pb.CreateServiceRequest(service_name=name, yaml=spec), timeout=30)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ready = [
+                stub.GetService(pb.GetServiceRequest(service_name=n), timeout=10).service.ready_replicas
+                for n in ("api-one", "api-two")
+            ]
+            if ready == [1, 1]:
+                break
+            time.sleep(0.25)
+        else:
+            pytest.fail(f"services not READY in 120 s\n{logs(state_dir)}")
+
+    down = stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
+    assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{logs(state_dir)}"
+    assert "services left: none" in down.stdout
+    assert "api-one: deleting" in read_log(state_dir / "stack.log")
+    assert "api-two: deleting" in read_log(state_dir / "stack.log")
+    assert processes_touching(str(tmp_path), []) == []

@@ -112,6 +112,16 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         finally:
             self._watchers.discard(q)
 
+    async def StreamLogs(
+        self, request: pb.StreamLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamLogsResponse]:
+        if request.name not in self.running:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no logs of {request.name}")
+        kind = res.LogKind.Name(request.kind)
+        yield pb.StreamLogsResponse(data=f"{kind} of {request.name}\n".encode())
+        if request.follow:
+            yield pb.StreamLogsResponse(data=b"more\n")
+
     def app_exited(self, name: str, code: int) -> None:
         """Report that a replica's app exited."""
         replica = self.running[name]

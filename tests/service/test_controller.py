@@ -403,3 +403,29 @@ async def test_store_failures_kill_no_task_and_health_says_not_serving(tmp_path)
         await w.until(lambda w: status_of(w, 1) == res.REPLICA_STATUS_FAILED and w.count(READY) == 1)
         await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(name="other")))
         w.cancel()
+
+
+async def test_replica_logs_are_streamed_through_the_public_api(env: Env) -> None:
+    w = await create(env, spec())
+    await w.until(lambda w: w.count(READY) == 1)
+    name = w.replicas[1].replica_name
+
+    async def read(**fields: object) -> bytes:
+        call = env.stub.StreamReplicaLogs(api.StreamReplicaLogsRequest(**fields))  # type: ignore[arg-type]
+        return b"".join([chunk.data async for chunk in call])
+
+    assert await read(service_name="svc", replica_id=1) == f"LOG_KIND_APP of {name}\n".encode()
+    launch = await read(service_name="svc", replica_id=1, kind=api.REPLICA_LOG_KIND_LAUNCH, follow=True)
+    assert launch == f"LOG_KIND_LAUNCH of {name}\nmore\n".encode()
+
+    err = await rpc_error(read(service_name="", replica_id=0, kind=7))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert sorted(f for f, _ in err.field_violations) == ["kind", "replica_id", "service_name"]
+    err = await rpc_error(read(service_name="nope", replica_id=1))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
+    err = await rpc_error(read(service_name="svc", replica_id=9))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "REPLICA_NOT_FOUND")
+    env.provisioner.running.pop(name)  # the provisioner has no trace of it
+    err = await rpc_error(read(service_name="svc", replica_id=1))
+    assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "LOGS_NOT_FOUND")
+    w.cancel()

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from replicaplane.controller.v1 import resources_pb2 as _resources_pb2
 import builtins as _builtins
 import sys
@@ -19,6 +20,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ReplicaLogKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicaLogKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicaLogKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICA_LOG_KIND_UNSPECIFIED: _ReplicaLogKind.ValueType  # 0
+    """Not set; the app's output."""
+    REPLICA_LOG_KIND_LAUNCH: _ReplicaLogKind.ValueType  # 1
+    """The launch log: setup output and provisioner steps."""
+    REPLICA_LOG_KIND_APP: _ReplicaLogKind.ValueType  # 2
+    """The app's stdout and stderr."""
+
+class ReplicaLogKind(_ReplicaLogKind, metaclass=_ReplicaLogKindEnumTypeWrapper):
+    """ReplicaLogKind chooses which log of a replica to stream."""
+
+REPLICA_LOG_KIND_UNSPECIFIED: ReplicaLogKind.ValueType  # 0
+"""Not set; the app's output."""
+REPLICA_LOG_KIND_LAUNCH: ReplicaLogKind.ValueType  # 1
+"""The launch log: setup output and provisioner steps."""
+REPLICA_LOG_KIND_APP: ReplicaLogKind.ValueType  # 2
+"""The app's stdout and stderr."""
+Global___ReplicaLogKind: _TypeAlias = ReplicaLogKind  # noqa: Y015
 
 @_typing.final
 class CreateServiceRequest(_message.Message):
@@ -689,3 +714,59 @@ class WatchEndpointsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchEndpointsResponse: _TypeAlias = WatchEndpointsResponse  # noqa: Y015
+
+@_typing.final
+class StreamReplicaLogsRequest(_message.Message):
+    """StreamReplicaLogsRequest names a replica and which of its logs to stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    replica_id: _builtins.int
+    """The replica id."""
+    kind: Global___ReplicaLogKind.ValueType
+    """Which log; default the app's output."""
+    follow: _builtins.bool
+    """Keep streaming new output while the replica runs."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        replica_id: _builtins.int = ...,
+        kind: Global___ReplicaLogKind.ValueType = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "kind", b"kind", "replica_id", b"replica_id", "service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamReplicaLogsRequest: _TypeAlias = StreamReplicaLogsRequest  # noqa: Y015
+
+@_typing.final
+class StreamReplicaLogsResponse(_message.Message):
+    """StreamReplicaLogsResponse is a chunk of a log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """Log bytes, in order."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamReplicaLogsResponse: _TypeAlias = StreamReplicaLogsResponse  # noqa: Y015

@@ -96,6 +96,11 @@ class ControllerServiceStub:
                 request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsResponse.FromString,
                 _registered_method=True)
+        self.StreamReplicaLogs = channel.unary_stream(
+                '/replicaplane.controller.v1.ControllerService/StreamReplicaLogs',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -191,6 +196,16 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamReplicaLogs(self, request, context):
+        """Streams a replica's log (app output by default, or the launch log) from the provisioner;
+        with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
+        empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
+        UNAVAILABLE when the provisioner cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +268,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.WatchEndpoints,
                     request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsRequest.FromString,
                     response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsResponse.SerializeToString,
+            ),
+            'StreamReplicaLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamReplicaLogs,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +601,33 @@ class ControllerService:
             '/replicaplane.controller.v1.ControllerService/WatchEndpoints',
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsRequest.SerializeToString,
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamReplicaLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/StreamReplicaLogs',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,6 +67,12 @@ class ControllerServiceStub:
     """Reports requests a load balancer received, for request-rate autoscaling."""
     WatchEndpoints: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]
     """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    StreamReplicaLogs: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]
+    """Streams a replica's log (app output by default, or the launch log) from the provisioner;
+    with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
+    empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
+    UNAVAILABLE when the provisioner cannot be reached.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -107,6 +113,12 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Reports requests a load balancer received, for request-rate autoscaling."""
     WatchEndpoints: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]  # type: ignore[assignment]
     """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    StreamReplicaLogs: _aio.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]  # type: ignore[assignment]
+    """Streams a replica's log (app output by default, or the launch log) from the provisioner;
+    with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
+    empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
+    UNAVAILABLE when the provisioner cannot be reached.
+    """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
@@ -216,5 +228,17 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchEndpointsResponse], _abc.AsyncIterator[_controller_service_pb2.WatchEndpointsResponse]]:
         """Streams the READY endpoints of a service's active versions: the full set on every change."""
+
+    @_abc_1.abstractmethod
+    def StreamReplicaLogs(
+        self,
+        request: _controller_service_pb2.StreamReplicaLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.StreamReplicaLogsResponse], _abc.AsyncIterator[_controller_service_pb2.StreamReplicaLogsResponse]]:
+        """Streams a replica's log (app output by default, or the launch log) from the provisioner;
+        with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
+        empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
+        UNAVAILABLE when the provisioner cannot be reached.
+        """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,1 @@
+"""replicactl: the command line client of the controller's public API."""

@@ -1,0 +1,70 @@
+"""docs/grpcurl.md, run command by command against a live stack."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+
+import pytest
+
+from tests.e2e.test_readme_grpcurl import run, watch_until_ready
+from tests.helpers import cluster as cl
+from tests.helpers import procs, provisioner_procs
+
+pytestmark = pytest.mark.e2e
+
+SERVICE = "replicaplane.controller.v1.ControllerService"
+
+
+def cookbook_commands() -> list[str]:
+    with open(os.path.join(procs.REPO, "docs", "grpcurl.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    block = re.search(r"<!-- cookbook:start -->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "docs/grpcurl.md lost its cookbook block"
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+async def test_grpcurl_cookbook_commands_work_in_order(cluster: cl.Cluster) -> None:
+    addr = cluster.controller.addr
+    seen: list[str] = []
+    for command in cookbook_commands():
+        target = command.split()[-1]
+        if "/" in target:
+            method = target.rsplit("/", 1)[-1]
+        else:
+            method = "list" if target == "list" else "describe"
+        seen.append(method)
+        if method == "WatchService":
+            watched = watch_until_ready(command, addr)
+            assert "REPLICA_STATUS_STARTING" in watched
+            continue
+        out = run(command, addr)
+        if method == "list":
+            assert SERVICE in out and "grpc.health.v1.Health" in out
+        elif method == "describe":
+            assert "rpc CreateService" in out or "message Service" in out
+        elif method == "Check":
+            assert json.loads(out)["status"] == "SERVING"
+        elif method == "CreateService":
+            assert json.loads(out)["service"]["name"] == "cookbook"
+        elif method == "GetService":
+            assert json.loads(out)["service"]["ready_replicas"] == 2
+        elif method == "ListReplicas":
+            assert [r["status"] for r in json.loads(out)["replicas"]] == ["REPLICA_STATUS_READY"] * 2
+        elif method == "StreamReplicaLogs":
+            decoder, text, rest = json.JSONDecoder(), b"", out.strip()
+            while rest:
+                msg, end = decoder.raw_decode(rest)
+                text += base64.b64decode(msg.get("data", ""))
+                rest = rest[end:].strip()
+            assert b"GET / HTTP/1.1" in text  # the probes, as http.server logs them
+        elif method == "UpdateService":
+            assert json.loads(out)["plan"]["in_place"] is True
+        elif method == "ListServices":
+            assert [s["name"] for s in json.loads(out)["services"]] == ["cookbook"]
+        elif method == "DeleteService":
+            assert json.loads(out)["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN"
+    assert "CreateService" in seen and "WatchService" in seen and "Check" in seen and "describe" in seen
+    assert provisioner_procs.wait_no_replicas(cluster.provisioner_state_dir, timeout=15) == []

@@ -1,0 +1,95 @@
+"""The Node client (clients/node) against a live stack: installed with npm from the registry,
+it lists services and follows a watch stream until the replicas are READY."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from tests.helpers import cluster as cl
+from tests.helpers import procs
+
+pytestmark = pytest.mark.e2e
+
+NODE_DIR = os.path.join(procs.REPO, "clients", "node")
+
+
+def node_or_skip() -> str:
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must have node and npm for the Node client test")
+        pytest.skip("node and npm are not installed")
+    return node
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """node, with the client's packages installed by `npm ci` (the pinned lock file)."""
+    path = node_or_skip()
+    done = subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return path
+
+
+def run_node(node: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [node, "client.js", *args], cwd=NODE_DIR, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def start_node(node: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([node, "client.js", *args], cwd=NODE_DIR, stdout=subprocess.PIPE, text=True)
+
+
+async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster: cl.Cluster) -> None:
+    addr = cluster.controller.addr
+    yaml_text = cl.app_yaml("node-demo", cluster.tag, replicas=2)
+    await cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
+
+    watched = await asyncio.to_thread(
+        run_node, node, "--controller", addr, "watch", "node-demo", "--until-ready", "2", "--timeout", "60"
+    )
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    messages = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert messages[0]["snapshot"] is True
+    statuses = [r["status"] for m in messages for r in m["replicas"]]
+    assert statuses.count("REPLICA_STATUS_READY") >= 2
+
+    listed = await asyncio.to_thread(run_node, node, "--controller", addr, "list")
+    assert listed.returncode == 0, listed.stderr
+    services = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(s["name"], s["status"], s["ready_replicas"]) for s in services] == [
+        ("node-demo", "SERVICE_STATUS_READY", 2)
+    ]
+
+    # Changes arrive as they happen: a watch that is running sees the deletion, then ends.
+    follower = start_node(node, "--controller", addr, "watch", "node-demo")
+    try:
+        first = json.loads(await asyncio.to_thread(follower.stdout.readline))  # type: ignore[union-attr]
+        assert first["snapshot"] is True
+        await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="node-demo"))
+        rest, _ = await asyncio.to_thread(follower.communicate, timeout=60)
+    finally:
+        follower.kill()
+    changes = [json.loads(line) for line in rest.splitlines()]
+    assert follower.returncode == 0
+    assert any(m["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN" for m in changes)
+    assert changes[-1]["deleted"] is True
+
+    missing = await asyncio.to_thread(run_node, node, "--controller", addr, "watch", "nope")
+    assert missing.returncode == 3
+    assert missing.stderr.startswith("error: NOT_FOUND")

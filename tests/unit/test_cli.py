@@ -1,0 +1,165 @@
+"""replicactl without a controller: argument parsing, rendering and error lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+from google.protobuf import timestamp_pb2
+
+from replicaplane.controller.v1 import resources_pb2 as res
+from services.cli import main, render
+from services.common import spec, specfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOW = 1_700_000_000.0
+
+
+def ts(seconds: float) -> timestamp_pb2.Timestamp:
+    t = timestamp_pb2.Timestamp()
+    t.FromSeconds(int(seconds))
+    return t
+
+
+def service(**fields: object) -> res.Service:
+    base: dict[str, object] = {
+        "name": "hello",
+        "status": res.SERVICE_STATUS_READY,
+        "ready_replicas": 2,
+        "total_replicas": 2,
+        "active_versions": [1],
+        "latest_version": 1,
+        "uptime_start_time": ts(NOW - 125),
+        "endpoints": [
+            res.Endpoint(replica_id=2, url="http://127.77.0.2:8080"),
+            res.Endpoint(replica_id=1, url="http://127.77.0.1:8080"),
+        ],
+    }
+    return res.Service(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def replica(rid: int, **fields: object) -> res.Replica:
+    base: dict[str, object] = {
+        "service": "hello",
+        "replica_id": rid,
+        "version": 1,
+        "status": res.REPLICA_STATUS_READY,
+        "endpoint": f"http://127.77.0.{rid}:8080",
+        "launch_time": ts(NOW - 60),
+        "zone": "zone-a",
+        "replica_name": f"hello-{rid}-abc",
+    }
+    return res.Replica(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_rows_show_what_sky_serve_status_shows() -> None:
+    assert render.service_row(service(), NOW) == (
+        "hello",
+        "1",
+        "2m 5s",
+        "READY",
+        "2/2",
+        "http://127.77.0.1:8080 (+1)",
+    )
+    failed = replica(3, status=res.REPLICA_STATUS_FAILED, failure_reason="app exited with code 1", endpoint="")
+    assert render.replica_row(failed, NOW) == ("hello", "3", "1", "-", "1m 0s ago", "FAILED", "app exited with code 1")
+    assert render.replica_row(replica(1), NOW, extra=True)[-3:] == ("zone-a", "no", "hello-1-abc")
+    starting = service(status=res.SERVICE_STATUS_REPLICA_INIT, ready_replicas=0, endpoints=[], active_versions=[])
+    starting.ClearField("uptime_start_time")
+    assert render.service_row(starting, NOW) == ("hello", "1", "-", "REPLICA_INIT", "0/2", "-")
+
+
+def test_unknown_enum_values_and_durations_render() -> None:
+    assert render.service_status(99) == "UNKNOWN_99"
+    assert render.replica_status(res.REPLICA_STATUS_FAILED_INITIAL_DELAY) == "FAILED_INITIAL_DELAY"
+    assert [render.duration(s) for s in (5, 61, 3 * 3600 + 120, 2 * 86400 + 3600)] == ["5s", "1m 1s", "3h 2m", "2d 1h"]
+
+
+def test_plain_table_when_not_a_terminal_and_rich_on_one() -> None:
+    text = render.status_text([service()], [replica(1), replica(2)], tty=False, now=NOW)
+    lines = text.splitlines()
+    assert lines[0] == "Services"
+    assert lines[1] == "NAME   VERSION  UPTIME  STATUS  REPLICAS  ENDPOINT"
+    assert lines[2].startswith("hello  1        2m 5s   READY   2/2")
+    assert "Service Replicas" in lines
+    assert all(line == line.rstrip() for line in lines)
+    assert "\x1b[" not in text
+    fancy = render.status_text([service()], [replica(1)], tty=True, now=NOW)
+    assert "\x1b[" in fancy and "READY" in fancy and "NAME" in fancy
+
+
+def test_status_messages_and_stale_probing_are_shown() -> None:
+    svc = service(status_message="scaling stopped: version 2 failed", probing_stale=True)
+    svc.status = res.SERVICE_STATUS_NO_REPLICA
+    text = render.status_text([svc], [], tty=False, now=NOW)
+    assert "hello: scaling stopped: version 2 failed" in text
+    assert "hello: probing is stale" in text
+
+
+def test_json_uses_the_proto_field_names_and_enum_names() -> None:
+    doc = json.loads(render.to_json({"services": [service()], "replicas": [replica(1)]}))
+    assert doc["services"][0]["ready_replicas"] == 2
+    assert doc["services"][0]["status"] == "SERVICE_STATUS_READY"
+    assert doc["replicas"][0]["replica_id"] == "1"
+
+
+def test_plan_text_says_what_an_update_does() -> None:
+    plan = res.UpdatePlan(new_version=2, kept_replica_ids=[1, 2], launch_count=1, in_place=True)
+    text = render.plan_text("hello", plan, dry_run=True)
+    assert text.splitlines() == [
+        "hello: version 2 (dry run, nothing changed)",
+        "  kept in place: 1, 2 (only the service section changed)",
+        "  would launch: 1 new replica(s)",
+        "  would tear down: none",
+    ]
+
+
+def test_error_lines_name_the_fields_and_are_clipped() -> None:
+    line = render.error_line("INVALID_ARGUMENT", "invalid spec", [("service.replicas", "must be >= 0, got -1")])
+    assert line == "error: service.replicas: must be >= 0, got -1"
+    assert render.error_line("NOT_FOUND", "service 'x' not found") == "error: service 'x' not found"
+    assert len(render.error_line("INTERNAL", "x" * 5000)) < 220
+
+
+def test_argument_parsing_and_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    args = main.parser().parse_args(["update", "hello", "v2.yaml", "--mode", "blue_green", "--dry-run"])
+    assert (args.name, args.spec, args.mode, args.dry_run) == ("hello", "v2.yaml", "blue_green", True)
+    args = main.parser().parse_args(["down", "hello", "--replica-id", "3", "--purge"])
+    assert (args.replica_id, args.purge, args.failed_only) == (3, True, False)
+    with pytest.raises(SystemExit) as exit_:
+        main.parser().parse_args(["update", "hello", "v2.yaml", "--mode", "sideways"])
+    assert exit_.value.code == main.BAD_INPUT
+    assert "error: argument --mode" in capsys.readouterr().err
+
+
+def test_controller_address_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(main.ENV_CONTROLLER, "10.0.0.1:6000")
+    assert main.parser().parse_args(["status"]).controller == "10.0.0.1:6000"
+    monkeypatch.delenv(main.ENV_CONTROLLER)
+    assert main.parser().parse_args(["status"]).controller == "127.0.0.1:50051"
+
+
+def test_a_missing_spec_file_is_one_line_and_exit_2(tmp_path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = main.run(["--controller", "127.0.0.1:1", "up", str(tmp_path / "nope.yaml")], out=out, err=err)
+    assert code == main.BAD_INPUT
+    assert err.getvalue() == f"error: no such file: {tmp_path / 'nope.yaml'}\n"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "examples/hello/service.yaml",
+        "examples/autoscale/service.yaml",
+        "examples/spot/service.yaml",
+        "examples/broken-v2/v1.yaml",
+        "examples/broken-v2/v2.yaml",
+    ],
+)
+def test_every_example_is_a_valid_spec_with_a_workdir_that_exists(path: str) -> None:
+    text = specfile.read_spec(os.path.join(REPO, path))
+    parsed = spec.parse(text, require_name=True)
+    assert os.path.isfile(os.path.join(REPO, "examples", "hello", "app.py"))
+    assert parsed is not None
