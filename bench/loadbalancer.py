@@ -8,6 +8,8 @@ client sends small GETs, alternating straight to a replica and through the balan
 time over kept-alive connections (BENCH_REQUESTS pairs); the figures are the differences of the
 p50 and p99 latencies. Throughput: BENCH_CONCURRENCY clients send GETs through the balancer for
 BENCH_MEASURE seconds; on a 2-core machine the balancer, both replicas and the client share them.
+Scale from zero: one request to a `min_replicas: 0` service with no replica, held by a second
+balancer until the replica its arrival launched is READY; the figure is its response time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ async def timed_get(session: aiohttp.ClientSession, url: str) -> float:
         await resp.read()
         assert resp.status == 200, resp.status
     return (time.perf_counter() - start) * 1000
+
+
+async def scale_from_zero(c: cl.Cluster, tmp: str) -> float:
+    policy = "  replica_policy:\n    min_replicas: 0\n    max_replicas: 1\n    target_qps_per_replica: 1\n"
+    await c.stub.CreateService(
+        api.CreateServiceRequest(yaml=lb.lb_app_yaml("zero", c.tag, policy_yaml=policy)), timeout=10
+    )
+    b = await lb.start(c.controller.addr, "zero", os.path.join(tmp, "lb-zero"))
+    try:
+        await b.until(lambda s: s.controller_connected)
+        async with aiohttp.ClientSession() as session:
+            start = time.perf_counter()
+            async with session.get(b.url + "/whoami", timeout=aiohttp.ClientTimeout(total=120)) as resp:
+                await resp.read()
+                assert resp.status == 200, resp.status
+            return time.perf_counter() - start
+    finally:
+        await b.close()
 
 
 async def main() -> None:
@@ -84,6 +104,7 @@ async def main() -> None:
             print(f"figure: proxy_overhead_p50_ms {pct(via_ms, 50) - pct(direct_ms, 50):.2f} ms")
             print(f"figure: proxy_overhead_p99_ms {pct(via_ms, 99) - pct(direct_ms, 99):.2f} ms")
             print(f"figure: proxy_rps {rps:.0f} requests/s ({CONCURRENCY} concurrent clients)")
+            print(f"figure: scale_from_zero_first_response_s {await scale_from_zero(c, tmp):.2f} s")
         finally:
             if b is not None:
                 await b.close()

@@ -14,13 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-import grpc
-
-from replicaplane.controller.v1 import controller_service_pb2 as pb
-from replicaplane.controller.v1 import controller_service_pb2_grpc as pb_grpc
 from services.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,15 +43,30 @@ def _stack(args: Sequence[str], env: dict[str, str], timeout: float) -> int:
     return done.returncode
 
 
+def _get_json(url: str, timeout: float = 10.0) -> object:
+    """GET `url`; a 503 (the balancer has not got the READY endpoints yet) is retried briefly."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def run(state_dir: str) -> int:
     """Run the demo; returns 0 when every step worked and nothing is left running."""
     started = time.monotonic()
-    controller, provisioner, prober = _free_ports(3)
+    controller, provisioner, prober, balancer, balancer_http = _free_ports(5)
     env = {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
         "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
         "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
     }
     addr = f"127.0.0.1:{controller}"
     _step(f"starting the local stack (controller at {addr}, state in {state_dir})")
@@ -69,18 +81,12 @@ def run(state_dir: str) -> int:
             return code
         _step("replicactl status")
         cli.run(["--controller", addr, "status"])
-        with grpc.insecure_channel(addr) as channel:
-            svc = (
-                pb_grpc.ControllerServiceStub(channel)
-                .GetService(pb.GetServiceRequest(service_name="hello"), timeout=10)
-                .service
-            )
-        url = sorted(svc.endpoints, key=lambda e: e.replica_id)[0].url + "/"
-        _step(f"one request: GET {url}")
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            print(json.dumps(json.loads(resp.read())), flush=True)
+        # One URL for the service: the stack's load balancer in front of the replicas.
+        url = f"http://127.0.0.1:{balancer_http}/"
+        _step(f"one request through the load balancer: GET {url}")
+        print(json.dumps(_get_json(url)), flush=True)
         rc = 0
-    except (OSError, grpc.RpcError, IndexError) as exc:
+    except (OSError, IndexError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
     finally:
         _step("stopping the stack (every service is deleted first)")

@@ -30,17 +30,16 @@ MAX_FUTURE_S = 60.0
 _MAX_URL = 2048
 
 
-def _check_load_balancer_url(url: str) -> None:
+def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
     if not url:
-        return
+        return []
     if len(url) > _MAX_URL or not url.startswith(("http://", "https://")) or not url.isprintable() or " " in url:
-        raise errors.ValidationError(
-            [
-                errors.FieldViolation(
-                    "load_balancer_url", f"must be an http:// or https:// URL of at most {_MAX_URL} characters"
-                )
-            ]
-        )
+        return [
+            errors.FieldViolation(
+                "load_balancer_url", f"must be an http:// or https:// URL of at most {_MAX_URL} characters"
+            )
+        ]
+    return []
 
 
 _LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
@@ -246,8 +245,8 @@ class Controller:
             for i, t in enumerate(times)
             if t > now + MAX_FUTURE_S
         ]
+        violations += _load_balancer_url_violations(load_balancer_url)
         errors.require(violations, subject="load report")
-        _check_load_balancer_url(load_balancer_url)
         rec = self._get(name)
         if load_balancer_url:
             rec.set_load_balancer_url(load_balancer_url)

@@ -127,8 +127,9 @@ class Proxy:
                 # Nothing came back: safe to try another replica.
                 self.balancer.release(replica)
                 tried.add(replica.replica_id)
-                last_error = f"replica {replica.replica_id}: {type(exc).__name__}: {exc}"
-                log.info("attempt %d of %s %s failed: %s", attempt, request.method, request.path, last_error)
+                # The client sees the replica id and the kind of error; the log has the details.
+                last_error = f"replica {replica.replica_id}: {type(exc).__name__}"
+                log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, request.path, last_error, exc)
                 if attempt < self.settings.attempts:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.settings.backoff_max_s)
@@ -196,14 +197,18 @@ def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext | None:
 
 
 async def start_http(
-    proxy: Proxy, host: str, port: int, *, ssl_context: ssl.SSLContext | None
+    proxy: Proxy, host: str, port: int, *, ssl_context: ssl.SSLContext | None, shutdown_timeout_s: float = 3.0
 ) -> tuple[web.AppRunner, int]:
-    """Serve the proxy on host:port (0 picks a port); returns the runner and the bound port."""
+    """Serve the proxy on host:port (0 picks a port); returns the runner and the bound port.
+
+    On stop, requests in flight get `shutdown_timeout_s` to finish before they are cut.
+    """
     await proxy.start()
     runner = web.AppRunner(
         build_app(proxy, max_body_bytes=proxy.settings.max_body_bytes),
         handler_cancellation=True,
         access_log=None,
+        shutdown_timeout=shutdown_timeout_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)

@@ -32,7 +32,7 @@ class Settings:
     http_port_file: str = ""
     """If set, the bound HTTP port is written here once serving."""
     shutdown_grace_s: float = 3.0
-    """Seconds in-flight RPCs get on SIGTERM."""
+    """Seconds in-flight RPCs and proxied requests get on SIGTERM."""
     controller_addr: str = config.CONTROLLER_ADDR
     """Where the controller listens."""
     advertise_url: str = ""
@@ -156,7 +156,11 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     )
     host, port = _split(settings.http_addr)
     runner, http_port = await proxy.start_http(
-        px, host, port, ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile)
+        px,
+        host,
+        port,
+        ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile),
+        shutdown_timeout_s=settings.shutdown_grace_s,
     )
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)

@@ -102,6 +102,10 @@ async def test_controller_refuses_a_bad_balancer_url_and_keeps_the_last_one(env:
         )
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT
         assert [f for f, _ in err.field_violations] == ["load_balancer_url"]
+    err = await tc.rpc_error(
+        env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_count=-1, load_balancer_url="ftp://x"))
+    )
+    assert [f for f, _ in err.field_violations] == ["request_count", "load_balancer_url"]  # all at once
     svc = (await env.stub.GetService(api.GetServiceRequest(service_name="svc"))).service
     assert svc.load_balancer_url == good
     qps = (await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc"))).qps
