@@ -25,6 +25,18 @@ _CODES: list[tuple[type[errors.ReplicaplaneError], grpc.StatusCode]] = [
 ]
 
 
+# Errors may quote input: quote at most this much of any one text, so a 1 MB field never
+# comes back in a status (and a lone surrogate never breaks its encoding).
+_MAX_TEXT = 240
+
+
+def _clip(text: str) -> str:
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    if len(text) <= _MAX_TEXT:
+        return text
+    return f"{text[: _MAX_TEXT - 50]} ... {text[-40:]}"
+
+
 def _pack(message: Any) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
@@ -38,13 +50,16 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
     if not isinstance(exc, errors.ReplicaplaneError):
         return status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
     code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
-    details = [_pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=exc.metadata))]
+    metadata = {_clip(k): _clip(v) for k, v in exc.metadata.items()}
+    details = [_pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=metadata))]
     if isinstance(exc, errors.ValidationError):
         details.append(
             _pack(
                 error_details_pb2.BadRequest(
                     field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                        error_details_pb2.BadRequest.FieldViolation(
+                            field=_clip(v.field), description=_clip(v.description)
+                        )
                         for v in exc.violations
                     ]
                 )
@@ -56,13 +71,13 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
                 error_details_pb2.PreconditionFailure(
                     violations=[
                         error_details_pb2.PreconditionFailure.Violation(
-                            type=exc.type_, subject=exc.subject, description=exc.message
+                            type=exc.type_, subject=_clip(exc.subject), description=_clip(exc.message)
                         )
                     ]
                 )
             )
         )
-    return status_pb2.Status(code=code.value[0], message=exc.message, details=details)
+    return status_pb2.Status(code=code.value[0], message=_clip(exc.message), details=details)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, domain: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import yaml
@@ -37,6 +37,7 @@ DEFAULT_LOAD_BALANCING_POLICY = spec_pb2.LOAD_BALANCING_POLICY_LEAST_LOAD
 MAX_YAML_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
 MAX_NAME_LEN = 63
+MAX_REPLICAS_PER_SERVICE = 1000
 _INT32_MAX = 2**31 - 1
 # The largest value a google.protobuf.Duration can hold.
 _MAX_DURATION_S = 315_576_000_000
@@ -346,7 +347,9 @@ def _mask_strings(message: Any, fill: Callable[[str], str]) -> None:
                 setattr(message, field.name, fill(value))
 
 
-def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec_pb2.ServiceSpec:
+def parse(
+    yaml_text: str, *, name: str = "", require_name: bool = False, replica_cap: int = MAX_REPLICAS_PER_SERVICE
+) -> spec_pb2.ServiceSpec:
     """Parses and validates a SkyPilot-style service task YAML.
 
     Args:
@@ -355,6 +358,8 @@ def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec
             service name and is checked as one.
         require_name: If True, a spec with neither `name` nor a YAML `name:` is a violation on
             `service_name` (create); if False no name is needed (update, dry runs).
+        replica_cap: The most replicas a service may ask for (replicas, min/max_replicas,
+            overprovision and fallback counts each).
 
     Returns:
         The ServiceSpec, with defaults filled in and `yaml` set to `yaml_text`.
@@ -364,7 +369,7 @@ def parse(yaml_text: str, *, name: str = "", require_name: bool = False) -> spec
             that is not a mapping, is a single violation on field `yaml`.
     """
     config = _load(yaml_text)
-    c = _Checker()
+    c = _Checker(replica_cap)
     out = spec_pb2.ServiceSpec(yaml=yaml_text, num_nodes=1)
     c.keys(config, "", _TOP_KEYS, _UNSUPPORTED_TOP)
 
@@ -452,8 +457,9 @@ class _Alternative:
 class _Checker:
     """Collects violations; the typed readers return None after recording a bad value."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica_cap: int = MAX_REPLICAS_PER_SERVICE) -> None:
         self.violations: list[errors.FieldViolation] = []
+        self.replica_cap = replica_cap
 
     def add(self, field: str, description: str) -> None:
         violation = errors.FieldViolation(field or "yaml", description)
@@ -497,34 +503,44 @@ class _Checker:
             return None
         return value
 
-    def integer(self, value: Any, path: str, *, minimum: int = 0) -> int | None:
+    def integer(self, value: Any, path: str, *, minimum: int = 0, maximum: int = _INT32_MAX) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int):
             self.add(path, f"must be an integer, got {_kind(value)}")
             return None
         if value < minimum:
-            self.add(path, f"must be >= {minimum}, got {value}")
+            self.add(path, f"must be >= {minimum}, got {_short(value)}")
             return None
-        if value > _INT32_MAX:
-            self.add(path, f"must be at most {_INT32_MAX}, got {value}")
+        if value > maximum:
+            self.add(path, f"must be at most {maximum}, got {_short(value)}")
             return None
         return value
+
+    def replica_count(self, value: Any, path: str) -> int | None:
+        if isinstance(value, int) and not isinstance(value, bool) and value > self.replica_cap:
+            self.add(path, f"must be at most {self.replica_cap} (the controller's per-service replica limit)")
+            return None
+        return self.integer(value, path)
 
     def number(self, value: Any, path: str, *, positive: bool = False, limit: float = math.inf) -> float | None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.add(path, f"must be a number, got {_kind(value)}")
             return None
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            self.add(path, "is too large")
+            return None
         if not math.isfinite(number):
             self.add(path, "must be a finite number")
             return None
         if positive and number <= 0:
-            self.add(path, f"must be > 0, got {value}")
+            self.add(path, f"must be > 0, got {_short(value)}")
             return None
         if number < 0:
-            self.add(path, f"must be >= 0, got {value}")
+            self.add(path, f"must be >= 0, got {_short(value)}")
             return None
         if number > limit:
-            self.add(path, f"must be at most {limit:g}, got {value}")
+            self.add(path, f"must be at most {limit:g}, got {_short(value)}")
             return None
         return number
 
@@ -687,7 +703,7 @@ def _parse_replicas(c: _Checker, service: dict[Any, Any], out: spec_pb2.ServiceS
     if raw_replicas is not None and raw_policy is not None:
         c.add("service.replicas", "replicas and replica_policy are mutually exclusive; use one of them")
     if raw_replicas is not None:
-        count = c.integer(raw_replicas, "service.replicas")
+        count = c.replica_count(raw_replicas, "service.replicas")
         out.fixed_replicas_shorthand = True
         if count is not None:
             policy.min_replicas = policy.max_replicas = count
@@ -700,7 +716,7 @@ def _parse_replicas(c: _Checker, service: dict[Any, Any], out: spec_pb2.ServiceS
     c.keys(section, path, _POLICY_KEYS, {})
 
     def read_int(key: str) -> int | None:
-        return None if section.get(key) is None else c.integer(section[key], f"{path}.{key}")
+        return None if section.get(key) is None else c.replica_count(section[key], f"{path}.{key}")
 
     min_replicas = read_int("min_replicas")
     if section.get("min_replicas") is None:
@@ -1005,13 +1021,23 @@ def _accelerators(c: _Checker, raw: Any, path: str) -> str | None:
     bad = "must name accelerators such as 'A100', 'A100:2', a list of them, or a mapping {A100: 1}"
     if isinstance(raw, Mapping):
         for key, value in raw.items():
-            if not isinstance(key, str) or not _ACCELERATOR_RE.fullmatch(key.strip()) or ":" in key:
+            match = _ACCELERATOR_RE.fullmatch(key.strip()) if isinstance(key, str) else None
+            # {A100: 1} maps names to counts; the set form {A100:1, H100:1} (no space after the
+            # colon) is read by YAML as keys "A100:1" with no value.
+            if match is None or (match.group(2) and value is not None):
                 c.add(path, bad)
                 return None
-            count = 1.0 if value is None else c.number(value, f"{path}.{_short(key)}", positive=True)
-            if count is None:
-                return None
-            items.append((key.strip(), count))
+            if match.group(2):
+                count = float(match.group(2))
+                if count <= 0:
+                    c.add(path, "accelerator counts must be > 0")
+                    return None
+            else:
+                number = 1.0 if value is None else c.number(value, f"{path}.{_short(key)}", positive=True)
+                if number is None:
+                    return None
+                count = number
+            items.append((match.group(1), count))
     else:
         texts = raw if isinstance(raw, list) else [raw]
         if isinstance(raw, str):
@@ -1102,6 +1128,9 @@ def _file_mounts(c: _Checker, raw: Any) -> dict[str, str]:
             c.add("file_mounts", "destination paths must be non-empty strings")
             continue
         field = f"file_mounts.{_short(key)}"
+        if ".." in key.replace("\\", "/").split("/"):
+            c.add(field, "the destination must stay inside the replica's working directory (no '..')")
+            continue
         if isinstance(value, str) and value.strip():
             out[key] = value
         elif isinstance(value, Mapping):
@@ -1185,6 +1214,10 @@ def _load(yaml_text: str) -> dict[Any, Any]:
         raise fail(f"malformed YAML: {problem}{where}") from None
     except yaml.YAMLError:
         raise fail("malformed YAML") from None
+    except (ValueError, OverflowError, TypeError):
+        # An impossible date (2001-13-45) or an integer over Python's digit limit: the message
+        # would quote the value.
+        raise fail("malformed YAML: a value cannot be read (an impossible date or a number too long)") from None
     except RecursionError:
         raise fail("malformed YAML: nested too deeply") from None
     if not isinstance(config, dict):
@@ -1192,7 +1225,35 @@ def _load(yaml_text: str) -> dict[Any, Any]:
         raise fail(f"the document must be a mapping of task keys (name, service, resources, run, ...), got {got}")
     if _expanded_size(config) > MAX_EXPANDED_NODES:
         raise fail(f"the document expands to more than {MAX_EXPANDED_NODES} values (alias bomb or recursion)")
+    unreadable = [errors.FieldViolation(path, problem) for path, problem in _unstorable_strings(config, "")]
+    if unreadable:
+        raise errors.ValidationError(unreadable[:20], subject="service spec")
     return config
+
+
+def _unstorable_strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Yields (path, problem) for keys and values no process argument or UTF-8 store can hold."""
+
+    def problem(text: str) -> str | None:
+        if "\x00" in text:
+            return "must not contain a NUL character"
+        if any("\ud800" <= ch <= "\udfff" for ch in text):
+            return "must not contain a lone surrogate (invalid unicode)"
+        return None
+
+    if isinstance(node, str):
+        bad = problem(node)
+        if bad:
+            yield path or "yaml", bad
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(key, str) and (bad := problem(key)):
+                yield path or "yaml", f"a key {bad}"
+                continue
+            yield from _unstorable_strings(value, _join(path, _short(key)) if isinstance(key, str) else path)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _unstorable_strings(item, f"{path}[{i}]")
 
 
 def _expanded_size(root: Any) -> int:

@@ -37,6 +37,7 @@ class WatchPrinter:
     def __init__(self) -> None:
         self._service_status: dict[str, int] = {}
         self._replica_status: dict[tuple[str, int], int] = {}
+        self._balancer_url: dict[str, str] = {}
 
     def lines(self, resp: pb.WatchServiceResponse) -> list[str]:
         """The lines for one message; empty when nothing visible changed."""
@@ -76,4 +77,7 @@ class WatchPrinter:
             if svc.status_message:
                 line += f": {svc.status_message}"
             out.append(line)
+        if not resp.deleted and svc.load_balancer_url and self._balancer_url.get(name) != svc.load_balancer_url:
+            self._balancer_url[name] = svc.load_balancer_url
+            out.append(f"{name}: endpoint {svc.load_balancer_url} (load balancer)")
         return out

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
@@ -21,6 +22,27 @@ from services.controller import reconciler, store
 log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
+_CHECK_TIMEOUT_S = 5.0
+# Load reports may carry request times this far ahead of the controller's clock (clock skew).
+MAX_FUTURE_S = 60.0
+
+
+_MAX_URL = 2048
+
+
+def _check_load_balancer_url(url: str) -> None:
+    if not url:
+        return
+    if len(url) > _MAX_URL or not url.startswith(("http://", "https://")) or not url.isprintable() or " " in url:
+        raise errors.ValidationError(
+            [
+                errors.FieldViolation(
+                    "load_balancer_url", f"must be an http:// or https:// URL of at most {_MAX_URL} characters"
+                )
+            ]
+        )
+
+
 _LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
     api.REPLICA_LOG_KIND_UNSPECIFIED: prov_res.LOG_KIND_APP,
     api.REPLICA_LOG_KIND_APP: prov_res.LOG_KIND_APP,
@@ -49,9 +71,11 @@ class Controller:
         self._probing_stale = False
         self._orphan_tasks: set[asyncio.Task[None]] = set()
         self._watch_generation = 0
+        self._zones: list[tuple[str, float]] = []
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
+        await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
             rec.start()
@@ -75,6 +99,7 @@ class Controller:
             tuning=self._tuning,
             on_gone=self._forget,
             watch_generation=lambda: self._watch_generation,
+            zones=lambda: self._zones,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -91,7 +116,7 @@ class Controller:
 
     # ---- services ------------------------------------------------------------------------
 
-    def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
+    async def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
         """Validate and store a new service, then start reconciling it.
 
         Raises:
@@ -99,15 +124,35 @@ class Controller:
             errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
                 request id, which returns the existing service).
         """
-        parsed = spec.parse(yaml_text, name=name, require_name=True)
+        parsed = spec.parse(yaml_text, name=name, require_name=True, replica_cap=self._tuning.max_replicas_per_service)
         name = spec.effective_name(parsed, name)
         existing = self._db.get_service(name)
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
+        await self._check_runnable(parsed)
         self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
         rec = self._new_reconciler(name)
         rec.start()
         return rec.service()
+
+    async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
+        """Refuse a spec the provisioner cannot run (accelerators, missing workdir), naming fields.
+
+        An unreachable provisioner does not block the API: the launch reports the problem then.
+        """
+        try:
+            answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not check the spec with the provisioner (%s); accepting it", exc.code().name)
+            return
+        hidden = spec.secret_values(parsed)
+        errors.require(
+            [
+                errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))
+                for p in answer.problems
+            ],
+            subject="service spec",
+        )
 
     def get_service(self, name: str) -> res.Service:
         """A service."""
@@ -115,6 +160,9 @@ class Controller:
 
     def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
         """A page of services in name order; the token is the last name of the page."""
+        _check_page_size(page_size)
+        if page_token:
+            errors.require(spec.validate_service_name(page_token, field="page_token"))
         size = min(page_size or 100, _MAX_PAGE)
         names = sorted(n for n in self._services if n > page_token)
         page = names[:size]
@@ -127,12 +175,15 @@ class Controller:
         rec.delete(purge=purge)
         return rec.service()
 
-    def update_service(
+    async def update_service(
         self, name: str, yaml_text: str, *, mode: int, dry_run: bool
     ) -> tuple[res.Service, res.UpdatePlan]:
         """Update a service to a new spec (a new version), or return the plan on a dry run."""
-        rec = self._get(name)
-        parsed = spec.parse(yaml_text, name=name)
+        errors.require(_check_mode(mode))
+        self._get(name)
+        parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
+        await self._check_runnable(parsed)
+        rec = self._get(name)  # it may have gone while the check ran
         plan = rec.update(parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
@@ -140,9 +191,14 @@ class Controller:
 
     def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
         """A page of a service's replicas in id order; the token is the last id of the page."""
+        _check_page_size(page_size)
+        if page_token and not (page_token.isascii() and page_token.isdigit() and len(page_token) <= 10):
+            raise errors.ValidationError(
+                [errors.FieldViolation("page_token", "must be the next_page_token of an earlier page")]
+            )
         rec = self._get(name)
         size = min(page_size or 100, _MAX_PAGE)
-        after = int(page_token) if page_token.isdigit() else 0
+        after = int(page_token) if page_token else 0
         ids = sorted(i for i in rec.replicas if i > after)
         page = ids[:size]
         token = str(page[-1]) if len(ids) > size else ""
@@ -173,6 +229,29 @@ class Controller:
         rec = self._get(name)
         async for msg in rec.hub.watch_endpoints(after_version):
             yield msg
+
+    def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
+        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
+
+        Raises:
+            errors.ValidationError: a negative count, a time more than a minute ahead, or a URL
+                that is not a plain http(s) URL; nothing is recorded.
+        """
+        now = time.time()
+        violations = []
+        if count < 0:
+            violations.append(errors.FieldViolation("request_count", f"must not be negative, got {count}"))
+        violations += [
+            errors.FieldViolation(f"request_times[{i}]", f"more than {MAX_FUTURE_S:g} s in the future")
+            for i, t in enumerate(times)
+            if t > now + MAX_FUTURE_S
+        ]
+        errors.require(violations, subject="load report")
+        _check_load_balancer_url(load_balancer_url)
+        rec = self._get(name)
+        if load_balancer_url:
+            rec.set_load_balancer_url(load_balancer_url)
+        return rec.report_load(times, count, now)
 
     async def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
         """A replica's log (app output or launch log) as the provisioner streams it.
@@ -210,10 +289,6 @@ class Controller:
             raise errors.UnavailableError(
                 f"could not read the logs from the provisioner: {exc.code().name}", reason="PROVISIONER_UNAVAILABLE"
             ) from None
-
-    def report_load(self, name: str, times: list[float], count: int) -> float:
-        """Record a load report; returns the QPS seen."""
-        return self._get(name).report_load(times, count, time.time())
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
@@ -265,11 +340,23 @@ class Controller:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._tuning.reconnect_max_s)
 
+    async def _load_zones(self) -> None:
+        """The provisioner's zones, for the spot placer; left empty (the backend picks) while
+        the provisioner does not answer, and asked again by the sweep."""
+        try:
+            response = await self._prov.ListZones(prov_pb.ListZonesRequest(), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            log.info("zones not known yet (%s); the provisioner places spot replicas", exc.code().name)
+            return
+        self._zones = [(z.name, z.price_per_hour) for z in response.zones]
+
     async def _sweep(self) -> None:
         """The level-triggered pass: events can be lost (a failed write, a dead task); every
         `sweep_interval_s` whatever should be in motion and is not gets going again."""
         while True:
             await asyncio.sleep(self._tuning.sweep_interval_s)
+            if not self._zones:
+                await self._load_zones()
             self._db.check_writable()
             for rec in list(self._services.values()):
                 try:
@@ -302,3 +389,14 @@ class Controller:
     def _after_snapshot(self, seen: set[str], generation: int) -> None:
         for rec in self._services.values():
             rec.on_missing(seen, generation)
+
+
+def _check_page_size(page_size: int) -> None:
+    if page_size < 0:
+        raise errors.ValidationError([errors.FieldViolation("page_size", f"must be >= 0, got {page_size}")])
+
+
+def _check_mode(mode: int) -> list[errors.FieldViolation]:
+    if mode in (res.UPDATE_MODE_UNSPECIFIED, res.UPDATE_MODE_ROLLING, res.UPDATE_MODE_BLUE_GREEN):
+        return []
+    return [errors.FieldViolation("mode", f"must be UPDATE_MODE_ROLLING or UPDATE_MODE_BLUE_GREEN, got {mode}")]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import pbtime
+from services.controller.domain import autoscaler
 from services.controller.domain import status as st
 
 
@@ -37,4 +39,29 @@ def view_of(replica: resources_pb2.Replica) -> st.ReplicaView:
         version=replica.version,
         status=st.ReplicaStatus(replica.status),
         is_spot=replica.is_spot,
+        accelerator=replica.accelerator,
     )
+
+
+def policy_of(spec: spec_pb2.ServiceSpec) -> autoscaler.Policy:
+    """The autoscaler policy of a stored spec."""
+    p = spec.service.replica_policy
+    return autoscaler.Policy(
+        min_replicas=p.min_replicas,
+        max_replicas=max(p.max_replicas, p.min_replicas),
+        target_qps=p.target_qps_per_replica,
+        target_qps_per_accelerator=dict(p.target_qps_per_accelerator),
+        upscale_delay_s=pbtime.seconds(p.upscale_delay),
+        downscale_delay_s=pbtime.seconds(p.downscale_delay),
+        num_overprovision=p.num_overprovision,
+        use_spot=spec.resources.use_spot,
+        base_ondemand=p.base_ondemand_fallback_replicas,
+        dynamic_fallback=p.dynamic_ondemand_fallback,
+        spot_placer=p.spot_placer == spec_pb2.SPOT_PLACER_DYNAMIC_FALLBACK,
+    )
+
+
+def accelerator_of(spec: spec_pb2.ServiceSpec) -> str:
+    """The accelerator name a replica of `spec` runs on (first choice, without count), or ""."""
+    first = spec.resources.accelerators.split(",", 1)[0].strip()
+    return first.split(":", 1)[0].strip()

@@ -27,7 +27,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
 from services.controller import convert, hub, store
-from services.controller.domain import scaling
+from services.controller.domain import autoscaler, placer, scaling
 from services.controller.domain import status as st
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ class Tuning:
     """Longest wait between re-opens."""
     sweep_interval_s: float = 5.0
     """Period of the level-triggered pass (resync)."""
+    max_replicas_per_service: int = 1000
+    """Specs asking for more replicas (or min/max) than this are refused."""
+    decision_interval_s: float = autoscaler.DECISION_INTERVAL_S
+    """Autoscaler decisions are made at least this often."""
+    zero_decision_interval_s: float = autoscaler.ZERO_DECISION_INTERVAL_S
+    """... and this often while the target is 0."""
+    qps_window_s: float = autoscaler.QPS_WINDOW_S
+    """Load reports count over this window."""
 
 
 # Passes over every replica (publishing a change, reconciling) run at once when the service is
@@ -92,10 +100,22 @@ def target_id(service: str, replica_id: int) -> str:
 class _ScalerState:
     """Autoscaler state, persisted so a restart resumes without churn (SkyPilot issue 8562)."""
 
-    target: int = 0
+    target: int = -1  # adopted target without overprovision; -1 until the first start
     ever_ready_versions: list[int] = dataclasses.field(default_factory=list)
     stopped: dict[str, str] = dataclasses.field(default_factory=dict)
     load: dict[str, int] = dataclasses.field(default_factory=dict)  # second -> request count
+    upscale_since: float | None = None  # wall-clock time a higher candidate first held
+    downscale_since: float | None = None
+    reason: str = ""  # why the last decision changed something
+    decided_at: float = 0.0
+    zones: dict[str, str] = dataclasses.field(default_factory=dict)  # spot placer marks
+
+    @property
+    def hysteresis(self) -> autoscaler.Hysteresis:
+        return autoscaler.Hysteresis(max(self.target, 0), self.upscale_since, self.downscale_since)
+
+    def window(self) -> dict[int, int]:
+        return {int(k): v for k, v in self.load.items()}
 
     @classmethod
     def load_from(cls, data: bytes | None) -> _ScalerState:
@@ -121,8 +141,11 @@ class ServiceReconciler:
         tuning: Tuning,
         on_gone: Callable[[str], None],
         watch_generation: Callable[[], int] = lambda: 0,
+        zones: Callable[[], list[tuple[str, float]]] = list,
     ) -> None:
         self.name = name
+        self._zones = zones
+        self._decision: asyncio.TimerHandle | None = None
         self._watch_generation = watch_generation
         self.hub = hub.ServiceHub()
         self._db = db
@@ -144,6 +167,7 @@ class ServiceReconciler:
         self._endpoint_list: list[res.Endpoint] = []
         self._specs: dict[int, spec_pb2.ServiceSpec] = {}
         self._redacted: tuple[int, spec_pb2.ServiceSpec] = (0, spec_pb2.ServiceSpec())
+        self._policy_cache: tuple[int, autoscaler.Policy] = (0, autoscaler.Policy())
         self._launches: dict[int, asyncio.Task[None]] = {}
         self._teardowns: dict[int, asyncio.Task[None]] = {}
         self._probed: dict[int, prober_pb.ProbeTarget] = {}
@@ -158,6 +182,7 @@ class ServiceReconciler:
         self._started = False
         self._stopping = False
         self._gone = False
+        self.load_balancer_url = ""
         self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self._capacity_backoff_s = 0.0
         self._launch_not_before = 0.0  # monotonic time; launches wait after capacity failures
@@ -174,8 +199,8 @@ class ServiceReconciler:
     def start(self) -> None:
         """Resume every replica from its persisted facts (spec.md section 10), then reconcile."""
         self._started = True
-        if self._state.target == 0 and not self._row.deleting:
-            self._state.target = self._target_from_spec()
+        if self._state.target < 0 and not self._row.deleting:
+            self._state.target = self._policy().min_replicas
             self._persist_state()
         for rid, r in list(self.replicas.items()):
             f = r.facts
@@ -194,10 +219,12 @@ class ServiceReconciler:
             self._continue_delete()
         self.kick()
         self._schedule_flush()
+        self.decide()
 
     async def stop(self) -> None:
         """Stop following the service (controller shutdown); replicas stay as they are."""
         self._stopping = True
+        self._cancel_decision()
         tasks = [*self._launches.values(), *self._teardowns.values(), *self._background]
         for t in tasks:
             t.cancel()
@@ -253,7 +280,7 @@ class ServiceReconciler:
         elif not self._started:
             status = res.SERVICE_STATUS_CONTROLLER_INIT
         else:
-            launching = self._state.target > 0 and str(self._row.latest_version) not in self._state.stopped
+            launching = self._final_target() > 0 and str(self._row.latest_version) not in self._state.stopped
             status = int(st.service_status(statuses, launching=launching))
         svc = res.Service(
             name=self.name,
@@ -265,11 +292,12 @@ class ServiceReconciler:
             latest_version=self._row.latest_version,
             spec=self._shown_spec(),
             create_time=pbtime.timestamp(self._row.create_time),
-            target_replicas=self._state.target,
+            target_replicas=self._final_target(),
             probing_stale=self._probing_stale,
             update_mode=self._row.update_mode,  # type: ignore[arg-type]
             endpoints=self._endpoints(views, active),
             uid=self._row.uid,
+            load_balancer_url=self.load_balancer_url,
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
@@ -304,7 +332,7 @@ class ServiceReconciler:
             return stopped
         if self._probing_stale:
             return "probing is stale: no prober reachable, readiness may be out of date"
-        return f"{ready}/{total} ready, target {self._state.target}"
+        return f"{ready}/{total} ready, target {self._final_target()}"
 
     def _reload(self) -> None:
         """Make memory follow the store again, after a transaction of several writes failed."""
@@ -349,8 +377,61 @@ class ServiceReconciler:
 
     # ---- decisions -----------------------------------------------------------------------
 
-    def _target_from_spec(self) -> int:
-        return self.spec(self._row.latest_version).service.replica_policy.min_replicas
+    def _policy(self) -> autoscaler.Policy:
+        version = self._row.latest_version
+        if self._policy_cache[0] != version:
+            self._policy_cache = (version, convert.policy_of(self.spec(version)))
+        return self._policy_cache[1]
+
+    def _final_target(self) -> int:
+        return self._policy().final(max(self._state.target, 0))
+
+    def _qps(self, now: float) -> float:
+        return autoscaler.qps(self._state.window(), now, window_s=self._tuning.qps_window_s)
+
+    def _cancel_decision(self) -> None:
+        if self._decision is not None:
+            self._decision.cancel()
+            self._decision = None
+
+    def decide(self) -> None:
+        """Make one autoscaler decision now and schedule the next (spec.md section 6)."""
+        self._cancel_decision()
+        if self._gone or self._stopping or self._row.deleting or not self._started:
+            return
+        now = time.time()
+        policy = self._policy()
+        views = list(self._views.values()) if policy.target_qps_per_accelerator else []
+        wanted = autoscaler.candidate(policy, self._qps(now), views)
+        before = self._state.hysteresis
+        d = autoscaler.decide(
+            policy,
+            before,
+            wanted,
+            now,
+            interval_s=self._tuning.decision_interval_s,
+            zero_interval_s=self._tuning.zero_decision_interval_s,
+        )
+        if d.state != before:
+            self._state.target = d.state.target
+            self._state.upscale_since = d.state.upscale_since
+            self._state.downscale_since = d.state.downscale_since
+            self._state.reason = d.reason
+            self._state.decided_at = now
+            self._persist_state()
+            if d.state.target != before.target:
+                log.info("%s: %s", self.name, d.reason)
+                self.kick()
+            self._schedule_flush()
+        self._decision = asyncio.get_running_loop().call_later(max(d.next_in_s, 0.001), self._decide_safely)
+
+    def _decide_safely(self) -> None:
+        self._decision = None
+        try:
+            self.decide()
+        except Exception:
+            log.exception("%s: autoscaler decision failed; retrying", self.name)
+            self._decision = asyncio.get_running_loop().call_later(self._tuning.reconnect_max_s, self._decide_safely)
 
     def kick(self) -> None:
         """Reconcile soon; kicks coalesce into one pass, at most one per _MIN_PASS_GAP_S."""
@@ -372,22 +453,27 @@ class ServiceReconciler:
     def _reconcile_once(self) -> None:
         views = list(self._views.values())
         latest = self._row.latest_version
+        policy = self._policy()
+        target = max(self._state.target, 0)
         plan = scaling.plan(
             views,
-            target=self._state.target,
+            target=policy.final(target),
             latest_version=latest,
             stopped=str(latest) in self._state.stopped,
             blue_green=self._blue_green,
+            fallback=(policy, target) if policy.kind == autoscaler.FALLBACK else None,
         )
         for rid in plan.teardown:
             self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True)
         wait = self._launch_not_before - time.monotonic()
-        if plan.launch and wait > 0:
+        if (plan.launch or plan.launch_ondemand) and wait > 0:
             # Capacity ran out: retry after a pause instead of a tight launch-fail loop.
             asyncio.get_running_loop().call_later(wait, self.kick)
         else:
             for _ in range(plan.launch):
-                self._launch_new()
+                self._launch_new(spot=policy.use_spot)
+            for _ in range(plan.launch_ondemand):
+                self._launch_new(spot=False)
         if self._blue_green and self._active_versions(views) == [latest]:
             # Blue-green switched: older failed records go with the old version.
             for rid, r in list(self.replicas.items()):
@@ -400,7 +486,7 @@ class ServiceReconciler:
 
     def _active_versions(self, views: list[st.ReplicaView]) -> list[int]:
         return scaling.active_versions(
-            views, latest_version=self._row.latest_version, target=self._state.target, blue_green=self._blue_green
+            views, latest_version=self._row.latest_version, target=self._final_target(), blue_green=self._blue_green
         )
 
     def update(self, new: spec_pb2.ServiceSpec, *, mode: int, dry_run: bool) -> res.UpdatePlan:
@@ -418,7 +504,11 @@ class ServiceReconciler:
             )
         live = [r for r in self.replicas.values() if not st.is_terminal(convert.status_of(r))]
         kept = [r for r in live if spec.is_in_place_update(self.spec(r.version), new)]
-        target = new.service.replica_policy.min_replicas
+        # As SkyPilot: the new policy's target is adopted at once, from the load seen so far;
+        # the rest of the autoscaler state (load window, clocks' meaning) carries over.
+        policy = convert.policy_of(new)
+        adopted = autoscaler.candidate(policy, self._qps(time.time()), list(self._views.values()))
+        target = policy.final(adopted)
         victims = st.scale_down_victims([convert.view_of(r) for r in kept], len(kept) - target)
         victim_ids = {v.replica_id for v in victims}
         plan = res.UpdatePlan(
@@ -437,7 +527,10 @@ class ServiceReconciler:
                 self._row = self._db.update_service(
                     self.name, update_mode=mode or res.UPDATE_MODE_ROLLING, status_message=""
                 )
-                self._state.target = target
+                self._state.target = adopted
+                self._state.upscale_since = self._state.downscale_since = None
+                self._state.reason = f"update to version {version}: target {adopted}"
+                self._state.decided_at = time.time()
                 self._persist_state()
                 for r in kept:
                     r.version = version
@@ -448,6 +541,7 @@ class ServiceReconciler:
         for r in self.replicas.values():
             self._sync_probe(r)  # probe interval and threshold come from the latest version
         self.kick()
+        self.decide()
         plan.new_version = version
         return plan
 
@@ -477,20 +571,39 @@ class ServiceReconciler:
 
     # ---- launches ------------------------------------------------------------------------
 
-    def _launch_new(self) -> None:
+    def _launch_new(self, *, spot: bool) -> None:
         rid = self._db.allocate_replica_id(self.name)
         version = self._row.latest_version
+        zone = ""
+        if spot and self._policy().spot_placer:
+            used = {
+                r.zone
+                for r in self.replicas.values()
+                if r.is_spot and r.zone and not st.is_terminal(st.ReplicaStatus(r.status))
+            }
+            zone = placer.select(self._zones(), self._state.zones, used)
         r = res.Replica(
             service=self.name,
             replica_id=rid,
             replica_name=f"{self.name}-{rid}-{self._row.uid}" if self._row.uid else f"{self.name}-{rid}",
             version=version,
-            is_spot=self.spec(version).resources.use_spot,
+            is_spot=spot,
+            zone=zone,
+            accelerator=convert.accelerator_of(self.spec(version)),
             create_time=pbtime.timestamp(time.time()),
             facts=res.ReplicaFacts(launch_phase=LP.LAUNCH_PHASE_SCHEDULED),
         )
         self._save(r)
         self._start_launch(rid)
+
+    def _mark_zone(self, r: res.Replica, *, preempted: bool) -> None:
+        """Spot placer bookkeeping: a zone that failed or preempted a spot replica is avoided."""
+        if not (r.is_spot and r.zone and self._policy().spot_placer):
+            return
+        marks = placer.mark(self._zones(), self._state.zones, r.zone, preempted=preempted)
+        if marks != self._state.zones:
+            self._state.zones = marks
+            self._persist_state()
 
     def _start_launch(self, rid: int) -> None:
         self._launches[rid] = asyncio.create_task(self._run_launch(rid), name=f"launch {self.name}/{rid}")
@@ -563,6 +676,7 @@ class ServiceReconciler:
             r.launch_time.CopyFrom(ev.time)
             r.failure_reason = ""
             self._save(r)
+            self._mark_zone(r, preempted=False)
             code = self._pending_exit.pop(rid, None)
             if code is not None:
                 self.on_app_exit(rid, code)
@@ -584,6 +698,7 @@ class ServiceReconciler:
         r.facts.failed_spot_availability = capacity
         r.failure_reason = f"launch failed: {message}"
         if capacity:
+            self._mark_zone(r, preempted=True)
             self._capacity_backoff_s = min(max(self._capacity_backoff_s * 2, 1.0), 60.0)
             self._launch_not_before = time.monotonic() + self._capacity_backoff_s
         elif user_fault:
@@ -626,6 +741,7 @@ class ServiceReconciler:
         if preempted or r.is_spot:
             r.facts.preempted = True
             r.failure_reason = "preempted"
+            self._mark_zone(r, preempted=True)
             self.teardown(rid, drain=0.0, is_scale_down=True)
         else:
             # On-demand replicas that vanish go through the probe failure path (spec.md 5).
@@ -962,6 +1078,7 @@ class ServiceReconciler:
             self._schedule_flush()
             return
         self._gone = True
+        self._cancel_decision()
         for rid in list(self._probed):
             self._probes.remove(target_id(self.name, rid))
         self._probed.clear()
@@ -973,20 +1090,20 @@ class ServiceReconciler:
 
     # ---- load ----------------------------------------------------------------------------
 
+    def set_load_balancer_url(self, url: str) -> None:
+        """Show `url` (the balancer that reports this service's load) as the service's endpoint."""
+        if url != self.load_balancer_url:
+            self.load_balancer_url = url  # memory only: the balancer reports again within seconds
+            self._schedule_flush()
+
     def report_load(self, times: list[float], count: int, now: float) -> float:
-        """Record requests into the 60 s window; return the window's QPS."""
-        load = self._state.load
-        for t in times:
-            key = str(int(t))
-            load[key] = load.get(key, 0) + 1
-        if count:
-            key = str(int(now))
-            load[key] = load.get(key, 0) + count
-        horizon = now - 60
-        for key in [k for k in load if int(k) < horizon]:
-            del load[key]
+        """Record requests into the load window and decide at once; return the window's QPS."""
+        window = self._state.window()
+        autoscaler.add_load(window, times, count, now, window_s=self._tuning.qps_window_s)
+        self._state.load = {str(k): v for k, v in window.items()}
         self._persist_state()
-        return sum(load.values()) / 60.0
+        self.decide()
+        return self._qps(now)
 
     # ---- saving and publishing -----------------------------------------------------------
 

@@ -39,6 +39,15 @@ class Settings:
     should be in motion and is not, and checks that the store takes writes."""
     store_busy_timeout_s: float = 5.0
     """How long a store write waits for another process's lock before it counts as failed."""
+    max_replicas_per_service: int = 1000
+    """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
+    autoscaler_interval_s: float = 20.0
+    """Autoscaler decisions are made at least this often (SkyPilot: 20 s); a load report, an
+    update and an elapsed up/downscale delay also decide at once."""
+    autoscaler_zero_interval_s: float = 5.0
+    """Decision cadence while the target is 0 (SkyPilot: 5 s)."""
+    qps_window_s: float = 60.0
+    """Load reports count toward QPS over this window (SkyPilot: 60 s)."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -76,6 +85,10 @@ async def start(settings: Settings) -> Running:
         drain_s=settings.drain_s,
         probe_fast_interval_s=settings.probe_fast_interval_s,
         sweep_interval_s=settings.sweep_interval_s,
+        max_replicas_per_service=settings.max_replicas_per_service,
+        decision_interval_s=settings.autoscaler_interval_s,
+        zero_decision_interval_s=settings.autoscaler_zero_interval_s,
+        qps_window_s=settings.qps_window_s,
     )
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(

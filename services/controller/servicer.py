@@ -21,7 +21,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def CreateService(
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
-        svc = self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
+        svc = await self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
     async def GetService(
@@ -38,7 +38,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def UpdateService(
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
-        svc, plan = self._ctl.update_service(
+        svc, plan = await self._ctl.update_service(
             request.service_name, request.yaml, mode=request.mode, dry_run=request.dry_run
         )
         return api.UpdateServiceResponse(service=svc, plan=plan)
@@ -80,7 +80,10 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
         times = [pbtime.from_timestamp(t) for t in request.request_times]
-        return api.ReportLoadResponse(qps=self._ctl.report_load(request.service_name, times, request.request_count))
+        qps = self._ctl.report_load(
+            request.service_name, times, request.request_count, load_balancer_url=request.load_balancer_url
+        )
+        return api.ReportLoadResponse(qps=qps)
 
     async def WatchEndpoints(
         self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext

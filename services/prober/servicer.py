@@ -86,7 +86,9 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
         """Apply target changes as they come; stream result batches until the client leaves."""
         stream = self._engine.open_stream()
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator, stream))
-        log.info("probe stream opened by %s", context.peer())
+        # Read once: after the call ends the context may no longer answer (it raised in teardown).
+        peer = context.peer()
+        log.info("probe stream opened by %s", peer)
         try:
             await context.send_initial_metadata(((PROBER_ID_METADATA, self._prober_id),))
             # An empty batch is a heartbeat: the stream was quiet for heartbeat_s.
@@ -96,7 +98,7 @@ class ProberServicer(prober_service_pb2_grpc.ProberServiceServicer):
                 )
         finally:
             reader.cancel()
-            log.info("probe stream of %s closed (%d targets)", context.peer(), stream.target_count)
+            log.info("probe stream of %s closed (%d targets)", peer, stream.target_count)
             self._engine.close_stream(stream)
 
     @staticmethod

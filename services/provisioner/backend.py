@@ -144,6 +144,14 @@ class Backend(abc.ABC):
         """Zones, cheapest first; none unless the backend simulates them."""
         return []
 
+    def offered_accelerators(self) -> dict[str, float] | None:
+        """Accelerator name (lowercase) -> how many a replica may ask for; None places no limit."""
+        return None
+
+    def copies_local_paths(self) -> bool:
+        """Whether launches copy the spec's workdir and file mounts from this host."""
+        return False
+
     def set_zone_availability(self, zone: str, refuse_for_s: float) -> model.Zone:
         """Make `zone` refuse launches for `refuse_for_s` seconds (0: accept again)."""
         raise errors.FailedPreconditionError(f"backend {self.name} does not simulate zones", subject=zone)

@@ -8,7 +8,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as service_pb2
 from replicaplane.provisioner.v1 import resources_pb2
 from services.common import pbtime
-from services.provisioner import model
+from services.provisioner import capability, model
 
 _RECORDED_RESOURCES = (
     "cloud",
@@ -57,6 +57,29 @@ def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
         use_spot=res.use_spot,
         num_nodes=spec.num_nodes or 1,
         resources=recorded,
+    )
+
+
+def needs(spec: spec_pb2.ServiceSpec) -> capability.Needs:
+    """What a spec asks of the backend, with the YAML path of each accelerator request."""
+    res = spec.resources
+    places: list[tuple[str, str]] = []
+    entries = [("any_of", i, r) for i, r in enumerate(res.any_of)] + [
+        ("ordered", i, r) for i, r in enumerate(res.ordered)
+    ]
+    # An entry without accelerators of its own inherits the top-level ones; one that asks for
+    # none at all can always run.
+    if entries and not res.accelerators and any(not r.accelerators for _, _, r in entries):
+        entries = []
+    # An entry without accelerators of its own inherits the top-level ones.
+    if res.accelerators and (not entries or any(not r.accelerators for _, _, r in entries)):
+        places.append(("resources.accelerators", res.accelerators))
+    places += [(f"resources.{kind}[{i}].accelerators", r.accelerators) for kind, i, r in entries if r.accelerators]
+    return capability.Needs(
+        accelerators=tuple(places),
+        alternatives=bool(entries),
+        workdir=spec.workdir,
+        file_mounts=tuple(sorted(spec.file_mounts.items())),
     )
 
 

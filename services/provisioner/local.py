@@ -85,7 +85,10 @@ class LocalBackend(backend.Backend):
         replica_host: str = "127.0.0.1",
         advertise_host: str = "",
         network: str = "port",
+        accelerators: dict[str, float] | None = None,
     ) -> None:
+        # Local replicas get no accelerators unless a setting declares (fake) ones for tests.
+        self._accelerators = dict(accelerators or {})
         self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
         self._root = os.path.join(self._state_dir, "local")
         self._zones = zones.ZoneTable(zone_list or zones.parse(zones.DEFAULT_ZONES))
@@ -287,6 +290,12 @@ class LocalBackend(backend.Backend):
             for port in (handle.port, *handle.port_map.values()):
                 self._ports.release(port)
 
+    def offered_accelerators(self) -> dict[str, float] | None:
+        return dict(self._accelerators)
+
+    def copies_local_paths(self) -> bool:
+        return True
+
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
@@ -310,7 +319,9 @@ class LocalBackend(backend.Backend):
             local = os.path.expanduser(source)
             if not os.path.exists(local):
                 raise backend.LaunchError(f"file mount source {source} does not exist", permanent=True)
-            target = os.path.join(work, destination.removeprefix("~/").lstrip("/"))
+            target = os.path.normpath(os.path.join(work, destination.removeprefix("~/").lstrip("/")))
+            if os.path.commonpath([work, target]) != work:
+                raise backend.LaunchError(f"file mount {destination} is outside the working directory", permanent=True)
             os.makedirs(os.path.dirname(target) or work, exist_ok=True)
             if os.path.isdir(local):
                 shutil.copytree(local, target, symlinks=True, dirs_exist_ok=True)

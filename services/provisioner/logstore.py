@@ -26,13 +26,19 @@ class LogStore:
         self._root = os.path.join(os.path.abspath(os.path.expanduser(state_dir)), "logs")
         os.makedirs(self._root, mode=0o700, exist_ok=True)
 
+    def _dir(self, name: str) -> str:
+        # Callers check names; this guard keeps any path that slips through inside the root.
+        if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+            raise ValueError("a replica log name must be one path component")
+        return os.path.join(self._root, name)
+
     def path(self, name: str, kind: model.LogKind) -> str:
         """The file of log `kind` of replica `name`."""
-        return os.path.join(self._root, name, f"{kind.value}.log")
+        return os.path.join(self._dir(name), f"{kind.value}.log")
 
     def prepare(self, name: str) -> None:
         """Create the log directory of replica `name`."""
-        os.makedirs(os.path.join(self._root, name), mode=0o700, exist_ok=True)
+        os.makedirs(self._dir(name), mode=0o700, exist_ok=True)
 
     def note(self, name: str, text: str) -> None:
         """Append a timestamped provisioner line to the launch log of replica `name`."""
@@ -49,7 +55,7 @@ class LogStore:
 
     def delete(self, name: str) -> None:
         """Remove every log of replica `name`."""
-        shutil.rmtree(os.path.join(self._root, name), ignore_errors=True)
+        shutil.rmtree(self._dir(name), ignore_errors=True)
 
     async def stream(
         self, name: str, kind: model.LogKind, *, live: Callable[[], bool] | None = None

@@ -23,7 +23,7 @@ import tenacity
 
 from services.common import errors
 from services.provisioner import backend as backend_mod
-from services.provisioner import events, logstore, model, retries, slots, store
+from services.provisioner import capability, events, logstore, model, retries, slots, store
 
 log = logging.getLogger(__name__)
 
@@ -757,13 +757,26 @@ class Provisioner:
         """The bytes of a replica's log; with `follow`, new output while the replica lives.
 
         Raises:
+            errors.ValidationError: `name` is not a replica name (never a path).
             errors.NotFoundError: no such log (never launched, or removed at teardown).
         """
+        check_name(name)
         if not self._logs.exists(name, kind):
             raise errors.NotFoundError(f"no {kind.value} log for replica {name}", reason="LOG_NOT_FOUND", replica=name)
         live = (lambda: self._live(name, kind)) if follow else None
         async for chunk in self._logs.stream(name, kind, live=live):
             yield chunk
+
+    def check_spec(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+        """What of a spec this provisioner's backend cannot run; empty if it can."""
+        problems = capability.accelerator_problems(needs, self._backend.offered_accelerators())
+        if self._backend.copies_local_paths():
+            problems += capability.path_problems(needs)
+        return problems
+
+    def offered_accelerators(self) -> dict[str, float] | None:
+        """The backend's accelerators; None when it places no limit."""
+        return self._backend.offered_accelerators()
 
     def delete_logs(self, name: str) -> bool:
         """Delete the logs kept for replica `name`, which must be gone; True if there were any.

@@ -9,7 +9,7 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs
-from services.provisioner import addresses, kube, kube_objects, local, logstore, manager, servicer, store
+from services.provisioner import addresses, capability, kube, kube_objects, local, logstore, manager, servicer, store
 from services.provisioner import backend as backend_mod
 from services.provisioner import zones as zone_config
 
@@ -69,6 +69,9 @@ class Settings:
     side; `port` maps each declared port to a free one on replica_host. `auto` is `address`
     on loopback where the system supports it (Linux), else `port` (containers, replica_host
     0.0.0.0)."""
+    local_accelerators: str = ""
+    """Accelerators the local backend pretends to have, as "A100:8,H100:8" (tests and demos);
+    a spec asking for others is refused at create. Empty: none, so GPU specs are refused."""
     kubernetes_kubeconfig: str = ""
     """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
     kubernetes_context: str = ""
@@ -159,6 +162,10 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         raise errors.ValidationError(
             [errors.FieldViolation("provisioner.replica_network", f"must be auto, address or port, got {network!r}")]
         )
+    try:
+        accelerators = capability.parse_offered(settings.local_accelerators)
+    except ValueError as exc:
+        raise errors.ValidationError([errors.FieldViolation("provisioner.local_accelerators", str(exc))]) from None
     if network == "auto":
         loopback = settings.replica_host == "127.0.0.1" and not settings.advertise_host
         network = "address" if loopback and addresses.supported() else "port"
@@ -168,6 +175,7 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         replica_host=settings.replica_host,
         advertise_host=settings.advertise_host,
         network=network,
+        accelerators=accelerators,
     )
 
 

@@ -86,6 +86,17 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
         now = time.time()
         return pb.ListZonesResponse(zones=[convert.zone(z, now) for z in self._p.zones()])
 
+    async def CheckSpec(self, request: pb.CheckSpecRequest, context: grpc.aio.ServicerContext) -> pb.CheckSpecResponse:
+        offered = self._p.offered_accelerators()
+        return pb.CheckSpecResponse(
+            problems=[
+                pb.SpecProblem(field=v.field, description=v.description)
+                for v in self._p.check_spec(convert.needs(request.spec))
+            ],
+            accelerators=[f"{name.upper()}:{count:g}" for name, count in sorted((offered or {}).items())],
+            accelerators_limited=offered is not None,
+        )
+
     async def DeleteLogs(
         self, request: pb.DeleteLogsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteLogsResponse:

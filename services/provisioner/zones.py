@@ -8,6 +8,7 @@ from services.common import errors
 from services.provisioner import model
 
 DEFAULT_ZONES = "zone-a:1.00,zone-b:1.20,zone-c:1.50"
+MAX_REFUSAL_S = 365 * 86400.0
 
 
 def parse(text: str) -> list[model.Zone]:
@@ -104,6 +105,10 @@ class ZoneTable:
         """
         if refuse_for_s < 0:
             raise errors.ValidationError([errors.FieldViolation("refuse_for", "must not be negative")])
+        if refuse_for_s > MAX_REFUSAL_S:
+            raise errors.ValidationError(
+                [errors.FieldViolation("refuse_for", f"must be at most {MAX_REFUSAL_S:.0f} s (one year)")]
+            )
         zone = dataclasses.replace(self.get(name), refuse_until=now + refuse_for_s if refuse_for_s else 0.0)
         self._zones[name] = zone
         return zone

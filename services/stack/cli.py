@@ -65,12 +65,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "up":
         state_dir = os.path.abspath(args.state_dir)
-        try:
-            specs = plan.plan(probers=args.probers, state_dir=state_dir)
-        except ValueError as exc:
-            sys.exit(f"error: {exc}")
         if args.example and not os.path.isfile(args.example):
             sys.exit(f"error: no such file: {args.example}")
+        balanced = (api.spec_name(args.example) if args.example else None) or plan.DEFAULT_BALANCED_SERVICE
+        try:
+            specs = plan.plan(probers=args.probers, state_dir=state_dir, balanced_service=balanced)
+        except ValueError as exc:
+            sys.exit(f"error: {exc}")
         if args.detach:
             child = ["up", "--state-dir", state_dir, "--probers", str(args.probers)]
             child += ["--ready-timeout", str(args.ready_timeout)]

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping
 
 from replicaplane.controller.v1 import controller_service_pb2
+from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2
 from replicaplane.prober.v1 import prober_service_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2
 from services.common import config
@@ -19,6 +20,9 @@ from services.common import config
 CONTROLLER_SERVICE = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 PROVISIONER_SERVICE = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
 PROBER_SERVICE = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
+LOADBALANCER_SERVICE = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
+DEFAULT_BALANCED_SERVICE = "hello"
+"""The service the stack's load balancer serves when no example names another."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +30,13 @@ class ProcessSpec:
     """One service process of the stack.
 
     Attributes:
-        name: unique process name: controller, provisioner, prober-1, prober-2, ...
-        component: the service package: controller, provisioner or prober.
+        name: unique process name: controller, provisioner, prober-1, prober-2, ..., loadbalancer.
+        component: the service package: controller, provisioner, prober or loadbalancer.
         argv: the command line.
         env: the REPLICAPLANE_* variables the process gets on top of the caller's environment.
         addr: host:port it listens on.
         grpc_service: full name of its gRPC service, for the health check.
+        url: the HTTP URL it serves users on, if any (the load balancer).
     """
 
     name: str
@@ -40,6 +45,7 @@ class ProcessSpec:
     env: Mapping[str, str]
     addr: str
     grpc_service: str
+    url: str = ""
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -70,8 +76,14 @@ def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
     return addr
 
 
-def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, str] | None = None) -> list[ProcessSpec]:
-    """The processes of a local stack, in start order (provisioner, probers, controller).
+def plan(
+    *,
+    probers: int = 1,
+    state_dir: str = ".state",
+    environ: Mapping[str, str] | None = None,
+    balanced_service: str = DEFAULT_BALANCED_SERVICE,
+) -> list[ProcessSpec]:
+    """The processes of a local stack, in start order (provisioner, probers, controller, load balancer).
 
     Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
     defaults; prober i (from 1) listens on the prober port + i - 1.
@@ -80,6 +92,7 @@ def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, s
         probers: number of prober processes, at least 1.
         state_dir: directory for the controller's and provisioner's state.
         environ: environment to read addresses from; defaults to os.environ.
+        balanced_service: the service the load balancer serves.
 
     Returns:
         One ProcessSpec per process.
@@ -95,6 +108,11 @@ def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, s
     prober_host, prober_port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
     prober_addrs = [f"{prober_host}:{prober_port + i}" for i in range(probers)]
     controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
+    balancer_addr = _listen(env, "loadbalancer", config.LOADBALANCER_ADDR)
+    http_var = config.env_name("loadbalancer", "http_addr")
+    http_addr = env.get(http_var) or config.LOADBALANCER_HTTP_ADDR
+    if split_addr(http_addr)[1] == 0:
+        raise ValueError(f"{http_var}: the stack needs a fixed port, got {http_addr}")
 
     specs = [
         ProcessSpec(
@@ -135,6 +153,22 @@ def plan(*, probers: int = 1, state_dir: str = ".state", environ: Mapping[str, s
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
+        )
+    )
+    specs.append(
+        ProcessSpec(
+            name="loadbalancer",
+            component="loadbalancer",
+            argv=(python, "-m", "services.loadbalancer"),
+            env={
+                "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": balancer_addr,
+                "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": http_addr,
+                "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": balanced_service,
+                "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": dial_addr(controller_addr),
+            },
+            addr=balancer_addr,
+            grpc_service=LOADBALANCER_SERVICE,
+            url=f"http://{dial_addr(http_addr)}",
         )
     )
     return specs

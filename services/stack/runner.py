@@ -210,6 +210,8 @@ class Stack:
             alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
             await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive)
             self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            if spec.url:
+                self.out(f"{spec.name}: {spec.env.get('REPLICAPLANE_LOADBALANCER_SERVICE_NAME', '')} at {spec.url}")
 
     async def watch_exits(self) -> str:
         """Return once a process exits (bounded by the caller's cancellation)."""
@@ -237,8 +239,8 @@ class Stack:
 
     async def stop_processes(self) -> None:
         """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
-        # Controller first, so it stops calling the others; the provisioner last.
-        order = sorted(self.specs, key=lambda s: {"controller": 0, "prober": 1}.get(s.component, 2))
+        # The balancer, then the controller, so nothing calls a stopped service; the provisioner last.
+        order = sorted(self.specs, key=lambda s: {"loadbalancer": -1, "controller": 0, "prober": 1}.get(s.component, 2))
         pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
         await asyncio.to_thread(terminate_pids, pids, self.out)
         for proc in self.procs.values():

@@ -215,3 +215,48 @@ async def test_unchanged_skypilot_yaml_with_a_fixed_port_app_runs_two_replicas(c
     assert all(e.endswith(":8080") for e in endpoints), endpoints  # the declared port, unchanged
     answers = sorted(_get(e + "/")[1] for e in endpoints)
     assert answers == ["replica 1\n", "replica 2\n"]
+
+
+def _field_names(err: grpc.aio.AioRpcError) -> list[str]:
+    from services.common import grpc_errors
+
+    return [f for f, _ in grpc_errors.RpcError(err).field_violations]
+
+
+async def test_specs_the_provisioner_cannot_run_are_refused_at_create(tmp_path) -> None:
+    c = cl.Cluster(str(tmp_path), provisioner_env={"REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS": "H100:1"})
+    try:
+        marker = tmp_path / "setup-ran"
+        base = cl.app_yaml("gpu", c.tag, replicas=1)
+
+        def with_accelerators(value: str, extra: str = "") -> str:
+            return base.replace("  ports: 8080\n", f"  ports: 8080\n  accelerators: {value}\n") + extra
+
+        # vllm.yaml asks for an A100 and pip-installs in setup: refused, and setup never runs.
+        vllm = with_accelerators("A100:1", f"setup: touch {marker}\n")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.CreateService(api.CreateServiceRequest(yaml=vllm), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _field_names(info.value) == ["resources.accelerators"]
+        from services.common import grpc_errors
+
+        assert "it offers: H100:1" in grpc_errors.RpcError(info.value).field_violations[0][1]
+        missing = base + f"workdir: {tmp_path / 'no-such-dir'}\nfile_mounts:\n  /data: {tmp_path / 'nothing'}\n"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.CreateService(api.CreateServiceRequest(yaml=missing), timeout=10)
+        assert sorted(_field_names(info.value)) == ["file_mounts./data", "workdir"]
+        assert not (await c.stub.ListServices(api.ListServicesRequest())).services
+
+        # The set form: any one of them will do, and the backend has an H100.
+        await _create(c, with_accelerators("{A100:1, H100:1}"))
+        w = cl.Watch(c.stub, "gpu")
+        await w.until(lambda w: w.count(READY) == 1)
+        w.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.UpdateService(api.UpdateServiceRequest(service_name="gpu", yaml=vllm), timeout=10)
+        assert _field_names(info.value) == ["resources.accelerators"]
+        got = await c.stub.GetService(api.GetServiceRequest(service_name="gpu"))
+        assert got.service.latest_version == 1
+        assert not marker.exists()
+    finally:
+        await c.close()

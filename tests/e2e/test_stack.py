@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -53,13 +54,15 @@ def free_port_run(n: int, avoid: list[int]) -> int:
 
 
 def stack_env(probers: int = 1) -> dict[str, str]:
-    controller, provisioner = free_ports(2)
-    prober = free_port_run(probers, avoid=[controller, provisioner])
+    controller, provisioner, balancer, balancer_http = free_ports(4)
+    prober = free_port_run(probers, avoid=[controller, provisioner, balancer, balancer_http])
     return {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
         "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
         "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
     }
 
 
@@ -129,7 +132,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     state = json.loads((state_dir / "stack.json").read_text())
     assert state["services"] == ["hello"]
     pids = {p["name"]: p["pid"] for p in state["processes"]}
-    assert sorted(pids) == ["controller", "prober-1", "provisioner"]
+    assert sorted(pids) == ["controller", "loadbalancer", "prober-1", "provisioner"]
 
     endpoints: dict[int, str] = {}
     with grpc.insecure_channel(state["controller"]) as channel:
@@ -151,6 +154,19 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
         with urllib.request.urlopen(f"{endpoint}/", timeout=10) as resp:
             body = json.loads(resp.read())
         assert body["message"] == f"hello from replica {replica_id}"
+    # One URL for the service: the stack's balancer reaches both replicas.
+    balancer_url = f"http://{env['REPLICAPLANE_LOADBALANCER_HTTP_ADDR']}"
+    seen = set()
+    for _ in range(20):
+        try:
+            with urllib.request.urlopen(f"{balancer_url}/", timeout=10) as resp:
+                seen.add(json.loads(resp.read())["message"])
+        except urllib.error.HTTPError as exc:  # 503 until the balancer has the endpoints
+            assert exc.code == 503, exc
+            time.sleep(0.2)
+        if len(seen) == 2:
+            break
+    assert seen == {f"hello from replica {i}" for i in endpoints}, logs(state_dir)
 
     down = stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
     assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{logs(state_dir)}"
@@ -184,7 +200,13 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
                 state = json.loads((state_dir / "stack.json").read_text())
             time.sleep(0.1)
         assert state.get("ready"), logs(state_dir)
-        assert [p["name"] for p in state["processes"]] == ["provisioner", "prober-1", "prober-2", "controller"]
+        assert [p["name"] for p in state["processes"]] == [
+            "provisioner",
+            "prober-1",
+            "prober-2",
+            "controller",
+            "loadbalancer",
+        ]
         # The container health check command, against a live and a dead address.
         service = "replicaplane.controller.v1.ControllerService"
         assert stack("health", state["controller"], "--service", service, env=env, timeout=30).returncode == 0

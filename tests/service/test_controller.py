@@ -49,6 +49,7 @@ class Env:
     provisioner: fake_provisioner.FakeProvisioner
     channel: grpc.aio.Channel
     state_dir: str
+    addr: str = ""
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +69,13 @@ async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
         running = await controller_server.start(controller_server.Settings(**values))  # type: ignore[arg-type]
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
         try:
-            yield Env(api_grpc.ControllerServiceStub(channel), fake, channel, str(values["state_dir"]))
+            yield Env(
+                api_grpc.ControllerServiceStub(channel),
+                fake,
+                channel,
+                str(values["state_dir"]),
+                addr=f"127.0.0.1:{running.port}",
+            )
         finally:
             await channel.close()
             await running.stop(None)

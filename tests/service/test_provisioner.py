@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import signal
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
@@ -262,6 +264,32 @@ async def test_bad_requests_are_invalid_argument_with_field_violations(stub, sta
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-7")))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _plant_log_outside(state_dir: str) -> None:
+    # A log directory outside the state dir, where "../../x" would reach.
+    outside = pathlib.Path(state_dir).resolve().parent / "x"
+    outside.mkdir(exist_ok=True)
+    (outside / "app.log").write_text("not yours\n")
+
+
+async def test_log_names_are_never_paths_and_refusals_are_bounded(stub, state_dir) -> None:
+    _plant_log_outside(state_dir)
+    for name in ("../../x", "..", "a/b", "/etc"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=name)))
+        decoded = grpc_errors.RpcError(info.value)
+        assert decoded.code == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert [f for f, _ in decoded.field_violations] == ["name"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SetZoneAvailability(
+            pb.SetZoneAvailabilityRequest(zone="zone-a", refuse_for=duration_pb2.Duration(seconds=315_576_000_000))
+        )
+    decoded = grpc_errors.RpcError(info.value)
+    assert decoded.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in decoded.field_violations] == ["refuse_for"]
+    zones = (await stub.ListZones(pb.ListZonesRequest())).zones
+    assert all(not z.HasField("refuse_until_time") for z in zones)
 
 
 async def test_replica_environment_workdir_and_followed_app_log(stub, state_dir, tmp_path) -> None:

@@ -108,12 +108,17 @@ def test_compose_services_listen_on_all_interfaces_and_have_grpc_health_checks()
     }
 
 
-def test_compose_publishes_only_the_controller_on_loopback() -> None:
+def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() -> None:
     services = compose_config()["services"]
     assert [(p["host_ip"], p["published"], p["target"]) for p in services["controller"]["ports"]] == [
         ("127.0.0.1", "50051", 50051)
     ]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in services["loadbalancer"]["ports"]] == [
+        ("127.0.0.1", "30001", 30001)
+    ]
     assert not services["provisioner"].get("ports")
+    waits = services["loadbalancer"]["depends_on"]
+    assert {k: v["condition"] for k, v in waits.items()} == {"controller": "service_healthy"}
 
 
 # --- the local stack's plan ---------------------------------------------------------------
@@ -121,7 +126,14 @@ def test_compose_publishes_only_the_controller_on_loopback() -> None:
 
 def test_plan_defaults_match_the_shared_addresses() -> None:
     specs = {s.name: s for s in plan.plan(state_dir="/st", environ={})}
-    assert list(specs) == ["provisioner", "prober-1", "controller"]
+    assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer"]
+    assert specs["loadbalancer"].env == {
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": config.LOADBALANCER_ADDR,
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": config.LOADBALANCER_HTTP_ADDR,
+        "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": "hello",
+        "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+    }
+    assert specs["loadbalancer"].url == f"http://{config.LOADBALANCER_HTTP_ADDR}"
     assert specs["controller"].env == {
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": config.CONTROLLER_ADDR,
         "REPLICAPLANE_CONTROLLER_STATE_DIR": "/st/controller",
@@ -141,7 +153,7 @@ def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() ->
     specs = plan.plan(probers=3, environ=environ)
     probers = [s.addr for s in specs if s.component == "prober"]
     assert probers == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
-    controller = specs[-1]
+    controller = next(s for s in specs if s.component == "controller")
     assert controller.addr == "0.0.0.0:7100"
     assert controller.env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == ",".join(probers)
     # A wildcard listen address is dialled on loopback.
@@ -154,6 +166,7 @@ def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() ->
         ({"probers": 0}, "at least 1"),
         ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0"}}, "fixed port"),
         ({"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere"}}, "host:port"),
+        ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0"}}, "fixed port"),
     ],
 )
 def test_plan_rejects_what_cannot_run(kwargs, message) -> None:
@@ -242,3 +255,14 @@ def test_watch_printer_prints_one_line_per_status_change() -> None:
         "hello: service SHUTTING_DOWN (0/0 ready, versions 1)",
     ]
     assert printer.lines(_event(resources_pb2.SERVICE_STATUS_SHUTTING_DOWN, 0, 0, deleted=True)) == ["hello: deleted"]
+
+
+def test_watch_printer_prints_the_balancer_url_once() -> None:
+    printer = api.WatchPrinter()
+    event = _event(resources_pb2.SERVICE_STATUS_READY, 1, 1)
+    event.service.load_balancer_url = "http://127.0.0.1:30001"
+    assert printer.lines(event) == [
+        "hello: service READY (1/1 ready, versions 1)",
+        "hello: endpoint http://127.0.0.1:30001 (load balancer)",
+    ]
+    assert printer.lines(event) == []

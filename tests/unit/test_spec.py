@@ -254,6 +254,10 @@ GOOD = {
         "service: {}\nresources: {ports: 80, accelerators: 'A100', any_of: [{accelerators: [L4, 'T4:2']}]}\n",
         {"resources.accelerators": "A100:1"},
     ),
+    "accelerators_set_form": (
+        "service: {}\nresources: {ports: 80, accelerators: {H100:1, H200:1}}\n",
+        {"resources.accelerators": "H100:1,H200:1"},
+    ),
     "infra_cloud_region_zone": (
         "service: {}\nresources: {ports: 80, infra: AWS/us-east-1/us-east-1a}\n",
         {"resources.cloud": "aws", "resources.region": "us-east-1", "resources.zone": "us-east-1a"},
@@ -591,6 +595,14 @@ BAD = {
     "setup_list_with_number": ("setup: [a, 1]\nservice: {}\n" + PORT, {"setup"}),
     "workdir_git_mapping": ("workdir: {url: https://x/y.git}\nservice: {}\n" + PORT, {"workdir"}),
     "file_mount_bad_value": ("file_mounts: {/d: 3}\nservice: {}\n" + PORT, {"file_mounts./d"}),
+    "accelerators_set_form_with_a_count_too": (
+        "service: {}\nresources: {ports: 80, accelerators: {'H100:1': 2}}\n",
+        {"resources.accelerators"},
+    ),
+    "file_mount_destination_outside_workdir": (
+        "file_mounts: {../../etc/cron.d/x: /tmp, /data/../../y: /tmp}\nservice: {}\n" + PORT,
+        {"file_mounts.../../etc/cron.d/x", "file_mounts./data/../../y"},
+    ),
     "accelerators_bad": ("service: {}\nresources: {ports: 80, accelerators: 'A100:x'}\n", {"resources.accelerators"}),
     "cpus_bad": ("service: {}\nresources: {ports: 80, cpus: lots}\n", {"resources.cpus"}),
     "infra_with_cloud": ("service: {}\nresources: {ports: 80, infra: aws, cloud: aws}\n", {"resources.infra"}),

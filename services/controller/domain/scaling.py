@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from services.controller.domain import autoscaler
 from services.controller.domain import status as st
 
 
 @dataclasses.dataclass(frozen=True)
 class ScalePlan:
-    """What to do now: launch `launch` latest-version replicas and tear down `teardown` ids."""
+    """What to do now: launch `launch` latest-version replicas (plus `launch_ondemand` forced
+    on-demand ones, for spot fallback) and tear down `teardown` ids."""
 
     launch: int = 0
     teardown: tuple[int, ...] = ()
+    launch_ondemand: int = 0
 
 
 def plan(
@@ -23,6 +26,7 @@ def plan(
     latest_version: int,
     stopped: bool = False,
     blue_green: bool = False,
+    fallback: tuple[autoscaler.Policy, int] | None = None,
 ) -> ScalePlan:
     """Decide launches and scale-down victims for one service.
 
@@ -36,19 +40,30 @@ def plan(
         stopped: the stop rule fired for the latest version: launch nothing.
         blue_green: keep every old replica until the new version has `target` READY, then
             remove them all at once.
+        fallback: (policy, adopted target without overprovision) of a spot service with
+            on-demand fallback: the latest version runs the spot/on-demand mix it asks for.
     """
     live = [r for r in replicas if not st.is_terminal(r.status)]
     latest = [r for r in live if r.version == latest_version]
     old = [r for r in live if r.version != latest_version]
-    launch = 0 if stopped else max(target - len(latest), 0)
-    victims = st.scale_down_victims(latest, len(latest) - target)
+    launch_ondemand = 0
+    if fallback is None:
+        launch = max(target - len(latest), 0)
+        victims = st.scale_down_victims(latest, len(latest) - target)
+    else:
+        mix = autoscaler.fallback_plan(fallback[0], latest, target=fallback[1])
+        launch, launch_ondemand = mix.spot_launch, mix.ondemand_launch
+        by_id = {r.replica_id: r for r in latest}
+        victims = [by_id[i] for i in mix.victims]
+    if stopped:
+        launch = launch_ondemand = 0
     new_ready = sum(1 for r in latest if r.status is st.ReplicaStatus.READY)
     if blue_green:
         keep_old = len(old) if new_ready < target else 0
     else:
         keep_old = max(target - new_ready, 0)
     victims += st.scale_down_victims(old, len(old) - keep_old)
-    return ScalePlan(launch=launch, teardown=tuple(r.replica_id for r in victims))
+    return ScalePlan(launch=launch, teardown=tuple(r.replica_id for r in victims), launch_ondemand=launch_ondemand)
 
 
 def active_versions(

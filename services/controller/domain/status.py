@@ -180,6 +180,7 @@ class ReplicaView:
     version: int
     status: ReplicaStatus
     is_spot: bool = False
+    accelerator: str = ""
 
 
 def scale_down_victims(replicas: Iterable[ReplicaView], count: int) -> list[ReplicaView]:

@@ -608,10 +608,13 @@ class ReportLoadRequest(_message.Message):
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     REQUEST_TIMES_FIELD_NUMBER: _builtins.int
     REQUEST_COUNT_FIELD_NUMBER: _builtins.int
+    LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     request_count: _builtins.int
     """Requests since the last report without individual times, counted at report time."""
+    load_balancer_url: _builtins.str
+    """URL of the reporting load balancer, shown as the service's endpoint; empty to leave it."""
     @_builtins.property
     def request_times(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
         """Arrival times of requests since the last report."""
@@ -622,10 +625,11 @@ class ReportLoadRequest(_message.Message):
         service_name: _builtins.str = ...,
         request_times: _abc.Iterable[_timestamp_pb2.Timestamp] | None = ...,
         request_count: _builtins.int = ...,
+        load_balancer_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_count", b"request_count", "request_times", b"request_times", "service_name", b"service_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_balancer_url", b"load_balancer_url", "request_count", b"request_count", "request_times", b"request_times", "service_name", b"service_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

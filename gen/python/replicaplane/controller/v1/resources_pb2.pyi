@@ -251,6 +251,7 @@ class Service(_message.Message):
     UPDATE_MODE_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
+    LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The service name, `[a-z]([-a-z0-9]*[a-z0-9])?`, at most 63 characters."""
     status: Global___ServiceStatus.ValueType
@@ -272,6 +273,10 @@ class Service(_message.Message):
     uid: _builtins.str
     """Output only. Unique to this incarnation of the name: a service deleted and created again
     gets a new uid, and its replica names (`{name}-{replica_id}-{uid}`) never repeat old ones.
+    """
+    load_balancer_url: _builtins.str
+    """Output only. The URL of the load balancer that last reported load for this service, if any:
+    the service's one endpoint for clients.
     """
     @_builtins.property
     def active_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -311,10 +316,11 @@ class Service(_message.Message):
         update_mode: Global___UpdateMode.ValueType = ...,
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
         uid: _builtins.str = ...,
+        load_balancer_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "create_time", b"create_time", "endpoints", b"endpoints", "latest_version", b"latest_version", "name", b"name", "probing_stale", b"probing_stale", "ready_replicas", b"ready_replicas", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "create_time", b"create_time", "endpoints", b"endpoints", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "ready_replicas", b"ready_replicas", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

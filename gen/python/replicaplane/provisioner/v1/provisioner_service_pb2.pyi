@@ -592,3 +592,89 @@ class DeleteLogsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteLogsResponse: _TypeAlias = DeleteLogsResponse  # noqa: Y015
+
+@_typing.final
+class CheckSpecRequest(_message.Message):
+    """CheckSpecRequest asks whether a spec can run on this provisioner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spec(self) -> _spec_pb2.ServiceSpec:
+        """The spec to check."""
+
+    def __init__(
+        self,
+        *,
+        spec: _spec_pb2.ServiceSpec | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckSpecRequest: _TypeAlias = CheckSpecRequest  # noqa: Y015
+
+@_typing.final
+class CheckSpecResponse(_message.Message):
+    """CheckSpecResponse lists what cannot run; no problems means the spec can."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    ACCELERATORS_FIELD_NUMBER: _builtins.int
+    ACCELERATORS_LIMITED_FIELD_NUMBER: _builtins.int
+    accelerators_limited: _builtins.bool
+    """Whether only `accelerators` can be asked for."""
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecProblem]:
+        """One problem per spec field, named by its YAML path (`resources.accelerators`, `workdir`)."""
+
+    @_builtins.property
+    def accelerators(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Accelerators the backend offers as NAME:COUNT; empty with `accelerators_limited` false
+        when the backend places no limit (a cluster's nodes decide).
+        """
+
+    def __init__(
+        self,
+        *,
+        problems: _abc.Iterable[Global___SpecProblem] | None = ...,
+        accelerators: _abc.Iterable[_builtins.str] | None = ...,
+        accelerators_limited: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerators", b"accelerators", "accelerators_limited", b"accelerators_limited", "problems", b"problems"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckSpecResponse: _TypeAlias = CheckSpecResponse  # noqa: Y015
+
+@_typing.final
+class SpecProblem(_message.Message):
+    """SpecProblem is one spec field this provisioner cannot honour."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    """The YAML path of the field."""
+    description: _builtins.str
+    """Why, readable."""
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "field", b"field"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpecProblem: _TypeAlias = SpecProblem  # noqa: Y015

@@ -90,6 +90,11 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
                 _registered_method=True)
+        self.CheckSpec = channel.unary_unary(
+                '/replicaplane.provisioner.v1.ProvisionerService/CheckSpec',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecResponse.FromString,
+                _registered_method=True)
 
 
 class ProvisionerServiceServicer:
@@ -179,6 +184,14 @@ class ProvisionerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckSpec(self, request, context):
+        """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
+        workdir or file mount source it cannot find), so a service is refused before it launches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProvisionerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +249,11 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     servicer.DeleteLogs,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.SerializeToString,
+            ),
+            'CheckSpec': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckSpec,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -536,6 +554,33 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/DeleteLogs',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckSpec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/CheckSpec',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,10 @@ class ProvisionerServiceStub:
     deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
     are not there succeeds with `deleted` false.
     """
+    CheckSpec: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.CheckSpecRequest, _provisioner_service_pb2.CheckSpecResponse]
+    """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
+    workdir or file mount source it cannot find), so a service is refused before it launches.
+    """
 
 @_typing.type_check_only
 class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
@@ -102,6 +106,10 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     """Deletes the logs kept for a replica that is gone (its record was purged or its service
     deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
     are not there succeeds with `deleted` false.
+    """
+    CheckSpec: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.CheckSpecRequest, _provisioner_service_pb2.CheckSpecResponse]  # type: ignore[assignment]
+    """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
+    workdir or file mount source it cannot find), so a service is refused before it launches.
     """
 
 class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -203,6 +211,16 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Deletes the logs kept for a replica that is gone (its record was purged or its service
         deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
         are not there succeeds with `deleted` false.
+        """
+
+    @_abc_1.abstractmethod
+    def CheckSpec(
+        self,
+        request: _provisioner_service_pb2.CheckSpecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_provisioner_service_pb2.CheckSpecResponse, _abc.Awaitable[_provisioner_service_pb2.CheckSpecResponse]]:
+        """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
+        workdir or file mount source it cannot find), so a service is refused before it launches.
         """
 
 def add_ProvisionerServiceServicer_to_server(servicer: ProvisionerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

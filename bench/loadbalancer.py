@@ -1,0 +1,94 @@
+"""Load balancer benchmark: proxy overhead against going straight to a replica, and throughput.
+
+Run from the repo root: `python bench/loadbalancer.py`. Prints `figure: <name> <value> <unit>` lines.
+
+A real stack (controller, provisioner, prober) runs a service of two replicas of a small aiohttp
+app (tests/helpers/apps/lbapp.py) and a real balancer process follows it. Overhead: the same
+client sends small GETs, alternating straight to a replica and through the balancer, one at a
+time over kept-alive connections (BENCH_REQUESTS pairs); the figures are the differences of the
+p50 and p99 latencies. Throughput: BENCH_CONCURRENCY clients send GETs through the balancer for
+BENCH_MEASURE seconds; on a 2-core machine the balancer, both replicas and the client share them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "gen", "python")]
+
+import aiohttp  # noqa: E402
+
+from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E402
+from tests.helpers import balancer as lb  # noqa: E402
+from tests.helpers import cluster as cl  # noqa: E402
+
+REQUESTS = int(os.environ.get("BENCH_REQUESTS", "2000"))
+CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "32"))
+MEASURE_S = float(os.environ.get("BENCH_MEASURE", "5"))
+
+
+def pct(values: list[float], p: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1] if len(values) > 1 else values[0]
+
+
+async def timed_get(session: aiohttp.ClientSession, url: str) -> float:
+    start = time.perf_counter()
+    async with session.get(url) as resp:
+        await resp.read()
+        assert resp.status == 200, resp.status
+    return (time.perf_counter() - start) * 1000
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="rp-bench-lb-") as tmp:
+        c = cl.Cluster(tmp)
+        b = None
+        try:
+            await c.stub.CreateService(
+                api.CreateServiceRequest(yaml=lb.lb_app_yaml("bench", c.tag, replicas=2)), timeout=10
+            )
+            b = await lb.start(c.controller.addr, "bench", os.path.join(tmp, "lb"))
+            await b.until(lambda s: sum(r.ready for r in s.replicas) == 2, timeout=120)
+            direct = (await b.state()).replicas[0].url + "/whoami"
+            via = b.url + "/whoami"
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                for _ in range(200):  # warm up connections and code paths
+                    await timed_get(session, direct)
+                    await timed_get(session, via)
+                direct_ms, via_ms = [], []
+                for _ in range(REQUESTS):
+                    direct_ms.append(await timed_get(session, direct))
+                    via_ms.append(await timed_get(session, via))
+
+                done = 0
+                stop_at = time.monotonic() + MEASURE_S
+
+                async def worker() -> None:
+                    nonlocal done
+                    while time.monotonic() < stop_at:
+                        await timed_get(session, via)
+                        done += 1
+
+                start = time.monotonic()
+                await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+                rps = done / (time.monotonic() - start)
+            print(f"figure: direct_p50_ms {pct(direct_ms, 50):.2f} ms")
+            print(f"figure: via_balancer_p50_ms {pct(via_ms, 50):.2f} ms")
+            print(f"figure: proxy_overhead_p50_ms {pct(via_ms, 50) - pct(direct_ms, 50):.2f} ms")
+            print(f"figure: proxy_overhead_p99_ms {pct(via_ms, 99) - pct(direct_ms, 99):.2f} ms")
+            print(f"figure: proxy_rps {rps:.0f} requests/s ({CONCURRENCY} concurrent clients)")
+        finally:
+            if b is not None:
+                await b.close()
+            await c.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

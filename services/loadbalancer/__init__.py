@@ -1,0 +1,1 @@
+"""The load balancer: one HTTP endpoint per service, routed over its ready replicas."""

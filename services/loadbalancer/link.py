@@ -1,0 +1,189 @@
+"""The balancer's link to the controller: endpoints in (WatchEndpoints), load out (ReportLoad).
+
+Both loops outlive controller restarts: the watch reconnects with backoff and keeps the last known
+endpoint set meanwhile; load that could not be reported stays counted and goes with the next report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from replicaplane.controller.v1 import resources_pb2 as res
+from services.common import pbtime
+from services.loadbalancer import balancer as bal
+from services.loadbalancer import policies
+
+log = logging.getLogger(__name__)
+
+_POLICY_NAMES = {
+    spec_pb2.LOAD_BALANCING_POLICY_ROUND_ROBIN: policies.ROUND_ROBIN,
+    spec_pb2.LOAD_BALANCING_POLICY_LEAST_LOAD: policies.LEAST_LOAD,
+    spec_pb2.LOAD_BALANCING_POLICY_INSTANCE_AWARE_LEAST_LOAD: policies.INSTANCE_AWARE,
+}
+
+
+def config_of(service: res.Service) -> bal.Config:
+    """What the balancer takes from a service's (latest) spec."""
+    section = service.spec.service
+    stream = (
+        pbtime.seconds(section.load_balancer.stream_timeout)
+        if section.load_balancer.HasField("stream_timeout")
+        else 120.0
+    )
+    return bal.Config(
+        policy=_POLICY_NAMES.get(section.load_balancing_policy, policies.DEFAULT),
+        target_qps=dict(section.replica_policy.target_qps_per_accelerator),
+        scales_from_zero=section.replica_policy.min_replicas == 0,
+        stream_timeout_s=stream,
+    )
+
+
+def replicas_of(msg: api.WatchEndpointsResponse) -> list[policies.Replica]:
+    """The endpoint set as policy replicas."""
+    return [
+        policies.Replica(replica_id=e.replica_id, url=e.url, version=e.version, accelerator=e.accelerator or "unknown")
+        for e in msg.endpoints
+    ]
+
+
+class ControllerLink:
+    """Follows the service's endpoints and reports its load."""
+
+    def __init__(
+        self,
+        stub: api_grpc.ControllerServiceStub,
+        balancer: bal.Balancer,
+        *,
+        url: str,
+        report_interval_s: float,
+        heartbeat_s: float,
+        reconnect_max_s: float = 2.0,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        self.stub = stub
+        self.balancer = balancer
+        self.url = url
+        self.report_interval_s = report_interval_s
+        self.heartbeat_s = heartbeat_s
+        self.reconnect_max_s = reconnect_max_s
+        self.call_timeout_s = call_timeout_s
+        self.connected = False
+        self.last_qps = 0.0
+        self._report_now = asyncio.Event()
+        self._spec_version = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        balancer.on_held = self._report_now.set
+
+    def start(self) -> None:
+        """Start both loops."""
+        self._tasks = [
+            asyncio.create_task(self._watch_loop(), name="endpoint watch"),
+            asyncio.create_task(self._report_loop(), name="load reports"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop both loops, sending what is still unreported first (best effort)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+            await self.report_once(timeout=1.0)
+
+    # ---- endpoints ----------------------------------------------------------------------------
+
+    async def _refresh_config(self) -> None:
+        svc = (
+            await self.stub.GetService(api.GetServiceRequest(service_name=self.balancer.service_name), timeout=5.0)
+        ).service
+        self.balancer.configure(config_of(svc))
+        self._spec_version = svc.latest_version
+
+    async def _watch_loop(self) -> None:
+        delay = 0.1
+        name = self.balancer.service_name
+        while True:
+            try:
+                await self._refresh_config()
+                call = self.stub.WatchEndpoints(
+                    api.WatchEndpointsRequest(service_name=name, after_version=self.balancer.endpoints_version)
+                )
+                async for msg in call:
+                    if not self.connected:
+                        log.info("following the endpoints of service %s", name)
+                    self.connected = True
+                    delay = 0.1
+                    if msg.deleted:
+                        log.info("service %s was deleted; waiting for it to be created again", name)
+                        self.balancer.set_endpoints([], 0)
+                        break
+                    replicas = replicas_of(msg)
+                    if any(r.version > self._spec_version for r in replicas):
+                        await self._refresh_config()  # a new version may change the policy settings
+                    self.balancer.set_endpoints(replicas, msg.version)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    if self.balancer.policy.replicas:
+                        log.info("service %s does not exist (any more); no endpoints", name)
+                    self.balancer.set_endpoints([], 0)
+                elif self.connected:
+                    # Keep routing to the last known set while the controller is away.
+                    log.warning("endpoint watch of %s broke (%s); reconnecting", name, exc.code().name)
+            except Exception:
+                log.exception("endpoint watch of %s failed; reconnecting", name)
+            self.connected = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.reconnect_max_s)
+
+    # ---- load -----------------------------------------------------------------------------------
+
+    async def report_once(self, *, timeout: float) -> None:
+        """Send the arrivals since the last report; on failure they stay for the next one.
+
+        Raises:
+            grpc.aio.AioRpcError: the controller did not take the report.
+        """
+        times, count = self.balancer.take_report()
+        request = api.ReportLoadRequest(
+            service_name=self.balancer.service_name,
+            request_times=[pbtime.timestamp(t) for t in times],
+            request_count=count,
+            load_balancer_url=self.url,
+        )
+        try:
+            self.last_qps = (await self.stub.ReportLoad(request, timeout=timeout)).qps
+        except BaseException:
+            self.balancer.restore_report(times, count)
+            raise
+
+    async def _report_loop(self) -> None:
+        last_sent = 0.0
+        failing = False
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
+            self._report_now.clear()
+            now = time.monotonic()
+            if not self.balancer.unreported and now - last_sent < self.heartbeat_s:
+                continue  # nothing new; an empty report only every heartbeat, to keep the URL shown
+            try:
+                await self.report_once(timeout=self.call_timeout_s)
+                last_sent = now
+                if failing:
+                    log.info("load reports to the controller go through again")
+                failing = False
+            except grpc.aio.AioRpcError as exc:
+                if not failing:
+                    log.warning(
+                        "could not report load (%s); %d request(s) kept for the next report",
+                        exc.code().name,
+                        self.balancer.unreported,
+                    )
+                failing = True

@@ -1,0 +1,198 @@
+"""Composition root of the load balancer: settings, balancer, controller link, proxy, servers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from replicaplane.controller.v1 import controller_service_pb2_grpc
+from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
+from services.common import clients, config, errors, grpc_server, logs
+from services.loadbalancer import balancer as bal
+from services.loadbalancer import link as ctl_link
+from services.loadbalancer import policies, proxy, servicer
+
+SERVICE_NAME = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Load balancer settings; env REPLICAPLANE_LOADBALANCER_<FIELD> overrides each."""
+
+    service_name: str = ""
+    """The service this balancer serves (required): one balancer, one URL per service."""
+    http_addr: str = config.LOADBALANCER_HTTP_ADDR
+    """host:port of the proxied HTTP (or HTTPS) traffic; port 0 picks a free port."""
+    listen_addr: str = config.LOADBALANCER_ADDR
+    """host:port of the admin gRPC API and health checks; port 0 picks a free port."""
+    port_file: str = ""
+    """If set, the bound admin port is written here once serving (tests and scripts use port 0)."""
+    http_port_file: str = ""
+    """If set, the bound HTTP port is written here once serving."""
+    shutdown_grace_s: float = 3.0
+    """Seconds in-flight RPCs get on SIGTERM."""
+    controller_addr: str = config.CONTROLLER_ADDR
+    """Where the controller listens."""
+    advertise_url: str = ""
+    """The URL clients use, reported to the controller and shown as the service's endpoint;
+    empty derives it from `http_addr` (a wildcard host becomes 127.0.0.1)."""
+    policy: str = ""
+    """round_robin, least_load or instance_aware_least_load; empty takes the spec's (default least_load)."""
+    report_interval_s: float = 1.0
+    """How often received requests are reported to the controller (a held request at once)."""
+    report_heartbeat_s: float = 10.0
+    """An empty report goes at least this often, so the service keeps showing this balancer's URL."""
+    hold_timeout_s: float = 60.0
+    """How long a request to a service that scales from zero (`min_replicas: 0`) waits for a first
+    ready replica; 0 answers 503 at once."""
+    hold_max_requests: int = 1000
+    """Requests held at most; more get 503 at once."""
+    connect_timeout_s: float = 5.0
+    """Timeout of a connection to a replica."""
+    stream_timeout_s: float = 0.0
+    """Longest a response may take, headers to last byte; 0 takes the spec's
+    `service.load_balancer.stream_timeout_seconds` (default 120 s)."""
+    attempts: int = 3
+    """Tries per request; a try that cannot reach a replica moves to another one."""
+    retry_backoff_initial_s: float = 0.05
+    """Pause before the second try; doubled for each further one."""
+    retry_backoff_max_s: float = 1.0
+    """Longest pause between tries."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    tls_certfile: str = ""
+    """PEM certificate (chain): set it (and `tls_keyfile`) to serve HTTPS."""
+    tls_keyfile: str = ""
+    """PEM private key of `tls_certfile`."""
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from defaults, the config file and the environment.
+
+    Raises:
+        errors.ValidationError: a bad value, each naming its setting.
+    """
+    settings = config.load(Settings, "loadbalancer", **overrides)
+    violations = []
+    if not settings.service_name:
+        violations.append(errors.FieldViolation("loadbalancer.service_name", "required: the service to balance"))
+    if settings.policy and settings.policy not in policies.NAMES:
+        violations.append(
+            errors.FieldViolation("loadbalancer.policy", f"must be one of {', '.join(policies.NAMES)} or empty")
+        )
+    if settings.attempts < 1:
+        violations.append(errors.FieldViolation("loadbalancer.attempts", "must be >= 1"))
+    if settings.tls_keyfile and not settings.tls_certfile:
+        violations.append(errors.FieldViolation("loadbalancer.tls_certfile", "required with tls_keyfile"))
+    errors.require(violations, subject="loadbalancer settings")
+    return settings
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def advertised_url(settings: Settings, port: int) -> str:
+    """The URL reported to the controller."""
+    if settings.advertise_url:
+        return settings.advertise_url
+    host, _ = _split(settings.http_addr)
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    scheme = "https" if settings.tls_certfile else "http"
+    return f"{scheme}://{host}:{port}"
+
+
+@dataclasses.dataclass
+class Running:
+    """A started balancer: HTTP proxy, admin server and controller link."""
+
+    built: grpc_server.Built
+    balancer: bal.Balancer
+    link: ctl_link.ControllerLink
+    proxy: proxy.Proxy
+    runner: Any
+    http_port: int
+    channel: Any
+
+    @property
+    def url(self) -> str:
+        """The balancer's URL."""
+        return self.link.url
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop the admin server, the proxy and the link (reporting what is left)."""
+        await self.built.stop(grace)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop everything but the admin server."""
+        await proxy.stop_http(self.runner, self.proxy)
+        await self.link.stop()
+        await self.channel.close()
+
+
+async def start(settings: Settings, *, start_admin: bool = True) -> Running:
+    """Serve HTTP, follow the controller, and (unless told not to) start the admin server."""
+    balancer = bal.Balancer(
+        settings.service_name,
+        hold_timeout_s=settings.hold_timeout_s,
+        hold_max=settings.hold_max_requests,
+        policy_override=settings.policy,
+    )
+    px = proxy.Proxy(
+        balancer,
+        proxy.ProxySettings(
+            connect_timeout_s=settings.connect_timeout_s,
+            stream_timeout_s=settings.stream_timeout_s,
+            attempts=settings.attempts,
+            backoff_initial_s=settings.retry_backoff_initial_s,
+            backoff_max_s=settings.retry_backoff_max_s,
+            max_body_bytes=settings.max_body_bytes,
+        ),
+    )
+    host, port = _split(settings.http_addr)
+    runner, http_port = await proxy.start_http(
+        px, host, port, ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile)
+    )
+    if settings.http_port_file:
+        grpc_server.write_port_file(settings.http_port_file, http_port)
+    channel = clients.channel(settings.controller_addr)
+    link = ctl_link.ControllerLink(
+        controller_service_pb2_grpc.ControllerServiceStub(channel),
+        balancer,
+        url=advertised_url(settings, http_port),
+        report_interval_s=settings.report_interval_s,
+        heartbeat_s=settings.report_heartbeat_s,
+    )
+    link.start()
+    server = grpc_server.new_server(domain="loadbalancer.replicaplane")
+    loadbalancer_service_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
+        servicer.LoadBalancerServicer(balancer, link), server
+    )
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    if start_admin:
+        await built.start()
+    return Running(
+        built=built, balancer=balancer, link=link, proxy=px, runner=runner, http_port=http_port, channel=channel
+    )
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM."""
+    running = await start(settings, start_admin=False)
+    logging.getLogger(__name__).info(
+        "balancing service %s at %s (admin on port %d)", settings.service_name, running.url, running.built.port
+    )
+    await grpc_server.serve_until_signal(
+        running.built, grace=settings.shutdown_grace_s, port_file=settings.port_file, on_stop=[running.close]
+    )
+
+
+def main() -> None:
+    """Load settings, set up logging and serve."""
+    logs.setup("loadbalancer")
+    asyncio.run(serve(load_settings()))
