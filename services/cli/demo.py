@@ -46,15 +46,31 @@ def _stack(args: Sequence[str], env: dict[str, str], timeout: float) -> int:
     return done.returncode
 
 
+def _through_balancer(url: str, timeout: float = 15.0) -> str:
+    """The balancer's answer; it may answer 503 until it has the new service's endpoints (its
+    endpoint watch retries a service that did not exist yet every 2 s at most)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return json.dumps(json.loads(resp.read()))
+        except (OSError, ValueError) as exc:  # the replicas answered already; the balancer is extra
+            if time.monotonic() > deadline:
+                return f"the load balancer did not answer: {exc}"
+        time.sleep(0.25)
+
+
 def run(state_dir: str) -> int:
     """Run the demo; returns 0 when every step worked and nothing is left running."""
     started = time.monotonic()
-    controller, provisioner, prober = _free_ports(3)
+    controller, provisioner, prober, balancer, balancer_http = _free_ports(5)
     env = {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
         "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
         "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
     }
     addr = f"127.0.0.1:{controller}"
     _step(f"starting the local stack (controller at {addr}, state in {state_dir})")
@@ -79,6 +95,9 @@ def run(state_dir: str) -> int:
         _step(f"one request: GET {url}")
         with urllib.request.urlopen(url, timeout=10) as resp:
             print(json.dumps(json.loads(resp.read())), flush=True)
+        balanced = f"http://127.0.0.1:{balancer_http}/"
+        _step(f"and one through the stack's load balancer: GET {balanced}")
+        print(_through_balancer(balanced), flush=True)
         rc = 0
     except (OSError, grpc.RpcError, IndexError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)

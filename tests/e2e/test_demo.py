@@ -31,6 +31,7 @@ def test_demo_deploys_the_example_answers_a_request_and_leaves_nothing(tmp_path)
     assert "hello is READY (2/2 ready)" in out
     assert "NAME   VERSION  UPTIME  STATUS  REPLICAS  ENDPOINT" in out
     assert '"message": "hello from replica 1"' in out
+    assert "through the stack's load balancer" in out
     assert "services left: none" in out
     assert "demo finished in" in out
     assert processes_touching(str(tmp_path), []) == []
