@@ -358,6 +358,10 @@ async def test_delete_logs_removes_a_gone_replicas_kept_logs_and_only_those(stub
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.DeleteLogs(pb.DeleteLogsRequest(name=request.name))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # still running
+    for _ in range(100):  # RUNNING comes as the process starts: wait until the app wrote its line
+        if await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name))):
+            break
+        await asyncio.sleep(0.1)
     await client.collect(stub.Terminate(pb.TerminateRequest(name=request.name, keep_logs=True)))
     assert await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name)))  # kept
 
