@@ -1001,6 +1001,15 @@ class ServiceReconciler:
             delay = min(delay * 2, self._tuning.reconnect_max_s)
         log.warning("could not delete the logs of %s: the provisioner is unreachable", name)
 
+    async def _end_drain(self, name: str) -> None:
+        """Ask the provisioner again, without drain: it cuts the drain in progress short. The
+        teardown's own task follows the same teardown to its end."""
+        try:
+            async for _ in self._prov.Terminate(prov_pb.TerminateRequest(name=name), timeout=120):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            log.info("could not end the drain of %s early: %s", name, exc.code().name)
+
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
@@ -1069,6 +1078,9 @@ class ServiceReconciler:
             phase = r.facts.teardown_phase
             if rid in self._teardowns:
                 r.facts.purged = r.facts.purged or purge  # removed when it finishes, either way
+                if r.facts.drain.ToNanoseconds() > 0:
+                    # A drain in progress (scale-down, manual stop) ends now: down never drains.
+                    self._spawn(self._end_drain(r.replica_name), f"end drain of {r.replica_name}")
             elif phase == TP.TEARDOWN_PHASE_SUCCEEDED or (purge and phase == TP.TEARDOWN_PHASE_FAILED):
                 self._remove(rid)
             else:
