@@ -9,7 +9,7 @@ from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
-from services.common import clients, config, errors, grpc_server, logs
+from services.common import clients, config, errors, grpc_server, logs, security
 from services.loadbalancer import balancer as bal
 from services.loadbalancer import link as ctl_link
 from services.loadbalancer import policies, proxy, servicer
@@ -35,6 +35,8 @@ class Settings:
     """Seconds in-flight RPCs and proxied requests get on SIGTERM."""
     controller_addr: str = config.CONTROLLER_ADDR
     """Where the controller listens."""
+    controller_token: str = dataclasses.field(default="", repr=False)
+    """Bearer token for a controller that requires one; empty: REPLICAPLANE_API_TOKEN(_FILE)."""
     advertise_url: str = ""
     """The URL clients use, reported to the controller and shown as the service's endpoint;
     empty derives it from `http_addr` (a wildcard host becomes 127.0.0.1)."""
@@ -164,7 +166,8 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     )
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
-    channel = clients.channel(settings.controller_addr)
+    token = settings.controller_token or security.client_token()
+    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(token))
     link = ctl_link.ControllerLink(
         controller_service_pb2_grpc.ControllerServiceStub(channel),
         balancer,

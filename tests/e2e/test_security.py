@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +24,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import security
 from tests.e2e import test_stack
+from tests.helpers import balancer as lb
 from tests.helpers import certs
 from tests.helpers import cluster as cl
 
@@ -240,3 +242,24 @@ def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
     printed = up.stdout + up.stderr + down.stdout + down.stderr + test_stack.logs(state_dir)
     assert "hello" in printed
     assert token not in printed
+
+
+async def test_load_balancer_follows_a_token_guarded_controller(tmp_path) -> None:
+    token = f"tok-{uuid.uuid4().hex}"
+    cluster = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token}, api_token=token)
+    b = None
+    try:
+        yaml_text = lb.lb_app_yaml("fronted", cluster.tag, replicas=1)
+        await cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text), timeout=20)
+        b = await lb.start(cluster.controller.addr, "fronted", str(tmp_path / "lb"), controller_token=token)
+        await b.until(lambda s: sum(r.ready for r in s.replicas) == 1, timeout=60)
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
+            client.get(b.url + "/whoami") as resp,
+        ):
+            assert resp.status == 200
+        assert token not in b.process.log()
+    finally:
+        if b is not None:
+            await b.close()
+        await cluster.close()
