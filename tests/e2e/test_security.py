@@ -23,7 +23,7 @@ from replicaplane.prober.v1 import prober_service_pb2_grpc as prober_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import security
-from tests.e2e import test_stack
+from tests.e2e import test_replicactl, test_stack
 from tests.helpers import balancer as lb
 from tests.helpers import certs
 from tests.helpers import cluster as cl
@@ -263,3 +263,30 @@ async def test_load_balancer_follows_a_token_guarded_controller(tmp_path) -> Non
         if b is not None:
             await b.close()
         await cluster.close()
+
+
+async def test_replicactl_output_never_shows_probe_header_secrets(cluster: cl.Cluster, tmp_path) -> None:
+    secret = f"hdr-{uuid.uuid4().hex}"
+    probe = (
+        "    path: /health\n    initial_delay_seconds: 20\n    endpoint_probe_interval_seconds: 0.2\n"
+        f"    headers:\n      Authorization: Bearer {secret}\n      X-Api-Key: {secret}\n"
+    )
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(cl.app_yaml("clisecret", cluster.tag, replicas=1, probe=probe))
+    bigger = tmp_path / "svc2.yaml"
+    bigger.write_text(spec.read_text().replace("replicas: 1", "replicas: 2"))
+    addr = cluster.controller.addr
+    runs = [await test_replicactl.ctl(addr, "up", str(spec), "--wait", "--timeout", "60")]
+    for args in (
+        ("status",),
+        ("status", "clisecret", "--all"),
+        ("status", "clisecret", "--json"),
+        ("update", "clisecret", str(bigger), "--dry-run", "--json"),
+        ("update", "clisecret", str(tmp_path / "missing.yaml")),
+        ("logs", "clisecret", "--replica-id", "1", "--launch"),
+    ):
+        runs.append(await test_replicactl.ctl(addr, *args))
+    assert runs[0].returncode == 0, runs[0].stdout + runs[0].stderr
+    printed = "\n".join(r.stdout + r.stderr for r in runs)
+    assert "clisecret" in printed
+    assert secret not in printed
