@@ -259,7 +259,13 @@ def cmd_status(args: argparse.Namespace, client: Client, out: TextIO) -> int:
         services = [client.call("GetService", pb.GetServiceRequest(service_name=args.name)).service]
     else:
         services = client.services()
-    replicas = [r for s in services for r in client.replicas(s.name)]
+    replicas: list[res.Replica] = []
+    for svc in services:
+        try:
+            replicas += client.replicas(svc.name)
+        except CliError as exc:
+            if exc.code != NOT_FOUND or args.name:  # a service deleted since the listing is skipped
+                raise
     if args.json:
         print(render.to_json({"services": services, "replicas": replicas}), file=out)
         return OK

@@ -40,6 +40,26 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
 ]
 
 
-def channel(target: str, *, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to `target` (host:port, dns:///name:port, ipv4:a,b)."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + (extra_options or []))
+def channel(
+    target: str,
+    *,
+    extra_options: list[tuple[str, object]] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    server_name: str = "",
+    interceptors: list[grpc.aio.ClientInterceptor] | None = None,
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `target` (host:port, dns:///name:port, ipv4:a,b).
+
+    Args:
+        target: where to connect.
+        extra_options: channel options added to the shared ones.
+        credentials: TLS credentials; None means plaintext.
+        server_name: the name the server's certificate must carry, when it is not the target host.
+        interceptors: client interceptors, for example security.token_interceptors().
+    """
+    options = CHANNEL_OPTIONS + (extra_options or [])
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if server_name:
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

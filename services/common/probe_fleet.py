@@ -139,6 +139,7 @@ class ProbeFleet:
         liveness_timeout_s: a live stream with no message for this long is broken: probers
             send a heartbeat every HEARTBEAT_INTERVAL_S, so a prober that is frozen or cut
             off without a connection reset is noticed within this time, not keepalive's 40 s.
+        make_channel: opens the channel to one prober (TLS credentials go here).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class ProbeFleet:
         start_wait_s: float = 1.0,
         max_request_targets: int = 1000,
         liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
+        make_channel: Callable[[str], grpc.aio.Channel] = clients.channel,
     ) -> None:
         self._mode, self._names = parse_targets(targets)
         self._on_results = on_results
@@ -167,6 +169,7 @@ class ProbeFleet:
         self._start_wait_s = start_wait_s
         self._max_request_targets = max(1, max_request_targets)
         self._liveness_timeout_s = liveness_timeout_s
+        self._make_channel = make_channel
         self._targets: dict[str, pb.ProbeTarget] = {}
         self._assigned: dict[str, _Stream] = {}
         self._unassigned: set[str] = set()
@@ -392,7 +395,7 @@ class ProbeFleet:
         for addr in addresses:
             if addr in self._probers or self._stopping:
                 continue
-            channel = clients.channel(addr)
+            channel = self._make_channel(addr)
             streams = [_Stream(addr=addr, index=i) for i in range(self._streams_per_prober)]
             prober = _Prober(addr=addr, channel=channel, streams=streams)
             self._probers[addr] = prober

@@ -301,7 +301,22 @@ class ServiceReconciler:
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
+        svc.autoscaler.CopyFrom(self._autoscaler_status())
         return svc
+
+    def _autoscaler_status(self) -> res.AutoscalerStatus:
+        policy = self._policy()
+        out = res.AutoscalerStatus(
+            kind=policy.kind,
+            target_replicas=self._final_target(),
+            min_replicas=policy.min_replicas,
+            max_replicas=policy.max_replicas,
+            qps=self._qps(time.time()),
+            last_decision_reason=self._state.reason,
+        )
+        if self._state.decided_at:
+            out.last_decision_time.CopyFrom(pbtime.timestamp(self._state.decided_at))
+        return out
 
     def snapshot(self) -> api.WatchServiceResponse:
         """The whole service for a new watcher."""
@@ -340,6 +355,9 @@ class ServiceReconciler:
         if row is None:
             return
         self._row = row
+        # A rolled-back version number may come back with another spec: forget cached ones.
+        self._specs.clear()
+        self._policy_cache = (0, autoscaler.Policy())
         self._state_stored = self._db.get_autoscaler_state(self.name)
         self._state = _ScalerState.load_from(self._state_stored)
         self.replicas = {r.replica_id: r for r in self._db.list_replicas(self.name)}
@@ -983,6 +1001,15 @@ class ServiceReconciler:
             delay = min(delay * 2, self._tuning.reconnect_max_s)
         log.warning("could not delete the logs of %s: the provisioner is unreachable", name)
 
+    async def _end_drain(self, name: str) -> None:
+        """Ask the provisioner again, without drain: it cuts the drain in progress short. The
+        teardown's own task follows the same teardown to its end."""
+        try:
+            async for _ in self._prov.Terminate(prov_pb.TerminateRequest(name=name), timeout=120):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            log.info("could not end the drain of %s early: %s", name, exc.code().name)
+
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
@@ -1051,6 +1078,9 @@ class ServiceReconciler:
             phase = r.facts.teardown_phase
             if rid in self._teardowns:
                 r.facts.purged = r.facts.purged or purge  # removed when it finishes, either way
+                if r.facts.drain.ToNanoseconds() > 0:
+                    # A drain in progress (scale-down, manual stop) ends now: down never drains.
+                    self._spawn(self._end_drain(r.replica_name), f"end drain of {r.replica_name}")
             elif phase == TP.TEARDOWN_PHASE_SUCCEEDED or (purge and phase == TP.TEARDOWN_PHASE_FAILED):
                 self._remove(rid)
             else:

@@ -6,12 +6,20 @@ import asyncio
 import dataclasses
 from typing import Any
 
+import grpc
+
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import clients, config, grpc_server, logs, probe_fleet
+from services.common import audit, clients, config, grpc_server, logs, probe_fleet, security
 from services.controller import controller, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+
+# Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
+MUTATIONS = tuple(
+    f"/{SERVICE_NAME}/{m}"
+    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas")
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,26 @@ class Settings:
     """Decision cadence while the target is 0 (SkyPilot: 5 s)."""
     qps_window_s: float = 60.0
     """Load reports count toward QPS over this window (SkyPilot: 60 s)."""
+    prober_liveness_timeout_s: float = probe_fleet.DEFAULT_LIVENESS_TIMEOUT_S
+    """A prober stream silent this long counts as lost; with every prober lost, probing is
+    reported stale (and nothing is torn down for want of probes)."""
+    auth_token: str = dataclasses.field(default="", repr=False)
+    """If set, the public API requires `authorization: Bearer <token>` (health and reflection
+    stay open). Prefer the environment variable or auth_token_file to a config file."""
+    auth_token_file: str = ""
+    """File of accepted tokens, one a line as TOKEN or NAME:TOKEN; the name goes to the audit log."""
+    audit_log_file: str = ""
+    """If set, audit records of API mutations are appended here as JSON lines (they are always
+    logged on the replicaplane.audit logger too)."""
+    tls_cert_file: str = ""
+    """The controller's certificate (PEM), shown to the provisioner and probers when mTLS is on."""
+    tls_key_file: str = ""
+    """Private key of tls_cert_file (PEM)."""
+    tls_ca_file: str = ""
+    """CA (PEM) that signed the provisioner's and probers' certificates. Setting the three
+    tls_* files turns mTLS on toward the provisioner and probers."""
+    tls_server_name: str = ""
+    """Name the provisioner's and probers' certificates must carry, when not their address host."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -63,6 +91,7 @@ class Running:
     controller: controller.Controller
     fleet: probe_fleet.ProbeFleet
     db: store.Store
+    audit_file: audit.FileSink | None = None
 
     @property
     def port(self) -> int:
@@ -75,12 +104,31 @@ class Running:
         await self.controller.stop()
         await self.fleet.stop()
         self.db.close()
+        if self.audit_file is not None:
+            self.audit_file.close()
+
+
+def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor], audit.FileSink | None]:
+    """Audit outermost (it records refused calls too), then the token check."""
+    tokens = security.read_tokens(settings.auth_token, settings.auth_token_file)
+    sink = audit.FileSink(settings.audit_log_file) if settings.audit_log_file else None
+    chain: list[grpc.aio.ServerInterceptor] = [audit.AuditInterceptor(MUTATIONS, sink=sink)]
+    if tokens:
+        chain.append(security.TokenInterceptor(tokens))
+    return chain, sink
 
 
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
+    interceptors, audit_file = _interceptors(settings)
+    tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
+    credentials = tls.channel_credentials("controller") if tls.enabled else None
+
+    def make_channel(addr: str) -> grpc.aio.Channel:
+        return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
+
     db = store.Store.in_state_dir(settings.state_dir, busy_timeout_s=settings.store_busy_timeout_s)
-    channel = clients.channel(settings.provisioner_addr)
+    channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
         drain_s=settings.drain_s,
         probe_fast_interval_s=settings.probe_fast_interval_s,
@@ -95,6 +143,8 @@ async def start(settings: Settings) -> Running:
         settings.prober_addrs,
         on_results=lambda results: holder[0].on_probe_results(results),
         on_stale=lambda stale: holder[0].on_probe_stale(stale),
+        liveness_timeout_s=settings.prober_liveness_timeout_s,
+        make_channel=make_channel,
     )
     ctl = controller.Controller(
         db=db,
@@ -103,7 +153,7 @@ async def start(settings: Settings) -> Running:
         tuning=tuning,
     )
     holder.append(ctl)
-    server = grpc_server.new_server(domain="controller.replicaplane")
+    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors)
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
     # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
@@ -118,7 +168,7 @@ async def start(settings: Settings) -> Running:
     await ctl.start()
     await fleet.start()
     await built.start()
-    return Running(built=built, controller=ctl, fleet=fleet, db=db)
+    return Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
 
 
 async def serve(settings: Settings) -> None:

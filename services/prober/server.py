@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
-from services.common import config, grpc_server, logs, probe_fleet
+from services.common import config, grpc_server, logs, probe_fleet, security
 from services.prober import probing, servicer, streams
 
 SERVICE_NAME = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
@@ -52,6 +52,15 @@ class Settings:
     heartbeat_s: float = probe_fleet.HEARTBEAT_INTERVAL_S
     """An empty message is sent on a stream quiet for this long, so clients can tell a frozen
     prober from a quiet one."""
+    tls_cert_file: str = ""
+    """This server's certificate (PEM). Setting the three tls_* files turns mTLS on: callers
+    must show a certificate signed by tls_ca_file."""
+    tls_key_file: str = ""
+    """Private key of tls_cert_file (PEM)."""
+    tls_ca_file: str = ""
+    """CA (PEM) that signed the callers' certificates."""
+    tls_allowed_clients: str = "controller"
+    """With mTLS, the certificate names (CN or SAN) allowed to call; others get PERMISSION_DENIED."""
 
 
 @dataclasses.dataclass
@@ -100,11 +109,16 @@ async def build_server(settings: Settings) -> Built:
             max_targets=settings.max_targets_per_stream,
         ),
     )
-    server = grpc_server.new_server(domain="prober.replicaplane")
+    interceptors, credentials = security.internal_server(
+        "prober",
+        security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file),
+        settings.tls_allowed_clients,
+    )
+    server = grpc_server.new_server(domain="prober.replicaplane", interceptors=interceptors)
     prober_service_pb2_grpc.add_ProberServiceServicer_to_server(
         servicer.ProberServicer(engine, prober_id(settings), heartbeat_s=settings.heartbeat_s), server
     )
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials)
     return Built(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)}, engine=engine)
 
 

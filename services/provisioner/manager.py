@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import dataclasses
 import logging
 import re
@@ -68,6 +69,8 @@ class _Entry:
     keep_logs: bool = True
     launch_task: asyncio.Task[None] | None = None
     teardown_task: asyncio.Task[None] | None = None
+    # Set when a later Terminate asks for a shorter drain than the one in progress.
+    drain_cut: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     # App events that arrived before the launch recorded RUNNING, by backend token.
     pending: dict[str, backend_mod.BackendEvent] = dataclasses.field(default_factory=dict)
 
@@ -471,7 +474,9 @@ class Provisioner:
 
         A replica that does not exist yields one TERMINATED event. A call with
         `after_sequence` inside a finished, failed teardown replays its end; otherwise a new
-        teardown starts when none is in progress.
+        teardown starts when none is in progress. A call that attaches to a teardown still
+        draining with a shorter `drain_s` ends the drain early (a service deleted while one of
+        its replicas drains is torn down without waiting out the drain).
         """
         entry = self._entries.get(name)
         if entry is None:
@@ -483,6 +488,9 @@ class Provisioner:
             )
             return
         log_ = entry.teardown
+        if log_.active and drain_s < entry.drain_s:
+            entry.drain_s = max(0.0, drain_s)
+            entry.drain_cut.set()
         if not log_.active:
             last = log_.last
             replaying = last is not None and entry.teardown_start <= after_sequence < last.sequence
@@ -495,6 +503,7 @@ class Provisioner:
     def _start_teardown(self, entry: _Entry, *, drain_s: float, keep_logs: bool) -> None:
         entry.teardown_start = entry.teardown.last_sequence + 1
         entry.drain_s = max(0.0, drain_s)
+        entry.drain_cut = asyncio.Event()
         entry.keep_logs = keep_logs
         entry.teardown.set_active(True)
         entry.teardown_task = asyncio.get_running_loop().create_task(self._run_teardown(entry))
@@ -514,7 +523,8 @@ class Provisioner:
                     delay_s=entry.drain_s,
                     message=f"draining {entry.drain_s:g} s",
                 )
-                await asyncio.sleep(entry.drain_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(entry.drain_cut.wait(), entry.drain_s)
             if self._slots.would_wait(slots.TEARDOWN):
                 self._emit_teardown(
                     entry,

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
-from services.common import config, errors, grpc_server, logs
+from services.common import config, errors, grpc_server, logs, security
 from services.provisioner import addresses, capability, kube, kube_objects, local, logstore, manager, servicer, store
 from services.provisioner import backend as backend_mod
 from services.provisioner import zones as zone_config
@@ -118,6 +118,15 @@ class Settings:
     """A watch silent this long is treated as broken: relist and watch again."""
     kubernetes_port_annotation: str = ""
     """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
+    tls_cert_file: str = ""
+    """This server's certificate (PEM). Setting the three tls_* files turns mTLS on: callers
+    must show a certificate signed by tls_ca_file."""
+    tls_key_file: str = ""
+    """Private key of tls_cert_file (PEM)."""
+    tls_ca_file: str = ""
+    """CA (PEM) that signed the callers' certificates."""
+    tls_allowed_clients: str = "controller"
+    """With mTLS, the certificate names (CN or SAN) allowed to call; others get PERMISSION_DENIED."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -311,11 +320,16 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
     )
     await provisioner.start()
     try:
-        server = grpc_server.new_server(domain="provisioner.replicaplane")
+        interceptors, credentials = security.internal_server(
+            "provisioner",
+            security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file),
+            settings.tls_allowed_clients,
+        )
+        server = grpc_server.new_server(domain="provisioner.replicaplane", interceptors=interceptors)
         provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
             servicer.ProvisionerServicer(provisioner), server
         )
-        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials)
     except BaseException:
         await provisioner.close()
         raise

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc
-from services.common import clients, specfile, watchlines
+from services.common import clients, security, specfile, watchlines
 
 Out = Callable[[str], None]
 
@@ -28,14 +28,30 @@ spec_name = specfile.spec_name
 WatchPrinter = watchlines.WatchPrinter
 
 
-async def wait_serving(addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+def _health_channel(addr: str, tls: bool) -> grpc.aio.Channel:
+    credentials = security.client_tls() if tls else None
+    if credentials is None:
+        return grpc.aio.insecure_channel(addr)
+    return grpc.aio.secure_channel(addr, credentials)
+
+
+async def wait_serving(
+    addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True, tls: bool = False
+) -> None:
     """Wait until the gRPC health check of `service` at `addr` says SERVING.
+
+    Args:
+        addr: host:port.
+        service: the gRPC service name to check.
+        timeout: seconds to wait.
+        alive: false once the process is gone.
+        tls: check over mTLS with the credentials of security.client_tls().
 
     Raises:
         StackError: the process died (`alive()` is false) or `timeout` seconds passed.
     """
     deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with _health_channel(addr, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if not alive():
@@ -51,9 +67,9 @@ async def wait_serving(addr: str, service: str, *, timeout: float, alive: Callab
             await asyncio.sleep(0.1)
 
 
-async def check_health(addr: str, service: str = "", *, timeout: float = 3.0) -> bool:
+async def check_health(addr: str, service: str = "", *, timeout: float = 3.0, tls: bool = False) -> bool:
     """One health check: True when `service` ("" = the whole server) at `addr` is SERVING."""
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with _health_channel(addr, tls) as channel:
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -68,7 +84,8 @@ class Controller:
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
-        self._channel = clients.channel(addr)
+        # The token (if any) comes from the environment: security.client_token().
+        self._channel = clients.channel(addr, interceptors=security.token_interceptors(security.client_token()))
         self._stub = controller_service_pb2_grpc.ControllerServiceStub(self._channel)
 
     async def close(self) -> None:

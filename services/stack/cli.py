@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("addr")
     health.add_argument("--service", default="", help="service name to check; default the whole server")
     health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument(
+        "--tls",
+        action="store_true",
+        help="check over mTLS with the REPLICAPLANE_<SERVICE>_TLS_* files of the environment",
+    )
     return parser
 
 
@@ -100,5 +105,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         except KeyboardInterrupt:
             sys.exit(0)
     elif args.command == "health":
-        ok = asyncio.run(api.check_health(args.addr, args.service, timeout=args.timeout))
+        ok = asyncio.run(api.check_health(args.addr, args.service, timeout=args.timeout, tls=args.tls))
         sys.exit(0 if ok else 1)

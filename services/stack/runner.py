@@ -208,7 +208,9 @@ class Stack:
         for spec in self.specs:
             proc = self.procs[spec.name]
             alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
-            await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive)
+            var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
+            tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
+            await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
             self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
             if spec.url:
                 self.out(f"{spec.name}: {spec.env.get('REPLICAPLANE_LOADBALANCER_SERVICE_NAME', '')} at {spec.url}")

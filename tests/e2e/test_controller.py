@@ -260,3 +260,21 @@ async def test_specs_the_provisioner_cannot_run_are_refused_at_create(tmp_path) 
         assert not marker.exists()
     finally:
         await c.close()
+
+
+async def test_delete_during_a_drain_tears_down_without_waiting_out_the_drain(tmp_path) -> None:
+    # A 10-minute drain: the delete must not wait for it (spec.md section 9: down never drains),
+    # or `make down` gives up on the service and leaves its replica running.
+    c = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_DRAIN_S": "600"})
+    try:
+        await _create(c, cl.app_yaml("drained", c.tag, replicas=1))
+        w = cl.Watch(c.stub, "drained")
+        await w.until(lambda w: w.count(READY) == 1)
+        await c.stub.TerminateReplica(api.TerminateReplicaRequest(service_name="drained", replica_id=1))
+        await w.until(lambda w: w.replicas[1].status == res.REPLICA_STATUS_SHUTTING_DOWN)
+        await c.stub.DeleteService(api.DeleteServiceRequest(service_name="drained"))
+        await w.until(lambda w: w.deleted, timeout=60)
+        assert cl.replica_pids(c.tag) == []
+        w.cancel()
+    finally:
+        await c.close()

@@ -37,8 +37,8 @@ async def test_grpcurl_cookbook_commands_work_in_order(cluster: cl.Cluster) -> N
             method = "list" if target == "list" else "describe"
         seen.append(method)
         if method == "WatchService":
-            watched = watch_until_ready(command, addr)
-            assert "REPLICA_STATUS_STARTING" in watched
+            watched = watch_until_ready(command, addr)  # returns once 2 replicas are READY
+            assert '"snapshot": true' in watched
             continue
         out = run(command, addr)
         if method == "list":

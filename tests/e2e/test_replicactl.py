@@ -38,9 +38,9 @@ def write_bigger(v1: str, dest: pathlib.Path) -> None:
     dest.write_text(text.replace("../hello", EXAMPLES + "/hello"))
 
 
-def start_watch(addr: str, name: str) -> subprocess.Popen[str]:
+def start_cli(addr: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "--controller", addr, "watch", name],
+        [sys.executable, "-m", "services.cli", "--controller", addr, *args],
         cwd=procs.REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -90,6 +90,17 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     logs = await ctl(addr, "logs", "shop", "--replica-id", "1")
     assert logs.returncode == 0, logs.stderr
     assert "replica 1: serving on" in logs.stdout
+    follower = start_cli(addr, "logs", "shop", "--replica-id", "2", "--follow")
+    try:
+        first = await asyncio.to_thread(follower.stdout.readline)  # type: ignore[union-attr]
+        assert "replica 2: serving on" in first
+        await asyncio.to_thread(get, replicas[1]["endpoint"] + "/")  # logged by the app; probes ask /health
+        while '"GET / HTTP' not in (line := await asyncio.to_thread(follower.stdout.readline)):  # type: ignore[union-attr]
+            assert line, "the log stream ended"
+        assert follower.poll() is None  # still following
+    finally:
+        follower.kill()
+        follower.wait()
 
     # A change planned but not applied (a workdir means new replicas, so nothing is in place).
     bigger = tmp_path / "v1-bigger.yaml"
@@ -115,7 +126,7 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     assert why.returncode == 0, why.stderr
     assert "cannot start: missing config file /etc/shop/v2.conf" in why.stdout
 
-    watcher = start_watch(addr, "shop")
+    watcher = start_cli(addr, "watch", "shop")
     try:
         first = await asyncio.to_thread(watcher.stdout.readline)  # type: ignore[union-attr]
         down = await ctl(addr, "down", "shop", "--wait", "--timeout", "60")

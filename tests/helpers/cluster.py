@@ -15,6 +15,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
+from services.common import security
 from services.provisioner import procs as proc_env
 from tests.helpers import procs, provisioner_procs
 
@@ -97,8 +98,11 @@ class Cluster:
         probers: int = 1,
         provisioner_env: dict[str, str] | None = None,
         controller_env: dict[str, str] | None = None,
+        prober_env: dict[str, str] | None = None,
+        api_token: str = "",
     ) -> None:
         self.tmp = tmp
+        self.prober_env = prober_env or {}
         self.provisioner_state_dir = os.path.join(tmp, "prov")
         self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
         self.tag = uuid.uuid4().hex[:12]
@@ -110,7 +114,9 @@ class Cluster:
         self.provisioner = self._start_provisioner()
         self.probers = [self._start_prober(i) for i in range(probers)]
         self.controller = self._start_controller()
-        self.channel = grpc.aio.insecure_channel(self.controller.addr)
+        self.channel = grpc.aio.insecure_channel(
+            self.controller.addr, interceptors=security.token_interceptors(api_token)
+        )
         self.stub = api_grpc.ControllerServiceStub(self.channel)
 
     def _dir(self, name: str) -> str:
@@ -122,7 +128,7 @@ class Cluster:
         return procs.start_service("provisioner", env=self.provisioner_env, workdir=self._dir("provisioner"), port=port)
 
     def _start_prober(self, i: int, port: int = 0) -> procs.ServiceProcess:
-        return procs.start_service("prober", workdir=self._dir(f"prober{i}"), port=port)
+        return procs.start_service("prober", env=self.prober_env, workdir=self._dir(f"prober{i}"), port=port)
 
     def restart_provisioner(self, *, kill: bool = True) -> None:
         """Kill -9 (or SIGTERM) the provisioner and start it again on the same port."""

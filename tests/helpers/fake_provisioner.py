@@ -32,6 +32,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.hold_launches = False
         self.dead_endpoint = False
         self.launches: collections.Counter[str] = collections.Counter()
+        self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
         self.terminations: collections.Counter[str] = collections.Counter()
         self.running: dict[str, res.ProvisionedReplica] = {}
         self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
@@ -46,6 +47,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     async def Launch(
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
+        self.launch_times.setdefault(request.name, time.monotonic())
         replica = self.running.get(request.name)
         if replica is None and self.capacity_refused:
             self.launches[request.name] += 1

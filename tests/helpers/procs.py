@@ -56,7 +56,7 @@ def start_service(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     port: int = 0,
-    timeout: float = 15.0,
+    timeout: float = 45.0,
 ) -> ServiceProcess:
     """Start service `name` (controller, provisioner, prober) and wait until it serves.
 

@@ -46,12 +46,6 @@ run: serve
 """
 
 
-def live(w: cl.Watch) -> list[res.Replica]:
-    """Replicas not on their way out."""
-    gone = (res.REPLICA_STATUS_SHUTTING_DOWN, res.REPLICA_STATUS_PREEMPTED)
-    return [r for r in w.replicas.values() if r.status not in gone]
-
-
 @pytest.fixture
 async def env(tmp_path) -> AsyncIterator[tc.Env]:
     async with tc.started(tmp_path, **FAST) as e:
@@ -80,13 +74,20 @@ async def test_load_scales_up_after_the_delay_and_back_down(env: tc.Env) -> None
     await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=3))
     svc = (await env.stub.GetService(api.GetServiceRequest(service_name="auto"))).service
     assert svc.target_replicas == 1  # held for the upscale delay
+    a = svc.autoscaler
+    assert (a.kind, a.target_replicas, a.min_replicas, a.max_replicas) == ("request_rate", 1, 1, 3)
+    assert a.qps == pytest.approx(3.0)
+    assert a.last_decision_reason.startswith("scale up to 3 in ")
+    assert a.HasField("last_decision_time")
     await w.until(lambda w: w.service.target_replicas == 3)
     assert time.monotonic() - t0 >= 0.3
+    assert w.service.autoscaler.last_decision_reason == "scaled up from 1 to 3 after 0.3 s"
     await w.until(lambda w: w.count(READY) == 3)
     # The window empties after 1 s; the lower target holds for the downscale delay.
     await w.until(lambda w: w.service.target_replicas == 1, timeout=10)
     await w.until(lambda w: len(w.replicas) == 1 and w.count(READY) == 1)
     assert sorted(w.replicas) == [1]  # the newest went first
+    assert w.service.autoscaler.last_decision_reason == "scaled down from 3 to 1 after 0.6 s"
     w.cancel()
 
 
@@ -131,6 +132,7 @@ async def test_spot_with_base_fallback_runs_ondemand_beside_spot(env: tc.Env) ->
     w = await tc.create(env, yaml_text)
     await w.until(lambda w: w.count(READY) == 3)
     assert sorted(r.is_spot for r in w.replicas.values()) == [False, True, True]
+    assert w.service.autoscaler.kind == "fallback"
     w.cancel()
 
 
@@ -185,3 +187,22 @@ async def test_restart_resumes_the_autoscaler_without_churn(tmp_path) -> None:
             assert len(launches) == 3
         finally:
             await prober.stop(None)
+
+
+async def test_instance_aware_targets_per_accelerator_and_endpoints_name_it(env: tc.Env) -> None:
+    yaml_text = scaling_yaml(up=0).replace(
+        "    target_qps_per_replica: 1\n", "    target_qps_per_replica: {A100: 2, 'H100:1': 4}\n"
+    )
+    yaml_text = yaml_text.replace("service:\n", "service:\n  load_balancing_policy: instance_aware_least_load\n")
+    yaml_text = yaml_text.replace("  ports: 8080\n", "  ports: 8080\n  accelerators: A100:1\n")
+    w = await tc.create(env, yaml_text)
+    await w.until(lambda w: w.count(READY) == 1)
+    endpoints = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="auto"))
+    first = await anext(aiter(endpoints))
+    assert [(e.replica_id, e.accelerator) for e in first.endpoints] == [(1, "A100")]
+    endpoints.cancel()
+    assert w.service.autoscaler.kind == "instance_aware"
+    # 3 QPS over the 1 s window; one A100 serves 2: one more replica.
+    await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=3))
+    await w.until(lambda w: w.service.target_replicas == 2 and w.count(READY) == 2)
+    w.cancel()

@@ -156,6 +156,22 @@ async def test_terminate_with_drain_emits_the_drain_and_kills_the_group(stub, st
     assert client.types(again) == ["TERMINATED"]
 
 
+async def test_a_terminate_without_drain_cuts_a_drain_in_progress_short(stub, state_dir) -> None:
+    events = await _launch(stub, client.launch_request(1))
+    await client.wait_http(events[-1].endpoint)
+    draining = stub.Terminate(pb.TerminateRequest(name="svc-1", drain=client.duration(300)))
+    first = await draining.read()
+    assert client.types([first.event]) == ["DRAINING"]
+    # A service deleted while its replica drains: the second call ends the drain now.
+    now = await asyncio.wait_for(client.collect(stub.Terminate(pb.TerminateRequest(name="svc-1"))), 30)
+    assert client.types(now)[-1] == "TERMINATED"
+    rest = []
+    while (msg := await asyncio.wait_for(draining.read(), 30)) is not grpc.aio.EOF:
+        rest.append(msg.event)
+    assert client.types(rest)[-1] == "TERMINATED"
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+
+
 async def test_teardown_kills_apps_that_ignore_sigterm_and_strays_that_left_the_group(stub, state_dir) -> None:
     # The app ignores SIGTERM (SIGKILL after the 1 s grace); a child escaped into its own session.
     run = "trap '' TERM; setsid sleep 30 & sleep 30"
@@ -342,6 +358,10 @@ async def test_delete_logs_removes_a_gone_replicas_kept_logs_and_only_those(stub
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.DeleteLogs(pb.DeleteLogsRequest(name=request.name))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # still running
+    for _ in range(100):  # RUNNING comes as the process starts: wait until the app wrote its line
+        if await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name))):
+            break
+        await asyncio.sleep(0.1)
     await client.collect(stub.Terminate(pb.TerminateRequest(name=request.name, keep_logs=True)))
     assert await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name=request.name)))  # kept
 

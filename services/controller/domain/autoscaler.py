@@ -90,11 +90,6 @@ class Decision:
     next_in_s: float
     """Seconds until the next decision is due (the cadence, or sooner when a delay elapses)."""
 
-    @property
-    def adopted(self) -> bool:
-        """True when the decision holds no pending change."""
-        return self.state.upscale_since is None and self.state.downscale_since is None
-
 
 # ---- load ------------------------------------------------------------------------------------
 

@@ -252,6 +252,7 @@ class Service(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
+    AUTOSCALER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The service name, `[a-z]([-a-z0-9]*[a-z0-9])?`, at most 63 characters."""
     status: Global___ServiceStatus.ValueType
@@ -298,6 +299,10 @@ class Service(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
         """Output only. Endpoints of READY replicas of active versions."""
 
+    @_builtins.property
+    def autoscaler(self) -> Global___AutoscalerStatus:
+        """Output only. The autoscaler: its kind, target, bounds, the load it sees and its last decision."""
+
     def __init__(
         self,
         *,
@@ -317,10 +322,11 @@ class Service(_message.Message):
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
         uid: _builtins.str = ...,
         load_balancer_url: _builtins.str = ...,
+        autoscaler: Global___AutoscalerStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "create_time", b"create_time", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "create_time", b"create_time", "endpoints", b"endpoints", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "ready_replicas", b"ready_replicas", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "autoscaler", b"autoscaler", "create_time", b"create_time", "endpoints", b"endpoints", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "ready_replicas", b"ready_replicas", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -577,3 +583,55 @@ class UpdatePlan(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdatePlan: _TypeAlias = UpdatePlan  # noqa: Y015
+
+@_typing.final
+class AutoscalerStatus(_message.Message):
+    """AutoscalerStatus shows how a service's autoscaler sees it, for operators."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    TARGET_REPLICAS_FIELD_NUMBER: _builtins.int
+    MIN_REPLICAS_FIELD_NUMBER: _builtins.int
+    MAX_REPLICAS_FIELD_NUMBER: _builtins.int
+    QPS_FIELD_NUMBER: _builtins.int
+    LAST_DECISION_REASON_FIELD_NUMBER: _builtins.int
+    LAST_DECISION_TIME_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """Which autoscaler the spec selects, in SkyPilot's order: `fallback` (spot with on-demand
+    fallback), `instance_aware` (per-accelerator QPS targets), `request_rate` or `fixed`.
+    """
+    target_replicas: _builtins.int
+    """The replica count aimed for, overprovision included."""
+    min_replicas: _builtins.int
+    """The policy's lowest replica count."""
+    max_replicas: _builtins.int
+    """The policy's highest replica count."""
+    qps: _builtins.float
+    """Requests per second over the load window."""
+    last_decision_reason: _builtins.str
+    """Why the last decision that changed anything was made, for example
+    "scale up to 3 in 120 s unless the load changes" or "scaled down from 3 to 1 after 1200 s".
+    """
+    @_builtins.property
+    def last_decision_time(self) -> _timestamp_pb2.Timestamp:
+        """When that decision was made; unset before the first."""
+
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        target_replicas: _builtins.int = ...,
+        min_replicas: _builtins.int = ...,
+        max_replicas: _builtins.int = ...,
+        qps: _builtins.float = ...,
+        last_decision_reason: _builtins.str = ...,
+        last_decision_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_decision_time", b"last_decision_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "last_decision_reason", b"last_decision_reason", "last_decision_time", b"last_decision_time", "max_replicas", b"max_replicas", "min_replicas", b"min_replicas", "qps", b"qps", "target_replicas", b"target_replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AutoscalerStatus: _TypeAlias = AutoscalerStatus  # noqa: Y015

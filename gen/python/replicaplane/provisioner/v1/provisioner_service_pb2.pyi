@@ -122,7 +122,9 @@ class TerminateRequest(_message.Message):
     """When attaching to a teardown in progress, replay only events after this sequence number."""
     @_builtins.property
     def drain(self) -> _duration_pb2.Duration:
-        """How long to wait before terminating, so in-flight requests finish."""
+        """How long to wait before terminating, so in-flight requests finish. A call that attaches
+        to a teardown still draining with a shorter drain shortens it (zero ends it now).
+        """
 
     def __init__(
         self,
