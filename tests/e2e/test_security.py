@@ -8,6 +8,8 @@ import glob
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import aiohttp
@@ -233,6 +235,17 @@ def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
                     break
                 time.sleep(0.25)
             assert svc.ready_replicas == 2, test_stack.logs(state_dir)
+        # The stack's balancer reaches the controller with the same token.
+        balancer = f"http://{env['REPLICAPLANE_LOADBALANCER_HTTP_ADDR']}/"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(balancer, timeout=10) as resp:
+                    assert resp.status == 200
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline, test_stack.logs(state_dir)
+                time.sleep(0.2)
         prov = addrs["provisioner"].replace("0.0.0.0", "127.0.0.1")
         assert test_stack.stack("health", prov, "--tls", env=env, timeout=30).returncode == 0
         assert test_stack.stack("health", prov, "--timeout", "1", env=env, timeout=30).returncode == 1
@@ -251,7 +264,7 @@ async def test_load_balancer_follows_a_token_guarded_controller(tmp_path) -> Non
     try:
         yaml_text = lb.lb_app_yaml("fronted", cluster.tag, replicas=1)
         await cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text), timeout=20)
-        b = await lb.start(cluster.controller.addr, "fronted", str(tmp_path / "lb"), controller_token=token)
+        b = await lb.start(cluster.controller.addr, "fronted", str(tmp_path / "lb"), api_token=token)
         await b.until(lambda s: sum(r.ready for r in s.replicas) == 1, timeout=60)
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
