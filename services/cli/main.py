@@ -14,6 +14,7 @@ Exit codes (also in docs/cli.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -283,7 +284,10 @@ def cmd_status(args: argparse.Namespace, client: Client, out: TextIO) -> int:
         print("No services.", file=out)
         return OK
     tty = out.isatty()
-    width = os.get_terminal_size(out.fileno()).columns if tty else 160
+    width = 160
+    if tty:
+        with contextlib.suppress(OSError, ValueError):
+            width = os.get_terminal_size(out.fileno()).columns or width
     out.write(render.status_text(services, replicas, tty=tty, show_all=args.all, width=width))
     return OK
 
