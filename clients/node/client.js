@@ -50,9 +50,16 @@ function fail(message, code) {
   process.exit(code);
 }
 
+// The bearer token of a controller that requires one: $REPLICAPLANE_API_TOKEN (never printed).
+function metadata() {
+  const md = new grpc.Metadata();
+  if (process.env.REPLICAPLANE_API_TOKEN) md.set("authorization", `Bearer ${process.env.REPLICAPLANE_API_TOKEN}`);
+  return md;
+}
+
 function list(client, opts) {
   const deadline = new Date(Date.now() + 10000);
-  client.ListServices({ page_size: 1000 }, { deadline }, (err, resp) => {
+  client.ListServices({ page_size: 1000 }, metadata(), { deadline }, (err, resp) => {
     if (err) fail(`${grpc.status[err.code]}: ${err.details}`, 1);
     for (const svc of resp.services) {
       const line = {
@@ -71,7 +78,7 @@ function list(client, opts) {
 function watch(client, opts, name) {
   if (!name) fail("watch needs a service name", 2);
   const ready = new Map(); // replica id -> status, kept up to date from snapshots and changes
-  const call = client.WatchService({ service_name: name, after_sequence: 0 });
+  const call = client.WatchService({ service_name: name, after_sequence: 0 }, metadata());
   const timer = setTimeout(() => {
     call.cancel();
     fail(`gave up after ${opts.timeout} s`, 5);

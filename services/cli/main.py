@@ -7,12 +7,14 @@ Exit codes (also in docs/cli.md):
     3  not found: no such service or replica
     4  the controller could not be reached
     5  --wait gave up after --timeout seconds
+    6  not authorized: no token, a wrong one, or one the controller does not accept
     130 interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -26,9 +28,9 @@ from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc as pb_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import render
-from services.common import config, grpc_errors, specfile, watchlines
+from services.common import config, grpc_errors, security, specfile, watchlines
 
-OK, REFUSED, BAD_INPUT, NOT_FOUND, UNREACHABLE, TIMED_OUT, INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
+OK, REFUSED, BAD_INPUT, NOT_FOUND, UNREACHABLE, TIMED_OUT, UNAUTHORIZED, INTERRUPTED = 0, 1, 2, 3, 4, 5, 6, 130
 
 ENV_CONTROLLER = "REPLICAPLANE_CONTROLLER"
 
@@ -37,6 +39,8 @@ _CODE_EXIT = {
     grpc.StatusCode.NOT_FOUND: NOT_FOUND,
     grpc.StatusCode.UNAVAILABLE: UNREACHABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: UNREACHABLE,
+    grpc.StatusCode.UNAUTHENTICATED: UNAUTHORIZED,
+    grpc.StatusCode.PERMISSION_DENIED: UNAUTHORIZED,
 }
 _FAILED_SERVICE = {
     res.SERVICE_STATUS_FAILED,
@@ -59,6 +63,9 @@ def _rpc_error(err: grpc.RpcError, *, controller: str) -> CliError:
     code = _CODE_EXIT.get(decoded.code, REFUSED)
     if code == UNREACHABLE:
         return CliError(f"error: cannot reach the controller at {controller} ({decoded.code.name})", code)
+    if code == UNAUTHORIZED:
+        hint = f"set {security.CLIENT_TOKEN_ENV} or {security.CLIENT_TOKEN_FILE_ENV}"
+        return CliError(f"error: the controller refused the call ({decoded.code.name}): {hint}", code)
     return CliError(render.error_line(decoded.code.name, decoded.message, decoded.field_violations), code)
 
 
@@ -132,9 +139,11 @@ def parser() -> argparse.ArgumentParser:
 class Client:
     """One channel to the controller and the calls replicactl makes."""
 
-    def __init__(self, addr: str, rpc_timeout: float) -> None:
+    def __init__(self, addr: str, rpc_timeout: float, token: str = "") -> None:
         self.addr = addr
         self.timeout = rpc_timeout
+        # The bearer token of a controller that requires one (never printed).
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(addr)
         self.stub = pb_grpc.ControllerServiceStub(self._channel)
 
@@ -145,14 +154,14 @@ class Client:
     def call(self, method: str, request: Any) -> Any:
         """A unary call with the timeout; errors become CliError."""
         try:
-            return getattr(self.stub, method)(request, timeout=self.timeout)
+            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise _rpc_error(err, controller=self.addr) from None
 
     def stream(self, method: str, request: Any) -> Iterator[Any]:
         """A server stream; errors become CliError."""
         try:
-            yield from getattr(self.stub, method)(request)
+            yield from getattr(self.stub, method)(request, metadata=self.metadata)
         except grpc.RpcError as err:
             raise _rpc_error(err, controller=self.addr) from None
 
@@ -209,7 +218,9 @@ def wait_for(
     """Print the service's changes until `done(service)`; fail if it fails or time runs out."""
     printer = watchlines.WatchPrinter()
     deadline = time.monotonic() + timeout
-    call = client.stub.WatchService(pb.WatchServiceRequest(service_name=name), timeout=timeout)
+    call = client.stub.WatchService(
+        pb.WatchServiceRequest(service_name=name), timeout=timeout, metadata=client.metadata
+    )
     try:
         for msg in call:
             for line in printer.lines(msg):
@@ -273,7 +284,10 @@ def cmd_status(args: argparse.Namespace, client: Client, out: TextIO) -> int:
         print("No services.", file=out)
         return OK
     tty = out.isatty()
-    width = os.get_terminal_size(out.fileno()).columns if tty else 160
+    width = 160
+    if tty:
+        with contextlib.suppress(OSError, ValueError):
+            width = os.get_terminal_size(out.fileno()).columns or width
     out.write(render.status_text(services, replicas, tty=tty, show_all=args.all, width=width))
     return OK
 
@@ -392,7 +406,12 @@ def run(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: Te
     args = parser().parse_args(argv)
     if args.command == "stack":
         cmd_stack(args)
-    client = Client(args.controller, args.rpc_timeout)
+    try:
+        token = security.client_token()
+    except OSError as exc:
+        print(f"error: cannot read the API token file: {exc.strerror}", file=err)
+        return BAD_INPUT
+    client = Client(args.controller, args.rpc_timeout, token)
     try:
         return _COMMANDS[args.command](args, client, out)
     except CliError as exc:

@@ -119,6 +119,19 @@ def replica_row(r: res.Replica, now: float, *, extra: bool = False) -> tuple[str
     return row
 
 
+def autoscaler_line(svc: res.Service) -> str:
+    """`hello: autoscaler request_rate: target 2 (1..3), 1.50 qps; <last decision>`, or "" when
+    the controller sends no autoscaler status."""
+    if "autoscaler" not in svc.DESCRIPTOR.fields_by_name or not _has(svc, "autoscaler"):
+        return ""
+    a = svc.autoscaler
+    line = f"{svc.name}: autoscaler {a.kind or '-'}: target {a.target_replicas} ({a.min_replicas}..{a.max_replicas})"
+    line += f", {a.qps:.2f} qps"
+    if a.last_decision_reason:
+        line += f"; {a.last_decision_reason}"
+    return line
+
+
 def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Columns padded to their widest cell, two spaces apart; no trailing spaces."""
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
@@ -183,6 +196,8 @@ def status_text(
         if s.status_message and (show_all or s.status != res.SERVICE_STATUS_READY)
     ]
     stale = [f"{s.name}: probing is stale (no prober answered recently)" for s in services if s.probing_stale]
+    if show_all:
+        messages += [line for s in services if (line := autoscaler_line(s))]
     if messages or stale:
         out += "\n" + "\n".join(messages + stale) + "\n"
     headers = REPLICA_HEADERS + (REPLICA_EXTRA_HEADERS if show_all else ())

@@ -93,3 +93,28 @@ async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster
     missing = await asyncio.to_thread(run_node, node, "--controller", addr, "watch", "nope")
     assert missing.returncode == 3
     assert missing.stderr.startswith("error: NOT_FOUND")
+
+
+async def test_node_client_sends_the_api_token(node: str, tmp_path) -> None:
+    token = "node-token-0123456789abcdef"
+    c = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token}, api_token=token)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
+
+        def run(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [node, "client.js", "--controller", c.controller.addr, "list"],
+                cwd=NODE_DIR,
+                env={**env, **extra},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+
+        refused = await asyncio.to_thread(run, {})
+        assert refused.returncode == 1 and refused.stderr.startswith("error: UNAUTHENTICATED")
+        allowed = await asyncio.to_thread(run, {"REPLICAPLANE_API_TOKEN": token})
+        assert (allowed.returncode, allowed.stdout) == (0, "")
+    finally:
+        await c.close()

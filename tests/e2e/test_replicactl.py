@@ -191,3 +191,28 @@ def test_replicactl_stack_up_and_down(tmp_path) -> None:
         down = run("stack", "down", "--state-dir", state)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "services left: none" in down.stdout and "stack stopped" in down.stdout
+
+
+async def test_replicactl_sends_the_api_token_and_says_when_it_is_refused(tmp_path) -> None:
+    token = "cli-token-0123456789abcdef"
+    c = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token}, api_token=token)
+    try:
+        base = [sys.executable, "-m", "services.cli", "--controller", c.controller.addr, "status"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
+
+        def run(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                base, cwd=procs.REPO, env={**env, **extra_env}, capture_output=True, text=True, timeout=60
+            )
+
+        refused = await asyncio.to_thread(run, {})
+        assert refused.returncode == 6
+        assert refused.stderr.startswith("error: the controller refused the call (UNAUTHENTICATED)")
+        wrong = await asyncio.to_thread(run, {"REPLICAPLANE_API_TOKEN": "not-the-token-at-all"})
+        assert wrong.returncode == 6 and "not-the-token" not in wrong.stderr
+        token_file = tmp_path / "token"
+        token_file.write_text(f"me:{token}\n")
+        allowed = await asyncio.to_thread(run, {"REPLICAPLANE_API_TOKEN_FILE": str(token_file)})
+        assert (allowed.returncode, allowed.stdout.strip()) == (0, "No services.")
+    finally:
+        await c.close()

@@ -163,3 +163,18 @@ def test_every_example_is_a_valid_spec_with_a_workdir_that_exists(path: str) -> 
     parsed = spec.parse(text, require_name=True)
     assert os.path.isfile(os.path.join(REPO, "examples", "hello", "app.py"))
     assert parsed is not None
+
+
+def test_all_adds_the_autoscaler_status() -> None:
+    svc = service()
+    svc.autoscaler.kind = "request_rate"
+    svc.autoscaler.target_replicas = 2
+    svc.autoscaler.min_replicas = 1
+    svc.autoscaler.max_replicas = 3
+    svc.autoscaler.qps = 1.5
+    svc.autoscaler.last_decision_reason = "scale up to 2 in 5 s unless the load changes"
+    line = "hello: autoscaler request_rate: target 2 (1..3), 1.50 qps; scale up to 2 in 5 s unless the load changes"
+    assert render.autoscaler_line(svc) == line
+    assert line in render.status_text([svc], [], tty=False, show_all=True, now=NOW)
+    assert "autoscaler" not in render.status_text([svc], [], tty=False, now=NOW)
+    assert render.autoscaler_line(service()) == ""
