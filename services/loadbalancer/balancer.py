@@ -39,12 +39,14 @@ class Balancer:
         *,
         hold_timeout_s: float,
         hold_max: int,
+        startup_wait_s: float = 0.0,
         policy_override: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.service_name = service_name
         self.hold_timeout_s = hold_timeout_s
         self.hold_max = hold_max
+        self.startup_wait_s = startup_wait_s
         self.policy_override = policy_override
         self.in_flight = policies.InFlight()
         self.config = Config()
@@ -56,6 +58,7 @@ class Balancer:
         self.on_held: Callable[[], None] = lambda: None
         self._clock = clock
         self._ready = asyncio.Event()
+        self._synced = asyncio.Event()  # set by the first endpoint set from the controller
 
     # ---- configuration and endpoints -------------------------------------------------------
 
@@ -74,6 +77,7 @@ class Balancer:
         """Replace the ready set with the controller's latest one."""
         self.policy.set_replicas(replicas)
         self.endpoints_version = version
+        self._synced.set()
         if self.policy.replicas:
             self._ready.set()
         else:
@@ -105,6 +109,13 @@ class Balancer:
             NoReplicaError: none is ready (and none became ready while held).
         """
         replica = self.policy.select(exclude)
+        if replica is None and not self._synced.is_set() and self.startup_wait_s > 0:
+            # Just started: the first endpoint set is on its way; a 503 now would be spurious.
+            try:
+                await asyncio.wait_for(self._synced.wait(), self.startup_wait_s)
+            except TimeoutError:
+                pass
+            replica = self.policy.select(exclude)
         if replica is None and self.config.scales_from_zero and self.hold_timeout_s > 0:
             replica = await self._hold(exclude)
         if replica is None:

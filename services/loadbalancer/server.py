@@ -55,6 +55,9 @@ class Settings:
     ready replica; 0 answers 503 at once."""
     hold_max_requests: int = 1000
     """Requests held at most; more get 503 at once."""
+    startup_wait_s: float = 5.0
+    """Until the first endpoint set arrives from the controller, a request that finds no replica
+    waits up to this long for it instead of getting 503 at once."""
     connect_timeout_s: float = 5.0
     """Timeout of a connection to a replica."""
     stream_timeout_s: float = 0.0
@@ -156,6 +159,7 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
         settings.service_name,
         hold_timeout_s=settings.hold_timeout_s,
         hold_max=settings.hold_max_requests,
+        startup_wait_s=settings.startup_wait_s,
         policy_override=settings.policy,
     )
     px = proxy.Proxy(

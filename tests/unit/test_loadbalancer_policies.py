@@ -192,3 +192,21 @@ def test_configure_switches_policy_and_keeps_the_ready_set() -> None:
     pinned = bal.Balancer("web", hold_timeout_s=0, hold_max=1, policy_override="round_robin")
     pinned.configure(bal.Config(policy="least_load"))
     assert pinned.policy.name == "round_robin"
+
+
+async def test_a_request_right_after_start_waits_for_the_first_endpoint_set() -> None:
+    b = bal.Balancer("web", hold_timeout_s=0, hold_max=1, startup_wait_s=5.0)
+    task = asyncio.create_task(b.pick())
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    b.set_endpoints(replicas(3), version=1)
+    assert (await asyncio.wait_for(task, 2)).replica_id == 3
+    b.set_endpoints([], version=2)  # synced: no replica now means 503 at once
+    with pytest.raises(bal.NoReplicaError):
+        await asyncio.wait_for(b.pick(), 1)
+
+
+async def test_startup_wait_is_bounded() -> None:
+    b = bal.Balancer("web", hold_timeout_s=0, hold_max=1, startup_wait_s=0.1)
+    with pytest.raises(bal.NoReplicaError, match="no ready replica"):
+        await b.pick()
