@@ -41,6 +41,8 @@ CLEAN_CODES = frozenset(
     }
 )
 BASE = "base"
+# Probe header value planted in every base spec: no answer or error may show it.
+SECRET = "fuzz-secret"
 BASE_YAML = """\
 name: base
 service:
@@ -348,6 +350,9 @@ def check(stub: api_grpc.ControllerServiceStub, method: str, request: Any, outco
     except grpc.RpcError as err:
         code = err.code()  # type: ignore[attr-defined]
         outcome.codes[code.name] = outcome.codes.get(code.name, 0) + 1
+        said = f"{err.details()} {err.trailing_metadata()}"  # type: ignore[attr-defined]
+        if SECRET in said:
+            return f"{method}: {code.name} error shows a probe header secret"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and method.startswith("Watch"):
             return None  # a watch with nothing to say yet
         if code not in CLEAN_CODES:
@@ -358,6 +363,8 @@ def check(stub: api_grpc.ControllerServiceStub, method: str, request: Any, outco
             return f"{method}: failed with {code.name} but changed state"
         return None
     outcome.codes["OK"] = outcome.codes.get("OK", 0) + 1
+    if SECRET in str(reply):
+        return f"{method}: the answer shows a probe header secret"
     if method == "CreateService" and reply is not None and reply.service.name != BASE:
         with contextlib.suppress(grpc.RpcError):
             stub.DeleteService(api.DeleteServiceRequest(service_name=reply.service.name, purge=True), timeout=30)
