@@ -109,6 +109,7 @@ class ControllerLink:
     async def _watch_loop(self) -> None:
         delay = 0.1
         name = self.balancer.service_name
+        last_code: grpc.StatusCode | None = None
         while True:
             try:
                 await self._refresh_config()
@@ -133,9 +134,10 @@ class ControllerLink:
                     if self.balancer.policy.replicas:
                         log.info("service %s does not exist (any more); no endpoints", name)
                     self.balancer.set_endpoints([], 0)
-                elif self.connected:
+                elif self.connected or exc.code() != last_code:
                     # Keep routing to the last known set while the controller is away.
-                    log.warning("endpoint watch of %s broke (%s); reconnecting", name, exc.code().name)
+                    log.warning("endpoint watch of %s failed (%s); retrying", name, exc.code().name)
+                last_code = exc.code()
             except Exception:
                 log.exception("endpoint watch of %s failed; reconnecting", name)
             self.connected = False

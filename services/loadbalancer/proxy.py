@@ -164,8 +164,9 @@ class Proxy:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # Headers are out: all that is left is to cut the client's connection too.
-                log.info("replica %d broke off a response: %s", replica.replica_id, exc)
+                # The replica or the client broke off after the headers went out: all that is left
+                # is to cut both connections.
+                log.info("response from replica %d not completed: %s", replica.replica_id, exc)
                 if request.transport is not None:
                     request.transport.close()
                 return resp

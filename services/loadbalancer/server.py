@@ -9,7 +9,7 @@ from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
-from services.common import clients, config, errors, grpc_server, logs
+from services.common import clients, config, errors, grpc_server, logs, security
 from services.loadbalancer import balancer as bal
 from services.loadbalancer import link as ctl_link
 from services.loadbalancer import policies, proxy, servicer
@@ -35,6 +35,12 @@ class Settings:
     """Seconds in-flight RPCs and proxied requests get on SIGTERM."""
     controller_addr: str = config.CONTROLLER_ADDR
     """Where the controller listens."""
+    api_token: str = dataclasses.field(default="", repr=False)
+    """Bearer token for the controller's API, when it requires one. Empty falls back to
+    api_token_file, then to $REPLICAPLANE_API_TOKEN(_FILE) and the controller's own token settings
+    in the environment (as every client of the stack does)."""
+    api_token_file: str = ""
+    """File whose first token (TOKEN or NAME:TOKEN) is sent to the controller."""
     advertise_url: str = ""
     """The URL clients use, reported to the controller and shown as the service's endpoint;
     empty derives it from `http_addr` (a wildcard host becomes 127.0.0.1)."""
@@ -88,6 +94,15 @@ def load_settings(**overrides: Any) -> Settings:
         violations.append(errors.FieldViolation("loadbalancer.tls_certfile", "required with tls_keyfile"))
     errors.require(violations, subject="loadbalancer settings")
     return settings
+
+
+def api_token(settings: Settings) -> str:
+    """The token sent to the controller ("" for none); never logged."""
+    if settings.api_token:
+        return settings.api_token.strip()
+    if settings.api_token_file:
+        return security.client_token({security.CLIENT_TOKEN_FILE_ENV: settings.api_token_file})
+    return security.client_token()
 
 
 def _split(addr: str) -> tuple[str, int]:
@@ -164,7 +179,7 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     )
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
-    channel = clients.channel(settings.controller_addr)
+    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(api_token(settings)))
     link = ctl_link.ControllerLink(
         controller_service_pb2_grpc.ControllerServiceStub(channel),
         balancer,

@@ -8,8 +8,11 @@ import glob
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 import uuid
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,7 +25,8 @@ from replicaplane.prober.v1 import prober_service_pb2_grpc as prober_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import security
-from tests.e2e import test_stack
+from tests.e2e import test_replicactl, test_stack
+from tests.helpers import balancer as lb
 from tests.helpers import certs
 from tests.helpers import cluster as cl
 
@@ -231,6 +235,17 @@ def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
                     break
                 time.sleep(0.25)
             assert svc.ready_replicas == 2, test_stack.logs(state_dir)
+        # The stack's balancer reaches the controller with the same token.
+        balancer = f"http://{env['REPLICAPLANE_LOADBALANCER_HTTP_ADDR']}/"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(balancer, timeout=10) as resp:
+                    assert resp.status == 200
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline, test_stack.logs(state_dir)
+                time.sleep(0.2)
         prov = addrs["provisioner"].replace("0.0.0.0", "127.0.0.1")
         assert test_stack.stack("health", prov, "--tls", env=env, timeout=30).returncode == 0
         assert test_stack.stack("health", prov, "--timeout", "1", env=env, timeout=30).returncode == 1
@@ -240,3 +255,51 @@ def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
     printed = up.stdout + up.stderr + down.stdout + down.stderr + test_stack.logs(state_dir)
     assert "hello" in printed
     assert token not in printed
+
+
+async def test_load_balancer_follows_a_token_guarded_controller(tmp_path) -> None:
+    token = f"tok-{uuid.uuid4().hex}"
+    cluster = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token}, api_token=token)
+    b = None
+    try:
+        yaml_text = lb.lb_app_yaml("fronted", cluster.tag, replicas=1)
+        await cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text), timeout=20)
+        b = await lb.start(cluster.controller.addr, "fronted", str(tmp_path / "lb"), api_token=token)
+        await b.until(lambda s: sum(r.ready for r in s.replicas) == 1, timeout=60)
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
+            client.get(b.url + "/whoami") as resp,
+        ):
+            assert resp.status == 200
+        assert token not in b.process.log()
+    finally:
+        if b is not None:
+            await b.close()
+        await cluster.close()
+
+
+async def test_replicactl_output_never_shows_probe_header_secrets(cluster: cl.Cluster, tmp_path) -> None:
+    secret = f"hdr-{uuid.uuid4().hex}"
+    probe = (
+        "    path: /health\n    initial_delay_seconds: 20\n    endpoint_probe_interval_seconds: 0.2\n"
+        f"    headers:\n      Authorization: Bearer {secret}\n      X-Api-Key: {secret}\n"
+    )
+    spec = tmp_path / "svc.yaml"
+    spec.write_text(cl.app_yaml("clisecret", cluster.tag, replicas=1, probe=probe))
+    bigger = tmp_path / "svc2.yaml"
+    bigger.write_text(spec.read_text().replace("replicas: 1", "replicas: 2"))
+    addr = cluster.controller.addr
+    runs = [await test_replicactl.ctl(addr, "up", str(spec), "--wait", "--timeout", "60")]
+    for args in (
+        ("status",),
+        ("status", "clisecret", "--all"),
+        ("status", "clisecret", "--json"),
+        ("update", "clisecret", str(bigger), "--dry-run", "--json"),
+        ("update", "clisecret", str(tmp_path / "missing.yaml")),
+        ("logs", "clisecret", "--replica-id", "1", "--launch"),
+    ):
+        runs.append(await test_replicactl.ctl(addr, *args))
+    assert runs[0].returncode == 0, runs[0].stdout + runs[0].stderr
+    printed = "\n".join(r.stdout + r.stderr for r in runs)
+    assert "clisecret" in printed
+    assert secret not in printed
