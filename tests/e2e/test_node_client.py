@@ -82,7 +82,9 @@ async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster
         first = json.loads(await asyncio.to_thread(follower.stdout.readline))  # type: ignore[union-attr]
         assert first["snapshot"] is True
         await cluster.stub.DeleteService(api.DeleteServiceRequest(service_name="node-demo"))
-        rest, _ = await asyncio.to_thread(follower.communicate, timeout=60)
+        # Not communicate(): with a timeout it reads the pipe itself and loses what readline buffered.
+        rest = await asyncio.wait_for(asyncio.to_thread(follower.stdout.read), 60)  # type: ignore[union-attr]
+        follower.wait(60)
     finally:
         follower.kill()
     changes = [json.loads(line) for line in rest.splitlines()]

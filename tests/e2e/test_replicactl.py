@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import urllib.request
@@ -126,18 +127,27 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     assert why.returncode == 0, why.stderr
     assert "cannot start: missing config file /etc/shop/v2.conf" in why.stdout
 
+    # Roll forward to a good version (the quickstart's step): --wait ends when v3 alone serves.
+    fixed = await ctl(addr, "update", "shop", v1, "--wait", "--timeout", "90")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "shop: version 3" in fixed.stdout and "shop is READY (2/" in fixed.stdout  # v1 may still drain
+    now = json.loads((await ctl(addr, "status", "shop", "--json")).stdout)["services"][0]
+    assert now["active_versions"] == ["3"]
+
     watcher = start_cli(addr, "watch", "shop")
     try:
         first = await asyncio.to_thread(watcher.stdout.readline)  # type: ignore[union-attr]
         down = await ctl(addr, "down", "shop", "--wait", "--timeout", "60")
         assert down.returncode == 0, down.stdout + down.stderr
         assert "shop: deleted" in down.stdout
-        rest, _ = await asyncio.to_thread(watcher.communicate, timeout=30)
+        # Not communicate(): with a timeout it reads the pipe itself and loses what readline buffered.
+        rest = await asyncio.wait_for(asyncio.to_thread(watcher.stdout.read), 30)  # type: ignore[union-attr]
+        watcher.wait(30)
         watched = first + rest
     finally:
         watcher.kill()
     assert watcher.returncode == 0, watched
-    assert "shop: replica 1 READY" in watched and "shop: service SHUTTING_DOWN" in watched
+    assert re.search(r"shop: replica \d+ READY", watched) and "shop: service SHUTTING_DOWN" in watched
     assert watched.rstrip().endswith("shop: deleted")
     assert provisioner_procs.wait_no_replicas(cluster.provisioner_state_dir, timeout=15) == []
 
