@@ -176,7 +176,8 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
     except ValueError as exc:
         raise errors.ValidationError([errors.FieldViolation("provisioner.local_accelerators", str(exc))]) from None
     if network == "auto":
-        loopback = settings.replica_host == "127.0.0.1" and not settings.advertise_host
+        # An advertised 127.0.0.1 (the local stack sets it) is still plain loopback.
+        loopback = settings.replica_host == "127.0.0.1" and settings.advertise_host in ("", "127.0.0.1")
         network = "address" if loopback and addresses.supported() else "port"
     return local.LocalBackend(
         settings.state_dir,

@@ -324,6 +324,21 @@ async def test_replica_environment_workdir_and_followed_app_log(stub, state_dir,
     assert "PORT=8080 ID=4 SKY=4 URL=http://localhost:8080/x" in text
 
 
+async def test_auto_network_is_address_when_advertising_plain_loopback(state_dir) -> None:
+    # The local stack sets advertise_host 127.0.0.1; that is still loopback, so each replica
+    # gets its own address and keeps its declared port.
+    srv = await server.build_server(_settings(state_dir, replica_network="auto", advertise_host="127.0.0.1"))
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            events = await _launch(stub, client.launch_request(6))
+            assert events[-1].endpoint.startswith("http://127.77.") and events[-1].endpoint.endswith(":8080")
+    finally:
+        await srv.stop(None)
+        provisioner_procs.kill_replicas(state_dir)
+
+
 async def test_port_network_maps_each_declared_port_to_a_free_one(state_dir) -> None:
     srv = await server.build_server(_settings(state_dir, replica_network="port"))
     await srv.start()
