@@ -367,7 +367,7 @@ def cmd_watch(args: argparse.Namespace, client: Client, out: TextIO) -> int:
     printer = watchlines.WatchPrinter()
     for msg in client.stream("WatchService", pb.WatchServiceRequest(service_name=args.name)):
         if args.json:
-            print(render.to_json({"change": msg}).replace("\n", " "), file=out, flush=True)
+            print(render.to_json({"change": msg}, indent=None), file=out, flush=True)
         else:
             for line in printer.lines(msg):
                 _say(out, line)

@@ -26,8 +26,11 @@ REPLICA_EXTRA_HEADERS = ("ZONE", "SPOT", "NAME")
 _SERVICE_URL_FIELDS = ("endpoint", "url", "load_balancer_url", "balancer_url", "load_balancer_endpoint")
 
 
-def to_json(messages: dict[str, Any]) -> str:
-    """Messages (or lists of them) in protobuf's JSON mapping, field names as in the protos."""
+def to_json(messages: dict[str, Any], indent: int | None = 2) -> str:
+    """Messages (or lists of them) in protobuf's JSON mapping, field names as in the protos.
+
+    `indent=None` gives one compact line (JSON lines for `watch --json`).
+    """
 
     def conv(value: Any) -> Any:
         if isinstance(value, message.Message):
@@ -36,7 +39,7 @@ def to_json(messages: dict[str, Any]) -> str:
             return [conv(v) for v in value]
         return value
 
-    return json.dumps({k: conv(v) for k, v in messages.items()}, indent=2)
+    return json.dumps({k: conv(v) for k, v in messages.items()}, indent=indent)
 
 
 def service_status(value: int) -> str:

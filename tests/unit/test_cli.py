@@ -105,6 +105,12 @@ def test_json_uses_the_proto_field_names_and_enum_names() -> None:
     assert doc["replicas"][0]["replica_id"] == "1"
 
 
+def test_json_lines_are_compact() -> None:
+    line = render.to_json({"change": service()}, indent=None)
+    assert "\n" not in line and "  " not in line
+    assert json.loads(line)["change"]["name"] == "hello"
+
+
 def test_plan_text_says_what_an_update_does() -> None:
     plan = res.UpdatePlan(new_version=2, kept_replica_ids=[1, 2], launch_count=1, in_place=True)
     text = render.plan_text("hello", plan, dry_run=True)
