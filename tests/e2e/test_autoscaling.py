@@ -97,6 +97,8 @@ async def test_spot_with_base_fallback_runs_one_ondemand_beside_spot(cluster: cl
     assert sorted(r.is_spot for r in w.replicas.values()) == [False, True, True]
     spot_zones = sorted(r.zone for r in w.replicas.values() if r.is_spot)
     assert spot_zones == ["zone-a", "zone-b"]  # cheapest zones, one spot replica each
+    # As in SkyPilot, the on-demand replica is not spread away from spot ones: the cheapest zone.
+    assert [r.zone for r in w.replicas.values() if not r.is_spot] == ["zone-a"]
     assert len(cl.replica_processes(c.tag)) == 3
     w.cancel()
 

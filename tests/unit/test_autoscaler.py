@@ -296,3 +296,5 @@ def test_places_of_a_spec_are_its_resources_alternatives() -> None:
         ("resources.any_of[0]", ("us-east-1b", "us-east-1")),
         ("resources.any_of[1]", ("", "us-east-1")),
     ]
+    k8s = top.replace("  region: us-east-1\n", "  infra: k8s/my-context\n")
+    assert convert.places_of(spec.parse(k8s)) == [("resources", ("", ""))]  # a context, not a region
