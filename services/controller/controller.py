@@ -17,7 +17,8 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, spec
-from services.controller import reconciler, store
+from services.controller import convert, reconciler, store
+from services.controller.domain import placer
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +139,25 @@ class Controller:
         """Refuse a spec the provisioner cannot run (accelerators, missing workdir), naming fields.
 
         An unreachable provisioner does not block the API: the launch reports the problem then.
+        A zone or region no zone of the provisioner matches is refused too (when its zones are
+        known: backends that list none, such as kubernetes, place by the zone label instead).
         """
         try:
             answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.warning("could not check the spec with the provisioner (%s); accepting it", exc.code().name)
             return
+        if not self._zones:
+            await self._load_zones()
         hidden = spec.secret_values(parsed)
         errors.require(
             [
                 errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))
                 for p in answer.problems
+            ]
+            + [
+                errors.FieldViolation(field, spec.mask_secrets(description, hidden))
+                for field, description in placer.problems(self._zones, convert.places_of(parsed))
             ],
             subject="service spec",
         )

@@ -61,6 +61,24 @@ def policy_of(spec: spec_pb2.ServiceSpec) -> autoscaler.Policy:
     )
 
 
+def places_of(spec: spec_pb2.ServiceSpec) -> list[tuple[str, tuple[str, str]]]:
+    """(YAML path, (zone, region)) of each resources alternative: any_of/ordered entries, else the top.
+
+    Entries already carry the top level's zone and region as defaults (spec parsing merges them).
+    For Kubernetes the stored region is a context name, not a region, so it places nothing.
+    """
+
+    def place(r: spec_pb2.Resources) -> tuple[str, str]:
+        return r.zone, "" if r.cloud == "kubernetes" else r.region
+
+    r = spec.resources
+    for kind in ("any_of", "ordered"):
+        entries = getattr(r, kind)
+        if entries:
+            return [(f"resources.{kind}[{i}]", place(e)) for i, e in enumerate(entries)]
+    return [("resources", place(r))]
+
+
 def accelerator_of(spec: spec_pb2.ServiceSpec) -> str:
     """The accelerator name a replica of `spec` runs on (first choice, without count), or ""."""
     first = spec.resources.accelerators.split(",", 1)[0].strip()

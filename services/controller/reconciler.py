@@ -592,14 +592,20 @@ class ServiceReconciler:
     def _launch_new(self, *, spot: bool) -> None:
         rid = self._db.allocate_replica_id(self.name)
         version = self._row.latest_version
-        zone = ""
+        places = [place for _, place in convert.places_of(self.spec(version))]
         if spot and self._policy().spot_placer:
             used = {
                 r.zone
                 for r in self.replicas.values()
                 if r.is_spot and r.zone and not st.is_terminal(st.ReplicaStatus(r.status))
             }
-            zone = placer.select(self._zones(), self._state.zones, used)
+            zone = placer.select(placer.allowed(self._zones(), places), self._state.zones, used)
+            if not zone:
+                zone = placer.fixed_zone(self._zones(), places)  # zones unknown: the spec's zone
+        else:
+            # As SkyPilot: on-demand (and unplaced spot) replicas go where the spec allows and
+            # the backend prefers; they neither avoid nor count as spot replicas' zones.
+            zone = placer.fixed_zone(self._zones(), places)
         r = res.Replica(
             service=self.name,
             replica_id=rid,
@@ -618,7 +624,8 @@ class ServiceReconciler:
         """Spot placer bookkeeping: a zone that failed or preempted a spot replica is avoided."""
         if not (r.is_spot and r.zone and self._policy().spot_placer):
             return
-        marks = placer.mark(self._zones(), self._state.zones, r.zone, preempted=preempted)
+        places = [place for _, place in convert.places_of(self.spec(self._row.latest_version))]
+        marks = placer.mark(placer.allowed(self._zones(), places), self._state.zones, r.zone, preempted=preempted)
         if marks != self._state.zones:
             self._state.zones = marks
             self._persist_state()

@@ -97,6 +97,8 @@ async def test_spot_with_base_fallback_runs_one_ondemand_beside_spot(cluster: cl
     assert sorted(r.is_spot for r in w.replicas.values()) == [False, True, True]
     spot_zones = sorted(r.zone for r in w.replicas.values() if r.is_spot)
     assert spot_zones == ["zone-a", "zone-b"]  # cheapest zones, one spot replica each
+    # As in SkyPilot, the on-demand replica is not spread away from spot ones: the cheapest zone.
+    assert [r.zone for r in w.replicas.values() if not r.is_spot] == ["zone-a"]
     assert len(cl.replica_processes(c.tag)) == 3
     w.cancel()
 
@@ -127,6 +129,35 @@ async def test_dynamic_fallback_covers_a_preempted_spot_replica(cluster: cl.Clus
     replacement = max(w.replicas.values(), key=lambda r: r.replica_id)
     assert replacement.zone == "zone-c"  # not the preempting zone, nor the other spot replica's
     w.cancel()
+
+
+async def test_spec_region_and_zone_bound_spot_and_ondemand_placement(tmp_path) -> None:
+    zones = "us-west-2a:0.90,us-east-1a:1.00,us-east-1b:1.10,us-east-1c:1.30"
+    c = cl.Cluster(str(tmp_path), controller_env=FAST, provisioner_env={"REPLICAPLANE_PROVISIONER_ZONES": zones})
+    try:
+        from services.common import grpc_errors
+
+        policy = "    min_replicas: 3\n    base_ondemand_fallback_replicas: 1\n    spot_placer: dynamic_fallback\n"
+        base = policy_yaml("geo", c.tag, policy, spot=True)
+        # A zone the provisioner does not have is refused at create, naming the field.
+        bad = base.replace("  use_spot: true\n", "  use_spot: true\n  zone: us-east-1x\n")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.CreateService(api.CreateServiceRequest(yaml=bad), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in grpc_errors.RpcError(info.value).field_violations] == ["resources.zone"]
+        assert not (await c.stub.ListServices(api.ListServicesRequest(), timeout=10)).services
+
+        regional = base.replace("  use_spot: true\n", "  use_spot: true\n  region: us-east-1\n")
+        await c.stub.CreateService(api.CreateServiceRequest(yaml=regional), timeout=10)
+        w = cl.Watch(c.stub, "geo")
+        await w.until(lambda w: w.count(READY) == 3)
+        # us-west-2a is the cheapest zone but outside the region: no replica goes there.
+        spot_zones = sorted(r.zone for r in w.replicas.values() if r.is_spot)
+        assert spot_zones == ["us-east-1a", "us-east-1b"]
+        assert [r.zone for r in w.replicas.values() if not r.is_spot] == ["us-east-1a"]
+        w.cancel()
+    finally:
+        await c.close()
 
 
 async def test_controller_kill_mid_scale_up_neither_stops_nor_repeats_it(cluster: cl.Cluster) -> None:

@@ -212,3 +212,89 @@ def test_placer_marks_and_resets_below_two_active() -> None:
     # A second preemption would leave one ACTIVE zone: every zone is ACTIVE again.
     assert set(placer.mark(ZONES, marks, "zone-b", preempted=True).values()) == {placer.ACTIVE}
     assert placer.mark(ZONES, marks, "nowhere", preempted=True) == marks
+
+
+REGIONAL = [("us-west-2a", 0.9), ("us-east-1a", 1.0), ("us-east-1b", 1.1), ("us-east-1c", 1.3)]
+
+
+@pytest.mark.parametrize(
+    ("places", "want"),
+    [
+        ([], ["us-west-2a", "us-east-1a", "us-east-1b", "us-east-1c"]),  # no resources named
+        ([("", "")], ["us-west-2a", "us-east-1a", "us-east-1b", "us-east-1c"]),
+        ([("us-east-1b", "")], ["us-east-1b"]),
+        ([("", "us-east-1")], ["us-east-1a", "us-east-1b", "us-east-1c"]),
+        ([("us-east-1b", "us-east-1")], ["us-east-1b"]),
+        ([("us-east-1b", "us-west-2")], []),  # the zone is not in the region
+        ([("us-east-1c", ""), ("", "us-west-2")], ["us-west-2a", "us-east-1c"]),  # any_of: either
+        ([("us-east-1c", ""), ("", "")], ["us-west-2a", "us-east-1a", "us-east-1b", "us-east-1c"]),  # one open
+        ([("nowhere", "")], []),
+    ],
+)
+def test_placer_allowed_zones_follow_the_spec(places: list[placer.Place], want: list[str]) -> None:
+    assert [name for name, _ in placer.allowed(REGIONAL, places)] == want
+
+
+def test_placer_spot_stays_in_the_spec_region() -> None:
+    # The cheapest zone overall (us-west-2a) is outside the region; used zones are skipped.
+    zones = placer.allowed(REGIONAL, [("", "us-east-1")])
+    assert placer.select(zones, {}, set()) == "us-east-1a"
+    assert placer.select(zones, {}, {"us-east-1a"}) == "us-east-1b"
+    assert placer.select(zones, {"us-east-1b": placer.PREEMPTIVE}, {"us-east-1a"}) == "us-east-1c"
+    # One named zone: always it, and marking it never leaves it PREEMPTIVE (fewer than 2 ACTIVE).
+    one = placer.allowed(REGIONAL, [("us-east-1b", "")])
+    assert placer.select(one, {}, {"us-east-1b"}) == "us-east-1b"
+    assert placer.mark(one, {}, "us-east-1b", preempted=True) == {"us-east-1b": placer.ACTIVE}
+
+
+@pytest.mark.parametrize(
+    ("zones", "places", "want"),
+    [
+        (REGIONAL, [("", "")], ""),  # unconstrained: the backend picks
+        (REGIONAL, [], ""),
+        (REGIONAL, [("us-east-1b", "")], "us-east-1b"),
+        (REGIONAL, [("", "us-east-1")], "us-east-1a"),  # cheapest in the region, not us-west-2a
+        (REGIONAL, [("us-east-1c", ""), ("us-east-1b", "")], "us-east-1b"),  # cheapest alternative
+        ([], [("us-east-1b", "")], "us-east-1b"),  # zones unknown: the named zone
+        ([], [("", "us-east-1")], ""),  # zones unknown, region only: the backend picks
+        (REGIONAL, [("nowhere", "")], "nowhere"),  # unknown zone: the backend refuses it
+    ],
+)
+def test_placer_fixed_zone_for_ondemand_launches(
+    zones: list[tuple[str, float]], places: list[placer.Place], want: str
+) -> None:
+    assert placer.fixed_zone(zones, places) == want
+
+
+def test_placer_problems_name_the_field_of_each_unknown_place() -> None:
+    places = [
+        ("resources.any_of[0]", ("us-east-1b", "")),  # fine
+        ("resources.any_of[1]", ("zone-x", "")),
+        ("resources.any_of[2]", ("", "eu-west-1")),
+        ("resources.any_of[3]", ("us-east-1b", "us-west-2")),
+        ("resources.any_of[4]", ("", "us-east-1")),  # fine
+    ]
+    got = placer.problems(REGIONAL, places)
+    assert [field for field, _ in got] == [
+        "resources.any_of[1].zone",
+        "resources.any_of[2].region",
+        "resources.any_of[3].region",
+    ]
+    assert "zone-x" in got[0][1] and "us-west-2a" in got[0][1]
+    assert placer.problems([], places) == []  # zones unknown: nothing to check against
+
+
+def test_places_of_a_spec_are_its_resources_alternatives() -> None:
+    from services.common import spec
+    from services.controller import convert
+
+    top = "name: s\nservice:\n  replicas: 1\nresources:\n  ports: 8080\n  region: us-east-1\nrun: x\n"
+    assert convert.places_of(spec.parse(top)) == [("resources", ("", "us-east-1"))]
+    any_of = top.replace("  region: us-east-1\n", "  region: us-east-1\n  any_of:\n    - zone: us-east-1b\n    - {}\n")
+    # Entries take the top level's region as their default.
+    assert convert.places_of(spec.parse(any_of)) == [
+        ("resources.any_of[0]", ("us-east-1b", "us-east-1")),
+        ("resources.any_of[1]", ("", "us-east-1")),
+    ]
+    k8s = top.replace("  region: us-east-1\n", "  infra: k8s/my-context\n")
+    assert convert.places_of(spec.parse(k8s)) == [("resources", ("", ""))]  # a context, not a region
