@@ -86,7 +86,8 @@ def plan(
     """The processes of a local stack, in start order (provisioner, probers, controller, load balancer).
 
     Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
-    defaults; prober i (from 1) listens on the prober port + i - 1.
+    defaults; probers listen on the prober port and the ports after it, skipping the other
+    services' ports.
 
     Args:
         probers: number of prober processes, at least 1.
@@ -105,14 +106,21 @@ def plan(
     env = os.environ if environ is None else environ
     python = sys.executable
     provisioner_addr = _listen(env, "provisioner", config.PROVISIONER_ADDR)
-    prober_host, prober_port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
-    prober_addrs = [f"{prober_host}:{prober_port + i}" for i in range(probers)]
     controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
     balancer_addr = _listen(env, "loadbalancer", config.LOADBALANCER_ADDR)
     http_var = config.env_name("loadbalancer", "http_addr")
     http_addr = env.get(http_var) or config.LOADBALANCER_HTTP_ADDR
     if split_addr(http_addr)[1] == 0:
         raise ValueError(f"{http_var}: the stack needs a fixed port, got {http_addr}")
+    # Probers count up from the prober port, stepping over the other services' ports (the
+    # balancer's 50054 sits right after the first prober's 50053).
+    taken = {split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)}
+    prober_host, port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
+    prober_addrs: list[str] = []
+    while len(prober_addrs) < probers:
+        if port not in taken:
+            prober_addrs.append(f"{prober_host}:{port}")
+        port += 1
 
     specs = [
         ProcessSpec(

@@ -160,6 +160,15 @@ def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() ->
     assert controller.env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "127.0.0.1:7200"
 
 
+def test_plan_default_probers_skip_the_ports_of_the_other_services() -> None:
+    # `make up PROBERS=3`: probers from 50053 must not take the balancer's 50054.
+    specs = plan.plan(probers=3, environ={})
+    ports = [plan.split_addr(s.addr)[1] for s in specs]
+    assert len(ports) == len(set(ports)), ports
+    probers = [s.addr for s in specs if s.component == "prober"]
+    assert probers == ["127.0.0.1:50053", "127.0.0.1:50055", "127.0.0.1:50056"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
