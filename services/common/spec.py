@@ -426,9 +426,7 @@ def parse(
         out.service.port = port
 
     # Secrets are substituted into fields a description may quote (an enum, a path).
-    hidden = sorted(
-        (v for v in {*secrets.values(), *out.service.readiness_probe.headers.values()} if v), key=len, reverse=True
-    )
+    hidden = secret_values(out)
     errors.require(
         [
             errors.FieldViolation(mask_secrets(v.field, hidden), mask_secrets(v.description, hidden))
