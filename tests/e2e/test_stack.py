@@ -173,8 +173,9 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     assert "stack stopped" in down.stdout
 
     assert not [name for name, pid in pids.items() if alive(pid)]
-    ports = [endpoint.rpartition(":")[2] for endpoint in endpoints.values()]
-    assert processes_touching(str(tmp_path), [f"app.py --port {port}" for port in ports]) == []
+    # Replicas run in working dirs under tmp_path. Their ports (8080 on each replica's own
+    # loopback address) are no needle: other runs on this machine use the same.
+    assert processes_touching(str(tmp_path), []) == []
     for endpoint in endpoints.values():
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{endpoint}/health", timeout=2)
