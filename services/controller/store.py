@@ -295,11 +295,15 @@ class Store:
         The provisioner records it as the owner of every replica this controller launches, so
         two controllers sharing a provisioner never tear down each other's replicas.
         """
-        with self.transaction():
-            self._db.execute(
-                "INSERT OR IGNORE INTO meta (key, value) VALUES ('controller_id', ?)", (secrets.token_hex(16),)
-            )
-            row = self._db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+        query = "SELECT value FROM meta WHERE key = 'controller_id'"
+        with self._read() as db:
+            row = db.execute(query).fetchone()
+        if row is None:  # first start: the only write, so a store that takes none still opens later
+            with self.transaction():
+                self._db.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('controller_id', ?)", (secrets.token_hex(16),)
+                )
+                row = self._db.execute(query).fetchone()
         return str(row[0])
 
     def schema_version(self) -> int:
