@@ -24,7 +24,9 @@ def _pids(tag: str, env_name: str) -> set[int]:
 
 
 async def _ready_count(stub: api_grpc.ControllerServiceStub, name: str) -> int:
+    """READY replicas of `name`; any failure reason (another controller's events) fails."""
     replicas = (await stub.ListReplicas(api.ListReplicasRequest(service_name=name), timeout=10)).replicas
+    assert not [r.failure_reason for r in replicas if r.failure_reason]
     return sum(1 for r in replicas if r.status == READY)
 
 
