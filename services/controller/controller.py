@@ -72,6 +72,9 @@ class Controller:
         self._orphan_tasks: set[asyncio.Task[None]] = set()
         self._watch_generation = 0
         self._zones: list[tuple[str, float]] = []
+        # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
+        self.controller_id = db.controller_id()
+        self._foreign_logged: set[str] = set()
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
@@ -100,6 +103,7 @@ class Controller:
             on_gone=self._forget,
             watch_generation=lambda: self._watch_generation,
             zones=lambda: self._zones,
+            owner=self.controller_id,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -373,6 +377,13 @@ class Controller:
                     log.exception("resync of service %s failed", rec.name)
 
     def _route(self, ev: prov_res.ReplicaEvent) -> None:
+        if ev.replica.owner and ev.replica.owner != self.controller_id:
+            # Another controller's replica on a shared provisioner: neither ours to reap nor
+            # to apply (its service may share a name and replica id with one of ours).
+            if ev.replica.name not in self._foreign_logged:
+                self._foreign_logged.add(ev.replica.name)
+                log.debug("ignoring replica %s: another controller owns it", ev.replica.name)
+            return
         rec = self._services.get(ev.replica.service)
         if rec is not None and ev.replica.replica_id in rec.replicas:
             rec.on_provisioner_event(ev.replica.replica_id, ev)
@@ -381,7 +392,7 @@ class Controller:
             prov_res.REPLICA_STATE_PROVISIONING,
             prov_res.REPLICA_STATE_RUNNING,
         ):
-            # Running somewhere with no record of ours: a leak. Tear it down.
+            # Ours (or launched before owners existed), running with no record: a leak. Tear it down.
             log.warning("tearing down replica %s: no controller record refers to it", ev.replica.name)
             task = asyncio.create_task(self._terminate_orphan(ev.replica.name))
             self._orphan_tasks.add(task)

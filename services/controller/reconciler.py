@@ -142,8 +142,10 @@ class ServiceReconciler:
         on_gone: Callable[[str], None],
         watch_generation: Callable[[], int] = lambda: 0,
         zones: Callable[[], list[tuple[str, float]]] = list,
+        owner: str = "",
     ) -> None:
         self.name = name
+        self._owner = owner
         self._zones = zones
         self._decision: asyncio.TimerHandle | None = None
         self._watch_generation = watch_generation
@@ -651,6 +653,7 @@ class ServiceReconciler:
                     spec=self.spec(r.version),
                     use_spot=r.is_spot,
                     zone=r.zone,
+                    owner=self._owner,
                 )
                 try:
                     async for response in self._prov.Launch(request):

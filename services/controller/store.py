@@ -289,6 +289,23 @@ class Store:
             return False
         return True
 
+    def controller_id(self) -> str:
+        """This controller's stable identity, created on first use and kept in `meta`.
+
+        The provisioner records it as the owner of every replica this controller launches, so
+        two controllers sharing a provisioner never tear down each other's replicas.
+        """
+        query = "SELECT value FROM meta WHERE key = 'controller_id'"
+        with self._read() as db:
+            row = db.execute(query).fetchone()
+        if row is None:  # first start: the only write, so a store that takes none still opens later
+            with self.transaction():
+                self._db.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('controller_id', ?)", (secrets.token_hex(16),)
+                )
+                row = self._db.execute(query).fetchone()
+        return str(row[0])
+
     def schema_version(self) -> int:
         """The schema version of the open database."""
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])

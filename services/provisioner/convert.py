@@ -93,6 +93,7 @@ def launch_request(req: service_pb2.LaunchRequest) -> model.LaunchRequest:
         spec=replica_spec(req.spec),
         use_spot=req.use_spot,
         zone=req.zone,
+        owner=req.owner,
     )
 
 
@@ -115,6 +116,7 @@ def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
         create_time=timestamp(r.create_time),
         start_time=timestamp(r.start_time),
         price_per_hour=r.price_per_hour,
+        owner=r.owner,
     )
 
 

@@ -35,6 +35,7 @@ ANNOTATION_REPLICA = "replicaplane.dev/replica-name"
 ANNOTATION_TOKEN = "replicaplane.dev/token"
 ANNOTATION_ZONE = "replicaplane.dev/zone"
 ANNOTATION_CREATED = "replicaplane.dev/created-at"
+ANNOTATION_OWNER = "replicaplane.dev/owner"
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 CONTAINER = "replica"
@@ -390,6 +391,7 @@ def pod_manifest(
                 ANNOTATION_TOKEN: token,
                 ANNOTATION_ZONE: launch.zone,
                 ANNOTATION_CREATED: repr(created_at),
+                ANNOTATION_OWNER: launch.owner,
             },
         },
         "spec": pod_spec,

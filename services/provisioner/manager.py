@@ -29,6 +29,7 @@ from services.provisioner import capability, events, logstore, model, retries, s
 log = logging.getLogger(__name__)
 
 _SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_MAX_OWNER = 128
 # A replica name as a single safe path component (it names log and work directories).
 _REPLICA_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?$")
 MAX_PAGE_SIZE = 10_000
@@ -115,6 +116,8 @@ def validate(request: model.LaunchRequest) -> None:
     suffix = request.name[len(prefix) :]
     if not request.name.startswith(prefix) or not (suffix == "" or re.fullmatch(r"-[a-z0-9]{1,16}", suffix)):
         violations.append(errors.FieldViolation("name", "must be {service}-{replica_id}[-{suffix}]"))
+    if len(request.owner) > _MAX_OWNER or not request.owner.isprintable():
+        violations.append(errors.FieldViolation("owner", f"must be at most {_MAX_OWNER} printable characters"))
     errors.require(violations, subject="launch request")
 
 
@@ -270,6 +273,7 @@ class Provisioner:
             zone=request.zone,
             backend=self._backend.name,
             create_time=self._clock(),
+            owner=request.owner,
         )
         entry = _Entry(request=request, replica=replica, launch=events.EventLog(), teardown=events.EventLog())
         self._entries[request.name] = entry

@@ -132,6 +132,8 @@ class LaunchRequest:
     spec: ReplicaSpec
     use_spot: bool = False
     zone: str = ""
+    # The launching controller's identity; empty for requests that carry none.
+    owner: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -165,6 +167,7 @@ class Replica:
     create_time: float = 0.0
     start_time: float = 0.0
     price_per_hour: float = 0.0
+    owner: str = ""
 
     def copy(self) -> Replica:
         """A snapshot that later changes do not affect."""

@@ -147,18 +147,23 @@ class Cluster:
         """Start prober i again on its old port."""
         self.probers[i] = self._start_prober(i, self.probers[i].port)
 
-    def _start_controller(self, port: int = 0) -> procs.ServiceProcess:
+    def _start_controller(self, port: int = 0, *, state: str = "ctl") -> procs.ServiceProcess:
         return procs.start_service(
             "controller",
             env={
                 **self.controller_env,
-                "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(self.tmp, "ctl"),
+                "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(self.tmp, state),
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": self.provisioner.addr,
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(p.addr for p in self.probers),
             },
-            workdir=self._dir("controller"),
+            workdir=self._dir("controller" if state == "ctl" else f"controller-{state}"),
             port=port,
         )
+
+    def start_other_controller(self, state: str, port: int = 0) -> procs.ServiceProcess:
+        """Another controller with its own state directory `<tmp>/<state>`, sharing this
+        cluster's provisioner and probers; the caller stops it."""
+        return self._start_controller(port, state=state)
 
     async def restart_controller(self, *, kill: bool = True) -> None:
         """Kill -9 (or SIGTERM) the controller and start it again on the same port."""

@@ -169,3 +169,41 @@ async def test_sigterm_ends_streams_cleanly_and_keeps_replicas_running(tmp_path)
     finally:
         svc.stop()
         provisioner_procs.kill_replicas(state_dir)
+
+
+async def test_replica_owner_is_reported_and_survives_a_restart(tmp_path) -> None:
+    state_dir = str(tmp_path / "state")
+    svc = service_procs.start_service("provisioner", env=_env(state_dir), workdir=str(tmp_path))
+    try:
+        async with grpc.aio.insecure_channel(svc.addr) as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            with_owner = client.launch_request(1, spec_=client.spec("sleep 30"), owner="controller-a")
+            events = await client.collect(stub.Launch(with_owner))
+            assert client.types(events)[-1] == "RUNNING" and events[-1].replica.owner == "controller-a"
+            events = await client.collect(stub.Launch(client.launch_request(2, spec_=client.spec("sleep 30"))))
+            assert events[-1].replica.owner == ""  # an unowned launch (older controllers)
+            # Attaching with another owner neither changes nor hijacks the replica.
+            again = await client.collect(stub.Launch(client.launch_request(1, owner="controller-b")))
+            assert again[-1].replica.owner == "controller-a"
+            try:
+                await stub.Launch(client.launch_request(3, owner="x" * 129)).read()
+                raise AssertionError("an over-long owner was accepted")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "owner" in (exc.details() or "")
+            assert set(await _snapshot(stub, 0)) == {"svc-1", "svc-2"}
+
+        svc.kill()
+        svc = service_procs.start_service("provisioner", env=_env(state_dir), workdir=str(tmp_path))
+        async with grpc.aio.insecure_channel(svc.addr) as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            after = await _snapshot(stub, 0)
+            assert {name: r.owner for name, r in after.items()} == {"svc-1": "controller-a", "svc-2": ""}
+            got = (await stub.GetReplica(pb.GetReplicaRequest(name="svc-1"))).replica
+            assert got.owner == "controller-a"
+            for name in ("svc-1", "svc-2"):
+                events = await client.collect(stub.Terminate(pb.TerminateRequest(name=name)))
+                assert client.types(events)[-1] == "TERMINATED"
+    finally:
+        svc.stop()
+        provisioner_procs.kill_replicas(state_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -187,3 +188,9 @@ def test_parsed_settings_reach_the_pod_config() -> None:
         "value": "true",
         "effect": "NoSchedule",
     }
+
+
+def test_pod_carries_its_owner_in_an_annotation() -> None:
+    launch = dataclasses.replace(_launch(), owner="ctl-a")
+    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    assert pod["metadata"]["annotations"][ko.ANNOTATION_OWNER] == "ctl-a"

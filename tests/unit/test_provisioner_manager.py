@@ -465,3 +465,35 @@ async def test_the_sweep_restarts_a_launch_whose_task_died(fake: FakeBackend, tm
         assert events[-1].type == model.LaunchEventType.RUNNING
     finally:
         await prov.close()
+
+
+async def test_owner_is_kept_across_a_restart_and_old_records_load_unowned(fake: FakeBackend, tmp_path) -> None:
+    records = store.RecordStore(str(tmp_path))
+    logs = logstore.LogStore(str(tmp_path))
+    first = manager.Provisioner(backend=fake, records=records, logs=logs, options=FAST)
+    await first.start()
+    events = await _all(first.launch(dataclasses.replace(_request(1), owner="ctl-a")))
+    assert events[-1].replica.owner == "ctl-a"
+    await _all(first.launch(_request(2)))
+    await first.close()
+    # A record written before replicas had owners has no owner keys at all.
+    data = next(r for r in records.load_all() if r["request"]["name"] == "svc-2")
+    del data["request"]["owner"], data["replica"]["owner"]
+    records.save("svc-2", data)
+
+    second = manager.Provisioner(backend=fake, records=records, logs=logs, options=FAST)
+    await second.start()
+    try:
+        assert second.get("svc-1").owner == "ctl-a"
+        assert second.get("svc-2").owner == ""
+        assert second.get("svc-2").app_state == model.AppState.RUNNING
+    finally:
+        await second.close()
+
+
+def test_an_overlong_or_unprintable_owner_is_invalid() -> None:
+    for owner in ("x" * 129, "a\nb"):
+        with pytest.raises(errors.ValidationError) as info:
+            manager.validate(dataclasses.replace(_request(1), owner=owner))
+        assert [v.field for v in info.value.violations] == ["owner"]
+    manager.validate(dataclasses.replace(_request(1), owner="x" * 128))

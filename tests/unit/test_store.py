@@ -607,3 +607,13 @@ def test_newer_schema_is_refused(db_path: str) -> None:
     conn.close()
     with pytest.raises(store_mod.SchemaError):
         store_mod.Store(db_path)
+
+
+def test_controller_id_is_created_once_and_kept(tmp_path) -> None:
+    with store_mod.Store.in_state_dir(str(tmp_path / "a")) as s:
+        first = s.controller_id()
+        assert first and s.controller_id() == first
+    with store_mod.Store.in_state_dir(str(tmp_path / "a")) as s:
+        assert s.controller_id() == first
+    with store_mod.Store.in_state_dir(str(tmp_path / "b")) as s:
+        assert s.controller_id() != first

@@ -36,6 +36,7 @@ class LaunchRequest(_message.Message):
     ZONE_FIELD_NUMBER: _builtins.int
     AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     ATTACH_ONLY_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Replica name, the idempotency key: `{service}-{replica_id}` or
     `{service}-{replica_id}-{suffix}` (the controller adds a suffix unique to the service's
@@ -55,6 +56,11 @@ class LaunchRequest(_message.Message):
     """When attaching, replay only events after this sequence number."""
     attach_only: _builtins.bool
     """Only attach to an existing launch; NOT_FOUND if there is none."""
+    owner: _builtins.str
+    """Identity of the controller that launches the replica; kept with the replica and reported
+    in `ProvisionedReplica.owner`, so a controller tears down only replicas it owns. At most
+    128 printable characters; empty means unowned. Ignored when attaching.
+    """
     @_builtins.property
     def spec(self) -> _spec_pb2.ServiceSpec:
         """What to run."""
@@ -71,10 +77,11 @@ class LaunchRequest(_message.Message):
         zone: _builtins.str = ...,
         after_sequence: _builtins.int = ...,
         attach_only: _builtins.bool = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "attach_only", b"attach_only", "name", b"name", "replica_id", b"replica_id", "service", b"service", "spec", b"spec", "use_spot", b"use_spot", "version", b"version", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "attach_only", b"attach_only", "name", b"name", "owner", b"owner", "replica_id", b"replica_id", "service", b"service", "spec", b"spec", "use_spot", b"use_spot", "version", b"version", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

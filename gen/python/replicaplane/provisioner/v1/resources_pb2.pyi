@@ -265,6 +265,7 @@ class ProvisionedReplica(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Replica name, the launch key: `{service}-{replica_id}`."""
     service: _builtins.str
@@ -293,6 +294,10 @@ class ProvisionedReplica(_message.Message):
     """Backend that runs the replica, for example "local"."""
     price_per_hour: _builtins.float
     """Hourly price of the zone, for the spot placer."""
+    owner: _builtins.str
+    """Identity of the controller that launched the replica (`LaunchRequest.owner`); empty for
+    replicas launched without one.
+    """
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When the launch was requested."""
@@ -320,10 +325,11 @@ class ProvisionedReplica(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         price_per_hour: _builtins.float = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "name", b"name", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "name", b"name", "owner", b"owner", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
