@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from services.common import security
+from services.common import grpc_errors, security
 
 log = logging.getLogger("replicaplane.audit")
 
@@ -125,7 +125,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method not in self._methods:
             return handler
-        return security.rewrap(handler, self._wrap(method))
+        return grpc_errors.rewrap(handler, self._wrap(method))
 
 
 def _code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -87,6 +87,27 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, domain: 
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
+Behavior = Callable[..., Any]
+"""A servicer method as grpc hands it to interceptors: (request or iterator, context) -> result."""
+
+
+def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]) -> grpc.RpcMethodHandler:
+    """A copy of `handler` whose behavior is `wrap(behavior, streams_out)`."""
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
+    return handler
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns domain exceptions raised by servicers into statuses with details (AIP-193)."""
 
@@ -124,19 +145,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary), **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream), **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._wrap_unary(handler.stream_unary), **kwargs)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(self._wrap_stream(handler.stream_stream), **kwargs)
-        return handler
+        return rewrap(
+            handler, lambda behavior, streams_out: (self._wrap_stream if streams_out else self._wrap_unary)(behavior)
+        )
 
 
 class RpcError(Exception):

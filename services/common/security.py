@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from services.common import errors
+from services.common import errors, grpc_errors
 
 # Services that never need a token or an allowed client name.
 OPEN_SERVICES = frozenset(
@@ -37,8 +37,6 @@ ANONYMOUS = "anonymous"
 
 # Who made the current call: set by the token interceptor, read by the audit log.
 principal: contextvars.ContextVar[str] = contextvars.ContextVar("principal", default=ANONYMOUS)
-
-Behavior = Callable[..., Any]
 
 
 def read_tokens(token: str, token_file: str) -> dict[str, str]:
@@ -97,25 +95,8 @@ def check_token(header: str, tokens: Mapping[str, str]) -> str | None:
     return match
 
 
-def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]) -> grpc.RpcMethodHandler:
-    """A copy of `handler` whose behavior is `wrap(behavior, streams_out)`."""
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
-    return handler
-
-
-def _denied(code: grpc.StatusCode, message: str) -> Callable[[Behavior, bool], Behavior]:
-    def wrap(behavior: Behavior, streams_out: bool) -> Behavior:
+def _denied(code: grpc.StatusCode, message: str) -> Callable[[grpc_errors.Behavior, bool], grpc_errors.Behavior]:
+    def wrap(behavior: grpc_errors.Behavior, streams_out: bool) -> grpc_errors.Behavior:
         if streams_out:
 
             async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -132,8 +113,8 @@ def _denied(code: grpc.StatusCode, message: str) -> Callable[[Behavior, bool], B
     return wrap
 
 
-def _as(name: str) -> Callable[[Behavior, bool], Behavior]:
-    def wrap(behavior: Behavior, streams_out: bool) -> Behavior:
+def _as(name: str) -> Callable[[grpc_errors.Behavior, bool], grpc_errors.Behavior]:
+    def wrap(behavior: grpc_errors.Behavior, streams_out: bool) -> grpc_errors.Behavior:
         if streams_out:
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -177,8 +158,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         name = check_token(header, self._tokens)
         if name is None:
             message = "missing or invalid bearer token" if header else "this API requires a bearer token"
-            return rewrap(handler, _denied(grpc.StatusCode.UNAUTHENTICATED, message))
-        return rewrap(handler, _as(name))
+            return grpc_errors.rewrap(handler, _denied(grpc.StatusCode.UNAUTHENTICATED, message))
+        return grpc_errors.rewrap(handler, _as(name))
 
 
 def _peer_names(context: grpc.aio.ServicerContext) -> set[str]:
@@ -195,7 +176,7 @@ class ClientNameInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, allowed: Iterable[str]) -> None:
         self._allowed = frozenset(allowed)
 
-    def _check(self, behavior: Behavior, streams_out: bool) -> Behavior:
+    def _check(self, behavior: grpc_errors.Behavior, streams_out: bool) -> grpc_errors.Behavior:
         allowed = self._allowed
         message = "client certificate is not allowed to call this service"
         if streams_out:
@@ -223,7 +204,7 @@ class ClientNameInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or _service_of(handler_call_details.method) in OPEN_SERVICES:
             return handler
-        return rewrap(handler, self._check)
+        return grpc_errors.rewrap(handler, self._check)
 
 
 @dataclasses.dataclass(frozen=True)
