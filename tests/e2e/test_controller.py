@@ -10,6 +10,7 @@ import pytest
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
+from services.common import grpc_errors
 from tests.helpers import cluster as cl
 
 pytestmark = pytest.mark.e2e
@@ -124,8 +125,6 @@ async def test_bad_spec_returns_every_violation_and_stores_nothing(cluster: cl.C
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _create(cluster, bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    from services.common import grpc_errors
-
     fields = {f for f, _ in grpc_errors.RpcError(err.value).field_violations}
     assert len(fields) >= 3
     services = (await cluster.stub.ListServices(api.ListServicesRequest())).services
@@ -218,8 +217,6 @@ async def test_unchanged_skypilot_yaml_with_a_fixed_port_app_runs_two_replicas(c
 
 
 def _field_names(err: grpc.aio.AioRpcError) -> list[str]:
-    from services.common import grpc_errors
-
     return [f for f, _ in grpc_errors.RpcError(err).field_violations]
 
 
@@ -238,8 +235,6 @@ async def test_specs_the_provisioner_cannot_run_are_refused_at_create(tmp_path) 
             await c.stub.CreateService(api.CreateServiceRequest(yaml=vllm), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert _field_names(info.value) == ["resources.accelerators"]
-        from services.common import grpc_errors
-
         assert "it offers: H100:1" in grpc_errors.RpcError(info.value).field_violations[0][1]
         missing = base + f"workdir: {tmp_path / 'no-such-dir'}\nfile_mounts:\n  /data: {tmp_path / 'nothing'}\n"
         with pytest.raises(grpc.aio.AioRpcError) as info:
