@@ -1,0 +1,148 @@
+"""Load reports from a balancer to a real controller (scripted provisioner, real prober), all
+in-process on port 0: each report counted exactly once, whatever the clocks say, and a bad entry
+or a refused report never stops later load from being counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from services.common import pbtime
+from services.loadbalancer import balancer as bal
+from services.loadbalancer import link as ctl_link
+from tests.helpers import grpc_proxy
+from tests.service import test_controller as tc
+
+STREAMS = {"WatchService", "WatchEndpoints", "StreamReplicaLogs"}
+URL = "http://127.0.0.1:30001"
+WINDOW_S = 60.0  # the controller's default load window
+
+
+@pytest.fixture
+async def env(tmp_path) -> AsyncIterator[tc.Env]:
+    async with tc.started(tmp_path) as e:
+        await tc.create(e, tc.spec())
+        yield e
+
+
+def balancer_and_link(
+    stub: api_grpc.ControllerServiceStub, clock: Callable[[], float] = time.time
+) -> tuple[bal.Balancer, ctl_link.ControllerLink]:
+    balancer = bal.Balancer("svc", hold_timeout_s=0, hold_max=1, clock=clock)
+    link = ctl_link.ControllerLink(stub, balancer, url=URL, report_interval_s=60, heartbeat_s=60, clock=clock)
+    return balancer, link
+
+
+async def qps_now(env: tc.Env) -> float:
+    """The controller's QPS, read with an empty report (which counts nothing)."""
+    return (await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc"))).qps
+
+
+async def test_a_report_applied_after_the_balancer_deadline_and_resent_is_counted_once(env: tc.Env) -> None:
+    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
+        async with grpc.aio.insecure_channel(addr) as channel:
+            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+            balancer.record_arrival()
+            proxy.slow("ReportLoad", 2.0)  # the controller applies it; the answer comes too late
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await link.report_once(timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert proxy.forwarded["ReportLoad"] == 1
+            assert link.unreported == 1  # kept: the balancer cannot know it was applied
+            await link.report_once(timeout=5)  # the retry reaches the controller too
+            assert proxy.forwarded["ReportLoad"] == 2
+    assert link.unreported == 0
+    assert link.last_qps == pytest.approx(1 / WINDOW_S)
+    assert await qps_now(env) == pytest.approx(1 / WINDOW_S)  # not 2 / 60
+
+
+async def test_arrivals_after_a_failed_report_go_in_the_next_one_and_are_counted(env: tc.Env) -> None:
+    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
+        async with grpc.aio.insecure_channel(addr) as channel:
+            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+            balancer.record_arrival()
+            proxy.refuse("ReportLoad", grpc.StatusCode.UNAVAILABLE, "controller restarting")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await link.report_once(timeout=5)
+            for _ in range(2):
+                balancer.record_arrival()  # while the first report waits to go again
+            assert link.unreported == 3
+            await link.report_once(timeout=5)
+            await link.report_once(timeout=5)
+    assert link.unreported == 0
+    assert await qps_now(env) == pytest.approx(3 / WINDOW_S)
+
+
+@pytest.mark.parametrize("skew_s", [-90.0, 90.0], ids=["behind", "ahead"])
+async def test_a_balancer_clock_90s_off_still_gives_the_right_qps(env: tc.Env, skew_s: float) -> None:
+    balancer, link = balancer_and_link(env.stub, clock=lambda: time.time() + skew_s)
+    for _ in range(6):
+        balancer.record_arrival()
+    await link.report_once(timeout=5)
+    assert link.last_qps == pytest.approx(6 / WINDOW_S)
+    for _ in range(3):
+        balancer.record_arrival()
+    await link.report_once(timeout=5)  # and every later report too
+    assert await qps_now(env) == pytest.approx(9 / WINDOW_S)
+
+
+async def test_a_refused_report_is_dropped_and_later_load_is_still_counted(env: tc.Env) -> None:
+    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
+        async with grpc.aio.insecure_channel(addr) as channel:
+            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+            balancer.record_arrival()
+            proxy.refuse("ReportLoad", grpc.StatusCode.INVALID_ARGUMENT, "invalid load report")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await link.report_once(timeout=5)
+            assert link.unreported == 0  # sending it again could only be refused again
+            for _ in range(2):
+                balancer.record_arrival()
+            await link.report_once(timeout=5)
+    assert await qps_now(env) == pytest.approx(2 / WINDOW_S)
+
+
+async def test_a_time_far_ahead_does_not_stop_the_rest_of_the_report_being_counted(env: tc.Env) -> None:
+    now = time.time()
+    times = [pbtime.timestamp(t) for t in (now - 1, now, now + 3600, now - 3600)]
+    response = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_times=times))
+    # Ahead of the controller's clock: counted at arrival; older than the window: nothing.
+    assert response.qps == pytest.approx(3 / WINDOW_S)
+    response = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_count=1))
+    assert response.qps == pytest.approx(4 / WINDOW_S)
+
+
+async def test_a_thousand_bad_times_answer_invalid_argument_with_a_short_list(env: tc.Env) -> None:
+    bad = [timestamp_pb2.Timestamp(seconds=1, nanos=1_000_000_000)] * 1000
+    err = await tc.rpc_error(env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_times=bad)))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED
+    fields = [field for field, _ in err.field_violations]
+    assert 1 <= len(fields) <= 10
+    assert fields == [f"request_times[{i}]" for i in range(len(fields))]
+    assert "1000 violations" in err.message
+    assert await qps_now(env) == 0.0
+
+
+@pytest.mark.parametrize(
+    "stamp",
+    [
+        timestamp_pb2.Timestamp(seconds=-(2**62)),
+        timestamp_pb2.Timestamp(seconds=2**62),
+        timestamp_pb2.Timestamp(seconds=int(time.time()), nanos=-1),
+        timestamp_pb2.Timestamp(seconds=int(time.time()), nanos=1_000_000_000),
+    ],
+    ids=["seconds -2^62", "seconds 2^62", "nanos -1", "nanos 1e9"],
+)
+async def test_an_out_of_range_time_is_refused_and_changes_nothing(env: tc.Env, stamp: timestamp_pb2.Timestamp) -> None:
+    times = [pbtime.timestamp(time.time()), stamp]
+    err = await tc.rpc_error(
+        env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_times=times, request_count=1))
+    )
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [field for field, _ in err.field_violations] == ["request_times[1]"]
+    assert await qps_now(env) == 0.0
