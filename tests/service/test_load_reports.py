@@ -4,6 +4,7 @@ or a refused report never stops later load from being counted."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -62,6 +63,39 @@ async def test_a_report_applied_after_the_balancer_deadline_and_resent_is_counte
     assert await qps_now(env) == pytest.approx(1 / WINDOW_S)  # not 2 / 60
 
 
+async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_the_report_loop_resends_a_slow_report_once_then_sends_newer_arrivals(env: tc.Env) -> None:
+    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
+        async with grpc.aio.insecure_channel(addr) as channel:
+            balancer = bal.Balancer("svc", hold_timeout_s=0, hold_max=1)
+            link = ctl_link.ControllerLink(
+                api_grpc.ControllerServiceStub(channel),
+                balancer,
+                url=URL,
+                report_interval_s=0.05,
+                heartbeat_s=60,
+                call_timeout_s=0.3,
+            )
+            balancer.record_arrival()
+            proxy.slow("ReportLoad", 1.0)
+            link.start()
+            try:
+                await until(lambda: proxy.forwarded["ReportLoad"] == 1)
+                for _ in range(2):
+                    balancer.record_arrival()  # while the first report's answer is late
+                await until(lambda: link.unreported == 0 and proxy.forwarded["ReportLoad"] >= 3)
+            finally:
+                await link.stop()
+    assert await qps_now(env) == pytest.approx(3 / WINDOW_S)  # 1 + 2, each once
+
+
 async def test_arrivals_after_a_failed_report_go_in_the_next_one_and_are_counted(env: tc.Env) -> None:
     async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
         async with grpc.aio.insecure_channel(addr) as channel:
@@ -101,6 +135,7 @@ async def test_a_refused_report_is_dropped_and_later_load_is_still_counted(env: 
             with pytest.raises(grpc.aio.AioRpcError):
                 await link.report_once(timeout=5)
             assert link.unreported == 0  # sending it again could only be refused again
+            assert link.dropped_requests == 1
             for _ in range(2):
                 balancer.record_arrival()
             await link.report_once(timeout=5)
