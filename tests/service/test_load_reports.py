@@ -181,3 +181,62 @@ async def test_an_out_of_range_time_is_refused_and_changes_nothing(env: tc.Env, 
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [field for field, _ in err.field_violations] == ["request_times[1]"]
     assert await qps_now(env) == 0.0
+
+
+@pytest.mark.parametrize(
+    "age",
+    [
+        duration_pb2.Duration(seconds=-1),
+        duration_pb2.Duration(nanos=-5),
+        duration_pb2.Duration(seconds=1, nanos=-1),
+        duration_pb2.Duration(seconds=1, nanos=1_000_000_000),
+        duration_pb2.Duration(seconds=2**62),
+    ],
+    ids=["negative", "negative nanos", "mixed signs", "nanos 1e9", "seconds 2^62"],
+)
+async def test_a_malformed_age_is_refused_and_changes_nothing(env: tc.Env, age: duration_pb2.Duration) -> None:
+    ages = [duration_pb2.Duration(seconds=1), age]
+    err = await tc.rpc_error(env.stub.ReportLoad(api.ReportLoadRequest(service_name="svc", request_ages=ages)))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [field for field, _ in err.field_violations] == ["request_ages[1]"]
+    assert await qps_now(env) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("balancer_id", "sequence", "field"),
+    [
+        ("lb-1", 0, "sequence"),
+        ("lb-1", -3, "sequence"),
+        ("", 4, "balancer_id"),
+        ("lb 1", 1, "balancer_id"),
+        ("x" * 129, 1, "balancer_id"),
+        ("lb-\n1", 1, "balancer_id"),
+    ],
+)
+async def test_a_bad_balancer_identity_is_refused(env: tc.Env, balancer_id: str, sequence: int, field: str) -> None:
+    request = api.ReportLoadRequest(service_name="svc", balancer_id=balancer_id, sequence=sequence, request_count=1)
+    err = await tc.rpc_error(env.stub.ReportLoad(request))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f for f, _ in err.field_violations] == [field]
+    assert await qps_now(env) == 0.0
+
+
+async def test_a_report_is_applied_once_per_sequence_even_across_a_controller_restart(tmp_path) -> None:
+    def report(sequence: int, balancer_id: str = "lb-1") -> api.ReportLoadRequest:
+        ages = [duration_pb2.Duration(nanos=100_000_000)] * 2
+        return api.ReportLoadRequest(
+            service_name="svc", balancer_id=balancer_id, sequence=sequence, request_ages=ages, request_count=1
+        )
+
+    async with tc.started(tmp_path) as env:
+        await tc.create(env, tc.spec())
+        first = await env.stub.ReportLoad(report(1))
+        assert (first.qps, first.already_applied, first.counted_requests) == (pytest.approx(3 / WINDOW_S), False, 3)
+        again = await env.stub.ReportLoad(report(1))
+        assert (again.qps, again.already_applied, again.counted_requests) == (pytest.approx(3 / WINDOW_S), True, 0)
+    async with tc.started(tmp_path) as env:  # the same store: the ledger was saved with the window
+        again = await env.stub.ReportLoad(report(1))
+        assert (again.qps, again.already_applied) == (pytest.approx(3 / WINDOW_S), True)
+        assert (await env.stub.ReportLoad(report(2))).qps == pytest.approx(6 / WINDOW_S)
+        # Another balancer (or this one restarted, with a new id) starts its own sequence.
+        assert (await env.stub.ReportLoad(report(1, "lb-2"))).qps == pytest.approx(9 / WINDOW_S)
