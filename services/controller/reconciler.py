@@ -1144,7 +1144,8 @@ class ServiceReconciler:
     def report_load(self, report: load.Report, now: float) -> tuple[float, load.Applied]:
         """Record a report into the load window unless it was applied before, and decide at once;
         return the window's QPS and what the report added."""
-        applied = load.apply(self._state.window(), self._state.ledger(), report, now, window_s=self._tuning.qps_window_s)
+        window_s = self._tuning.qps_window_s
+        applied = load.apply(self._state.window(), self._state.ledger(), report, now, window_s=window_s)
         if not applied.already_applied:
             self._state.load = {str(k): v for k, v in applied.window.items()}
             self._state.reports = [[b, s] for b, s in applied.ledger.items()]

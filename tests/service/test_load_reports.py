@@ -46,18 +46,20 @@ async def qps_now(env: tc.Env) -> float:
 
 
 async def test_a_report_applied_after_the_balancer_deadline_and_resent_is_counted_once(env: tc.Env) -> None:
-    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
-        async with grpc.aio.insecure_channel(addr) as channel:
-            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
-            balancer.record_arrival()
-            proxy.slow("ReportLoad", 2.0)  # the controller applies it; the answer comes too late
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await link.report_once(timeout=0.5)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert proxy.forwarded["ReportLoad"] == 1
-            assert link.unreported == 1  # kept: the balancer cannot know it was applied
-            await link.report_once(timeout=5)  # the retry reaches the controller too
-            assert proxy.forwarded["ReportLoad"] == 2
+    async with (
+        grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr),
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+        balancer.record_arrival()
+        proxy.slow("ReportLoad", 2.0)  # the controller applies it; the answer comes too late
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await link.report_once(timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert proxy.forwarded["ReportLoad"] == 1
+        assert link.unreported == 1  # kept: the balancer cannot know it was applied
+        await link.report_once(timeout=5)  # the retry reaches the controller too
+        assert proxy.forwarded["ReportLoad"] == 2
     assert link.unreported == 0
     assert link.last_qps == pytest.approx(1 / WINDOW_S)
     assert await qps_now(env) == pytest.approx(1 / WINDOW_S)  # not 2 / 60
@@ -72,43 +74,47 @@ async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 async def test_the_report_loop_resends_a_slow_report_once_then_sends_newer_arrivals(env: tc.Env) -> None:
-    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
-        async with grpc.aio.insecure_channel(addr) as channel:
-            balancer = bal.Balancer("svc", hold_timeout_s=0, hold_max=1)
-            link = ctl_link.ControllerLink(
-                api_grpc.ControllerServiceStub(channel),
-                balancer,
-                url=URL,
-                report_interval_s=0.05,
-                heartbeat_s=60,
-                call_timeout_s=0.3,
-            )
-            balancer.record_arrival()
-            proxy.slow("ReportLoad", 1.0)
-            link.start()
-            try:
-                await until(lambda: proxy.forwarded["ReportLoad"] == 1)
-                for _ in range(2):
-                    balancer.record_arrival()  # while the first report's answer is late
-                await until(lambda: link.unreported == 0 and proxy.forwarded["ReportLoad"] >= 3)
-            finally:
-                await link.stop()
+    async with (
+        grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr),
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        balancer = bal.Balancer("svc", hold_timeout_s=0, hold_max=1)
+        link = ctl_link.ControllerLink(
+            api_grpc.ControllerServiceStub(channel),
+            balancer,
+            url=URL,
+            report_interval_s=0.05,
+            heartbeat_s=60,
+            call_timeout_s=0.3,
+        )
+        balancer.record_arrival()
+        proxy.slow("ReportLoad", 1.0)
+        link.start()
+        try:
+            await until(lambda: proxy.forwarded["ReportLoad"] == 1)
+            for _ in range(2):
+                balancer.record_arrival()  # while the first report's answer is late
+            await until(lambda: link.unreported == 0 and proxy.forwarded["ReportLoad"] >= 3)
+        finally:
+            await link.stop()
     assert await qps_now(env) == pytest.approx(3 / WINDOW_S)  # 1 + 2, each once
 
 
 async def test_arrivals_after_a_failed_report_go_in_the_next_one_and_are_counted(env: tc.Env) -> None:
-    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
-        async with grpc.aio.insecure_channel(addr) as channel:
-            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
-            balancer.record_arrival()
-            proxy.refuse("ReportLoad", grpc.StatusCode.UNAVAILABLE, "controller restarting")
-            with pytest.raises(grpc.aio.AioRpcError):
-                await link.report_once(timeout=5)
-            for _ in range(2):
-                balancer.record_arrival()  # while the first report waits to go again
-            assert link.unreported == 3
+    async with (
+        grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr),
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+        balancer.record_arrival()
+        proxy.refuse("ReportLoad", grpc.StatusCode.UNAVAILABLE, "controller restarting")
+        with pytest.raises(grpc.aio.AioRpcError):
             await link.report_once(timeout=5)
-            await link.report_once(timeout=5)
+        for _ in range(2):
+            balancer.record_arrival()  # while the first report waits to go again
+        assert link.unreported == 3
+        await link.report_once(timeout=5)
+        await link.report_once(timeout=5)
     assert link.unreported == 0
     assert await qps_now(env) == pytest.approx(3 / WINDOW_S)
 
@@ -127,18 +133,20 @@ async def test_a_balancer_clock_90s_off_still_gives_the_right_qps(env: tc.Env, s
 
 
 async def test_a_refused_report_is_dropped_and_later_load_is_still_counted(env: tc.Env) -> None:
-    async with grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr):
-        async with grpc.aio.insecure_channel(addr) as channel:
-            balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
-            balancer.record_arrival()
-            proxy.refuse("ReportLoad", grpc.StatusCode.INVALID_ARGUMENT, "invalid load report")
-            with pytest.raises(grpc.aio.AioRpcError):
-                await link.report_once(timeout=5)
-            assert link.unreported == 0  # sending it again could only be refused again
-            assert link.dropped_requests == 1
-            for _ in range(2):
-                balancer.record_arrival()
+    async with (
+        grpc_proxy.serving(env.addr, streaming=STREAMS) as (proxy, addr),
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        balancer, link = balancer_and_link(api_grpc.ControllerServiceStub(channel))
+        balancer.record_arrival()
+        proxy.refuse("ReportLoad", grpc.StatusCode.INVALID_ARGUMENT, "invalid load report")
+        with pytest.raises(grpc.aio.AioRpcError):
             await link.report_once(timeout=5)
+        assert link.unreported == 0  # sending it again could only be refused again
+        assert link.dropped_requests == 1
+        for _ in range(2):
+            balancer.record_arrival()
+        await link.report_once(timeout=5)
     assert await qps_now(env) == pytest.approx(2 / WINDOW_S)
 
 
