@@ -119,6 +119,7 @@ class ControllerLink:
         self._clock = clock  # the balancer's clock: its arrival times are read from it
         self._sequence = 0
         self._unanswered: Report | None = None
+        self._attempts = 0  # of the unanswered report
         self._refusing = False
         self.dropped_requests = 0
         """Requests in reports the controller refused as malformed."""
@@ -213,12 +214,22 @@ class ControllerLink:
             times, count = self.balancer.take_report()
             self._sequence += 1
             self._unanswered = Report(self._sequence, times, count)
+            self._attempts = 0
         report = self._unanswered
-        request = request_of(
-            report, service=self.balancer.service_name, balancer_id=self.balancer_id, url=self.url, now=self._clock()
-        )
+        self._attempts += 1
         try:
-            response = await self.stub.ReportLoad(request, timeout=timeout)
+            response = await self.stub.ReportLoad(self._request(report), timeout=timeout)
+            if response.already_applied and self._attempts == 1:
+                # Never sent before, yet applied: another sender used this id. Take a new one.
+                log.warning(
+                    "the controller already had load report %d from balancer id %s, which this balancer never "
+                    "sent; reporting under a new id",
+                    report.sequence,
+                    self.balancer_id,
+                )
+                self.balancer_id, self._sequence = uuid.uuid4().hex, 1
+                report = self._unanswered = Report(1, report.times, report.count)
+                response = await self.stub.ReportLoad(self._request(report), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 self._unanswered = None
@@ -235,6 +246,11 @@ class ControllerLink:
         self._unanswered = None
         self._refusing = False
         self.last_qps = response.qps
+
+    def _request(self, report: Report) -> api.ReportLoadRequest:
+        return request_of(
+            report, service=self.balancer.service_name, balancer_id=self.balancer_id, url=self.url, now=self._clock()
+        )
 
     async def _report_loop(self) -> None:
         last_sent = 0.0

@@ -248,3 +248,18 @@ async def test_a_report_is_applied_once_per_sequence_even_across_a_controller_re
         assert (await env.stub.ReportLoad(report(2))).qps == pytest.approx(6 / WINDOW_S)
         # Another balancer (or this one restarted, with a new id) starts its own sequence.
         assert (await env.stub.ReportLoad(report(1, "lb-2"))).qps == pytest.approx(9 / WINDOW_S)
+
+
+async def test_a_balancer_whose_id_was_used_by_another_sender_takes_a_new_one(env: tc.Env) -> None:
+    balancer, link = balancer_and_link(env.stub)
+    taken = api.ReportLoadRequest(service_name="svc", balancer_id=link.balancer_id, sequence=2**62, request_count=1)
+    await env.stub.ReportLoad(taken)  # e.g. a client that copied the id, far ahead in sequence
+    old_id = link.balancer_id
+    for _ in range(2):
+        balancer.record_arrival()
+    await link.report_once(timeout=5)
+    assert link.balancer_id != old_id
+    assert link.unreported == 0
+    balancer.record_arrival()
+    await link.report_once(timeout=5)
+    assert await qps_now(env) == pytest.approx(4 / WINDOW_S)  # 1 + 2 + 1: nothing lost
