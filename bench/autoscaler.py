@@ -104,10 +104,13 @@ async def steady_cpu(stub: api_grpc.ControllerServiceStub, pid: int) -> float:
     stop = asyncio.Event()
 
     async def report() -> None:
+        sequence = 0
         while not stop.is_set():
-            now = time.time()
-            times = [pbtime.timestamp(now - i / REPLICAS) for i in range(REPLICAS)]
-            await stub.ReportLoad(api.ReportLoadRequest(service_name="big", request_times=times))
+            sequence += 1
+            ages = [pbtime.duration(i / REPLICAS) for i in range(REPLICAS)]  # as a balancer sends them
+            await stub.ReportLoad(
+                api.ReportLoadRequest(service_name="big", balancer_id="bench", sequence=sequence, request_ages=ages)
+            )
             await asyncio.sleep(1.0)
 
     reporter = asyncio.create_task(report())

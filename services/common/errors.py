@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LISTED_VIOLATIONS = 10
+"""Violations named in an error's message and details; the rest are only counted, so a request
+with thousands of bad entries still gets a small INVALID_ARGUMENT (statuses travel in a trailer)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FieldViolation:
@@ -38,7 +42,10 @@ class ValidationError(ReplicaplaneError):
 
     def __init__(self, violations: list[FieldViolation], *, subject: str = "request") -> None:
         self.violations = list(violations)
-        lines = "; ".join(f"{v.field}: {v.description}" for v in self.violations)
+        listed = self.violations[:MAX_LISTED_VIOLATIONS]
+        lines = "; ".join(f"{v.field}: {v.description}" for v in listed)
+        if len(self.violations) > len(listed):
+            lines += f"; and {len(self.violations) - len(listed)} more ({len(self.violations)} violations)"
         super().__init__(f"invalid {subject}: {lines}")
 
 

@@ -16,19 +16,16 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, spec
+from services.common import errors, pbtime, spec
 from services.controller import convert, reconciler, store
-from services.controller.domain import placer
+from services.controller.domain import load, placer
 
 log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
-# Load reports may carry request times this far ahead of the controller's clock (clock skew).
-MAX_FUTURE_S = 60.0
-
-
 _MAX_URL = 2048
+_MAX_BALANCER_ID = 128
 
 
 def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
@@ -41,6 +38,46 @@ def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
             )
         ]
     return []
+
+
+def _report_of(request: api.ReportLoadRequest) -> load.Report:
+    """A load report as plain values.
+
+    Raises:
+        errors.ValidationError: with every malformed field: a negative count, a time or age out of
+            protobuf's range (or a negative age), a bad balancer identity or URL.
+    """
+    violations = []
+    if request.request_count < 0:
+        violations.append(errors.FieldViolation("request_count", f"must not be negative, got {request.request_count}"))
+    violations += [
+        errors.FieldViolation(f"request_times[{i}]", problem)
+        for i, t in enumerate(request.request_times)
+        if (problem := pbtime.timestamp_problem(t))
+    ]
+    violations += [
+        errors.FieldViolation(f"request_ages[{i}]", problem)
+        for i, d in enumerate(request.request_ages)
+        if (problem := pbtime.duration_problem(d, negative=False))
+    ]
+    balancer_id, sequence = request.balancer_id, request.sequence
+    if len(balancer_id) > _MAX_BALANCER_ID or not balancer_id.isprintable() or any(c.isspace() for c in balancer_id):
+        violations.append(
+            errors.FieldViolation("balancer_id", f"at most {_MAX_BALANCER_ID} printable characters without spaces")
+        )
+    if balancer_id and sequence < 1:
+        violations.append(errors.FieldViolation("sequence", f"must be at least 1 with balancer_id, got {sequence}"))
+    if not balancer_id and sequence:
+        violations.append(errors.FieldViolation("balancer_id", "required when sequence is set"))
+    violations += _load_balancer_url_violations(request.load_balancer_url)
+    errors.require(violations, subject="load report")
+    return load.Report(
+        balancer_id=balancer_id,
+        sequence=sequence,
+        ages=[pbtime.seconds(d) for d in request.request_ages],
+        times=[pbtime.from_timestamp(t) for t in request.request_times],
+        count=request.request_count,
+    )
 
 
 _LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
@@ -242,28 +279,22 @@ class Controller:
         async for msg in rec.hub.watch_endpoints(after_version):
             yield msg
 
-    def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
-        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
+    def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
+        """Record a load report (and the reporting balancer's URL, if given) unless the same report
+        was applied before; answer the QPS seen.
 
         Raises:
-            errors.ValidationError: a negative count, a time more than a minute ahead, or a URL
-                that is not a plain http(s) URL; nothing is recorded.
+            errors.ValidationError: a malformed field (see `_report_of`); nothing is recorded.
+            errors.NotFoundError: no such service.
         """
-        now = time.time()
-        violations = []
-        if count < 0:
-            violations.append(errors.FieldViolation("request_count", f"must not be negative, got {count}"))
-        violations += [
-            errors.FieldViolation(f"request_times[{i}]", f"more than {MAX_FUTURE_S:g} s in the future")
-            for i, t in enumerate(times)
-            if t > now + MAX_FUTURE_S
-        ]
-        violations += _load_balancer_url_violations(load_balancer_url)
-        errors.require(violations, subject="load report")
-        rec = self._get(name)
-        if load_balancer_url:
-            rec.set_load_balancer_url(load_balancer_url)
-        return rec.report_load(times, count, now)
+        report = _report_of(request)
+        rec = self._get(request.service_name)
+        if request.load_balancer_url:
+            rec.set_load_balancer_url(request.load_balancer_url)
+        qps, applied = rec.report_load(report, time.time())
+        return api.ReportLoadResponse(
+            qps=qps, already_applied=applied.already_applied, counted_requests=applied.counted
+        )
 
     async def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
         """A replica's log (app output or launch log) as the provisioner streams it.

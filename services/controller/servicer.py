@@ -8,7 +8,6 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
-from services.common import pbtime
 from services.controller import controller
 
 
@@ -79,11 +78,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
-        times = [pbtime.from_timestamp(t) for t in request.request_times]
-        qps = self._ctl.report_load(
-            request.service_name, times, request.request_count, load_balancer_url=request.load_balancer_url
-        )
-        return api.ReportLoadResponse(qps=qps)
+        return self._ctl.report_load(request)
 
     async def WatchEndpoints(
         self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext

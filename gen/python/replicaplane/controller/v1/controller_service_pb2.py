@@ -22,17 +22,20 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from replicaplane.controller.v1 import resources_pb2 as replicaplane_dot_controller_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3replicaplane/controller/v1/controller_service.proto\x12\x1areplicaplane.controller.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*replicaplane/controller/v1/resources.proto\"N\n\x14\x43reateServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0c\n\x04yaml\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"M\n\x15\x43reateServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\")\n\x11GetServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\"J\n\x12GetServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\"<\n\x13ListServicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"f\n\x14ListServicesResponse\x12\x35\n\x08services\x18\x01 \x03(\x0b\x32#.replicaplane.controller.v1.Service\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x95\x01\n\x14UpdateServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0c\n\x04yaml\x18\x02 \x01(\t\x12\x34\n\x04mode\x18\x03 \x01(\x0e\x32&.replicaplane.controller.v1.UpdateMode\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x83\x01\n\x15UpdateServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\x12\x34\n\x04plan\x18\x02 \x01(\x0b\x32&.replicaplane.controller.v1.UpdatePlan\";\n\x14\x44\x65leteServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\r\n\x05purge\x18\x02 \x01(\x08\"M\n\x15\x44\x65leteServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\"R\n\x13ListReplicasRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"f\n\x14ListReplicasResponse\x12\x35\n\x08replicas\x18\x01 \x03(\x0b\x32#.replicaplane.controller.v1.Replica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"=\n\x11GetReplicaRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\"J\n\x12GetReplicaResponse\x12\x34\n\x07replica\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Replica\"R\n\x17TerminateReplicaRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\x12\r\n\x05purge\x18\x03 \x01(\x08\"P\n\x18TerminateReplicaResponse\x12\x34\n\x07replica\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Replica\",\n\x14PurgeReplicasRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\",\n\x15PurgeReplicasResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\x03\"C\n\x13WatchServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\"\xd5\x01\n\x14WatchServiceResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x34\n\x07service\x18\x03 \x01(\x0b\x32#.replicaplane.controller.v1.Service\x12\x35\n\x08replicas\x18\x04 \x03(\x0b\x32#.replicaplane.controller.v1.Replica\x12\x1b\n\x13removed_replica_ids\x18\x05 \x03(\x03\x12\x0f\n\x07\x64\x65leted\x18\x06 \x01(\x08\"\x8e\x01\n\x11ReportLoadRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x31\n\rrequest_times\x18\x02 \x03(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rrequest_count\x18\x03 \x01(\x03\x12\x19\n\x11load_balancer_url\x18\x04 \x01(\t\"!\n\x12ReportLoadResponse\x12\x0b\n\x03qps\x18\x01 \x01(\x01\"D\n\x15WatchEndpointsRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\"s\n\x16WatchEndpointsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\tendpoints\x18\x02 \x03(\x0b\x32$.replicaplane.controller.v1.Endpoint\x12\x0f\n\x07\x64\x65leted\x18\x03 \x01(\x08\"\x8e\x01\n\x18StreamReplicaLogsRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\x12\x38\n\x04kind\x18\x03 \x01(\x0e\x32*.replicaplane.controller.v1.ReplicaLogKind\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\")\n\x19StreamReplicaLogsResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*i\n\x0eReplicaLogKind\x12 \n\x1cREPLICA_LOG_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17REPLICA_LOG_KIND_LAUNCH\x10\x01\x12\x18\n\x14REPLICA_LOG_KIND_APP\x10\x02\x32\xa0\x0c\n\x11\x43ontrollerService\x12t\n\rCreateService\x12\x30.replicaplane.controller.v1.CreateServiceRequest\x1a\x31.replicaplane.controller.v1.CreateServiceResponse\x12p\n\nGetService\x12-.replicaplane.controller.v1.GetServiceRequest\x1a..replicaplane.controller.v1.GetServiceResponse\"\x03\x90\x02\x01\x12v\n\x0cListServices\x12/.replicaplane.controller.v1.ListServicesRequest\x1a\x30.replicaplane.controller.v1.ListServicesResponse\"\x03\x90\x02\x01\x12t\n\rUpdateService\x12\x30.replicaplane.controller.v1.UpdateServiceRequest\x1a\x31.replicaplane.controller.v1.UpdateServiceResponse\x12t\n\rDeleteService\x12\x30.replicaplane.controller.v1.DeleteServiceRequest\x1a\x31.replicaplane.controller.v1.DeleteServiceResponse\x12v\n\x0cListReplicas\x12/.replicaplane.controller.v1.ListReplicasRequest\x1a\x30.replicaplane.controller.v1.ListReplicasResponse\"\x03\x90\x02\x01\x12p\n\nGetReplica\x12-.replicaplane.controller.v1.GetReplicaRequest\x1a..replicaplane.controller.v1.GetReplicaResponse\"\x03\x90\x02\x01\x12}\n\x10TerminateReplica\x12\x33.replicaplane.controller.v1.TerminateReplicaRequest\x1a\x34.replicaplane.controller.v1.TerminateReplicaResponse\x12t\n\rPurgeReplicas\x12\x30.replicaplane.controller.v1.PurgeReplicasRequest\x1a\x31.replicaplane.controller.v1.PurgeReplicasResponse\x12s\n\x0cWatchService\x12/.replicaplane.controller.v1.WatchServiceRequest\x1a\x30.replicaplane.controller.v1.WatchServiceResponse0\x01\x12k\n\nReportLoad\x12-.replicaplane.controller.v1.ReportLoadRequest\x1a..replicaplane.controller.v1.ReportLoadResponse\x12y\n\x0eWatchEndpoints\x12\x31.replicaplane.controller.v1.WatchEndpointsRequest\x1a\x32.replicaplane.controller.v1.WatchEndpointsResponse0\x01\x12\x82\x01\n\x11StreamReplicaLogs\x12\x34.replicaplane.controller.v1.StreamReplicaLogsRequest\x1a\x35.replicaplane.controller.v1.StreamReplicaLogsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3replicaplane/controller/v1/controller_service.proto\x12\x1areplicaplane.controller.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*replicaplane/controller/v1/resources.proto\"N\n\x14\x43reateServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0c\n\x04yaml\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"M\n\x15\x43reateServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\")\n\x11GetServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\"J\n\x12GetServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\"<\n\x13ListServicesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"f\n\x14ListServicesResponse\x12\x35\n\x08services\x18\x01 \x03(\x0b\x32#.replicaplane.controller.v1.Service\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x95\x01\n\x14UpdateServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0c\n\x04yaml\x18\x02 \x01(\t\x12\x34\n\x04mode\x18\x03 \x01(\x0e\x32&.replicaplane.controller.v1.UpdateMode\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x83\x01\n\x15UpdateServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\x12\x34\n\x04plan\x18\x02 \x01(\x0b\x32&.replicaplane.controller.v1.UpdatePlan\";\n\x14\x44\x65leteServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\r\n\x05purge\x18\x02 \x01(\x08\"M\n\x15\x44\x65leteServiceResponse\x12\x34\n\x07service\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Service\"R\n\x13ListReplicasRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"f\n\x14ListReplicasResponse\x12\x35\n\x08replicas\x18\x01 \x03(\x0b\x32#.replicaplane.controller.v1.Replica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"=\n\x11GetReplicaRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\"J\n\x12GetReplicaResponse\x12\x34\n\x07replica\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Replica\"R\n\x17TerminateReplicaRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\x12\r\n\x05purge\x18\x03 \x01(\x08\"P\n\x18TerminateReplicaResponse\x12\x34\n\x07replica\x18\x01 \x01(\x0b\x32#.replicaplane.controller.v1.Replica\",\n\x14PurgeReplicasRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\",\n\x15PurgeReplicasResponse\x12\x13\n\x0breplica_ids\x18\x01 \x03(\x03\"C\n\x13WatchServiceRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x02 \x01(\x03\"\xd5\x01\n\x14WatchServiceResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x34\n\x07service\x18\x03 \x01(\x0b\x32#.replicaplane.controller.v1.Service\x12\x35\n\x08replicas\x18\x04 \x03(\x0b\x32#.replicaplane.controller.v1.Replica\x12\x1b\n\x13removed_replica_ids\x18\x05 \x03(\x03\x12\x0f\n\x07\x64\x65leted\x18\x06 \x01(\x08\"\xea\x01\n\x11ReportLoadRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x35\n\rrequest_times\x18\x02 \x03(\x0b\x32\x1a.google.protobuf.TimestampB\x02\x18\x01\x12\x15\n\rrequest_count\x18\x03 \x01(\x03\x12\x19\n\x11load_balancer_url\x18\x04 \x01(\t\x12\x13\n\x0b\x62\x61lancer_id\x18\x05 \x01(\t\x12\x10\n\x08sequence\x18\x06 \x01(\x03\x12/\n\x0crequest_ages\x18\x07 \x03(\x0b\x32\x19.google.protobuf.Duration\"T\n\x12ReportLoadResponse\x12\x0b\n\x03qps\x18\x01 \x01(\x01\x12\x17\n\x0f\x61lready_applied\x18\x02 \x01(\x08\x12\x18\n\x10\x63ounted_requests\x18\x03 \x01(\x03\"D\n\x15WatchEndpointsRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\"s\n\x16WatchEndpointsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\tendpoints\x18\x02 \x03(\x0b\x32$.replicaplane.controller.v1.Endpoint\x12\x0f\n\x07\x64\x65leted\x18\x03 \x01(\x08\"\x8e\x01\n\x18StreamReplicaLogsRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\x03\x12\x38\n\x04kind\x18\x03 \x01(\x0e\x32*.replicaplane.controller.v1.ReplicaLogKind\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\")\n\x19StreamReplicaLogsResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*i\n\x0eReplicaLogKind\x12 \n\x1cREPLICA_LOG_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17REPLICA_LOG_KIND_LAUNCH\x10\x01\x12\x18\n\x14REPLICA_LOG_KIND_APP\x10\x02\x32\xa0\x0c\n\x11\x43ontrollerService\x12t\n\rCreateService\x12\x30.replicaplane.controller.v1.CreateServiceRequest\x1a\x31.replicaplane.controller.v1.CreateServiceResponse\x12p\n\nGetService\x12-.replicaplane.controller.v1.GetServiceRequest\x1a..replicaplane.controller.v1.GetServiceResponse\"\x03\x90\x02\x01\x12v\n\x0cListServices\x12/.replicaplane.controller.v1.ListServicesRequest\x1a\x30.replicaplane.controller.v1.ListServicesResponse\"\x03\x90\x02\x01\x12t\n\rUpdateService\x12\x30.replicaplane.controller.v1.UpdateServiceRequest\x1a\x31.replicaplane.controller.v1.UpdateServiceResponse\x12t\n\rDeleteService\x12\x30.replicaplane.controller.v1.DeleteServiceRequest\x1a\x31.replicaplane.controller.v1.DeleteServiceResponse\x12v\n\x0cListReplicas\x12/.replicaplane.controller.v1.ListReplicasRequest\x1a\x30.replicaplane.controller.v1.ListReplicasResponse\"\x03\x90\x02\x01\x12p\n\nGetReplica\x12-.replicaplane.controller.v1.GetReplicaRequest\x1a..replicaplane.controller.v1.GetReplicaResponse\"\x03\x90\x02\x01\x12}\n\x10TerminateReplica\x12\x33.replicaplane.controller.v1.TerminateReplicaRequest\x1a\x34.replicaplane.controller.v1.TerminateReplicaResponse\x12t\n\rPurgeReplicas\x12\x30.replicaplane.controller.v1.PurgeReplicasRequest\x1a\x31.replicaplane.controller.v1.PurgeReplicasResponse\x12s\n\x0cWatchService\x12/.replicaplane.controller.v1.WatchServiceRequest\x1a\x30.replicaplane.controller.v1.WatchServiceResponse0\x01\x12k\n\nReportLoad\x12-.replicaplane.controller.v1.ReportLoadRequest\x1a..replicaplane.controller.v1.ReportLoadResponse\x12y\n\x0eWatchEndpoints\x12\x31.replicaplane.controller.v1.WatchEndpointsRequest\x1a\x32.replicaplane.controller.v1.WatchEndpointsResponse0\x01\x12\x82\x01\n\x11StreamReplicaLogs\x12\x34.replicaplane.controller.v1.StreamReplicaLogsRequest\x1a\x35.replicaplane.controller.v1.StreamReplicaLogsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'replicaplane.controller.v1.controller_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REPORTLOADREQUEST'].fields_by_name['request_times']._loaded_options = None
+  _globals['_REPORTLOADREQUEST'].fields_by_name['request_times']._serialized_options = b'\030\001'
   _globals['_CONTROLLERSERVICE'].methods_by_name['GetService']._loaded_options = None
   _globals['_CONTROLLERSERVICE'].methods_by_name['GetService']._serialized_options = b'\220\002\001'
   _globals['_CONTROLLERSERVICE'].methods_by_name['ListServices']._loaded_options = None
@@ -41,60 +44,60 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTROLLERSERVICE'].methods_by_name['ListReplicas']._serialized_options = b'\220\002\001'
   _globals['_CONTROLLERSERVICE'].methods_by_name['GetReplica']._loaded_options = None
   _globals['_CONTROLLERSERVICE'].methods_by_name['GetReplica']._serialized_options = b'\220\002\001'
-  _globals['_REPLICALOGKIND']._serialized_start=2455
-  _globals['_REPLICALOGKIND']._serialized_end=2560
-  _globals['_CREATESERVICEREQUEST']._serialized_start=160
-  _globals['_CREATESERVICEREQUEST']._serialized_end=238
-  _globals['_CREATESERVICERESPONSE']._serialized_start=240
-  _globals['_CREATESERVICERESPONSE']._serialized_end=317
-  _globals['_GETSERVICEREQUEST']._serialized_start=319
-  _globals['_GETSERVICEREQUEST']._serialized_end=360
-  _globals['_GETSERVICERESPONSE']._serialized_start=362
-  _globals['_GETSERVICERESPONSE']._serialized_end=436
-  _globals['_LISTSERVICESREQUEST']._serialized_start=438
-  _globals['_LISTSERVICESREQUEST']._serialized_end=498
-  _globals['_LISTSERVICESRESPONSE']._serialized_start=500
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=602
-  _globals['_UPDATESERVICEREQUEST']._serialized_start=605
-  _globals['_UPDATESERVICEREQUEST']._serialized_end=754
-  _globals['_UPDATESERVICERESPONSE']._serialized_start=757
-  _globals['_UPDATESERVICERESPONSE']._serialized_end=888
-  _globals['_DELETESERVICEREQUEST']._serialized_start=890
-  _globals['_DELETESERVICEREQUEST']._serialized_end=949
-  _globals['_DELETESERVICERESPONSE']._serialized_start=951
-  _globals['_DELETESERVICERESPONSE']._serialized_end=1028
-  _globals['_LISTREPLICASREQUEST']._serialized_start=1030
-  _globals['_LISTREPLICASREQUEST']._serialized_end=1112
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=1114
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=1216
-  _globals['_GETREPLICAREQUEST']._serialized_start=1218
-  _globals['_GETREPLICAREQUEST']._serialized_end=1279
-  _globals['_GETREPLICARESPONSE']._serialized_start=1281
-  _globals['_GETREPLICARESPONSE']._serialized_end=1355
-  _globals['_TERMINATEREPLICAREQUEST']._serialized_start=1357
-  _globals['_TERMINATEREPLICAREQUEST']._serialized_end=1439
-  _globals['_TERMINATEREPLICARESPONSE']._serialized_start=1441
-  _globals['_TERMINATEREPLICARESPONSE']._serialized_end=1521
-  _globals['_PURGEREPLICASREQUEST']._serialized_start=1523
-  _globals['_PURGEREPLICASREQUEST']._serialized_end=1567
-  _globals['_PURGEREPLICASRESPONSE']._serialized_start=1569
-  _globals['_PURGEREPLICASRESPONSE']._serialized_end=1613
-  _globals['_WATCHSERVICEREQUEST']._serialized_start=1615
-  _globals['_WATCHSERVICEREQUEST']._serialized_end=1682
-  _globals['_WATCHSERVICERESPONSE']._serialized_start=1685
-  _globals['_WATCHSERVICERESPONSE']._serialized_end=1898
-  _globals['_REPORTLOADREQUEST']._serialized_start=1901
-  _globals['_REPORTLOADREQUEST']._serialized_end=2043
-  _globals['_REPORTLOADRESPONSE']._serialized_start=2045
-  _globals['_REPORTLOADRESPONSE']._serialized_end=2078
-  _globals['_WATCHENDPOINTSREQUEST']._serialized_start=2080
-  _globals['_WATCHENDPOINTSREQUEST']._serialized_end=2148
-  _globals['_WATCHENDPOINTSRESPONSE']._serialized_start=2150
-  _globals['_WATCHENDPOINTSRESPONSE']._serialized_end=2265
-  _globals['_STREAMREPLICALOGSREQUEST']._serialized_start=2268
-  _globals['_STREAMREPLICALOGSREQUEST']._serialized_end=2410
-  _globals['_STREAMREPLICALOGSRESPONSE']._serialized_start=2412
-  _globals['_STREAMREPLICALOGSRESPONSE']._serialized_end=2453
-  _globals['_CONTROLLERSERVICE']._serialized_start=2563
-  _globals['_CONTROLLERSERVICE']._serialized_end=4131
+  _globals['_REPLICALOGKIND']._serialized_start=2630
+  _globals['_REPLICALOGKIND']._serialized_end=2735
+  _globals['_CREATESERVICEREQUEST']._serialized_start=192
+  _globals['_CREATESERVICEREQUEST']._serialized_end=270
+  _globals['_CREATESERVICERESPONSE']._serialized_start=272
+  _globals['_CREATESERVICERESPONSE']._serialized_end=349
+  _globals['_GETSERVICEREQUEST']._serialized_start=351
+  _globals['_GETSERVICEREQUEST']._serialized_end=392
+  _globals['_GETSERVICERESPONSE']._serialized_start=394
+  _globals['_GETSERVICERESPONSE']._serialized_end=468
+  _globals['_LISTSERVICESREQUEST']._serialized_start=470
+  _globals['_LISTSERVICESREQUEST']._serialized_end=530
+  _globals['_LISTSERVICESRESPONSE']._serialized_start=532
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=634
+  _globals['_UPDATESERVICEREQUEST']._serialized_start=637
+  _globals['_UPDATESERVICEREQUEST']._serialized_end=786
+  _globals['_UPDATESERVICERESPONSE']._serialized_start=789
+  _globals['_UPDATESERVICERESPONSE']._serialized_end=920
+  _globals['_DELETESERVICEREQUEST']._serialized_start=922
+  _globals['_DELETESERVICEREQUEST']._serialized_end=981
+  _globals['_DELETESERVICERESPONSE']._serialized_start=983
+  _globals['_DELETESERVICERESPONSE']._serialized_end=1060
+  _globals['_LISTREPLICASREQUEST']._serialized_start=1062
+  _globals['_LISTREPLICASREQUEST']._serialized_end=1144
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=1146
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=1248
+  _globals['_GETREPLICAREQUEST']._serialized_start=1250
+  _globals['_GETREPLICAREQUEST']._serialized_end=1311
+  _globals['_GETREPLICARESPONSE']._serialized_start=1313
+  _globals['_GETREPLICARESPONSE']._serialized_end=1387
+  _globals['_TERMINATEREPLICAREQUEST']._serialized_start=1389
+  _globals['_TERMINATEREPLICAREQUEST']._serialized_end=1471
+  _globals['_TERMINATEREPLICARESPONSE']._serialized_start=1473
+  _globals['_TERMINATEREPLICARESPONSE']._serialized_end=1553
+  _globals['_PURGEREPLICASREQUEST']._serialized_start=1555
+  _globals['_PURGEREPLICASREQUEST']._serialized_end=1599
+  _globals['_PURGEREPLICASRESPONSE']._serialized_start=1601
+  _globals['_PURGEREPLICASRESPONSE']._serialized_end=1645
+  _globals['_WATCHSERVICEREQUEST']._serialized_start=1647
+  _globals['_WATCHSERVICEREQUEST']._serialized_end=1714
+  _globals['_WATCHSERVICERESPONSE']._serialized_start=1717
+  _globals['_WATCHSERVICERESPONSE']._serialized_end=1930
+  _globals['_REPORTLOADREQUEST']._serialized_start=1933
+  _globals['_REPORTLOADREQUEST']._serialized_end=2167
+  _globals['_REPORTLOADRESPONSE']._serialized_start=2169
+  _globals['_REPORTLOADRESPONSE']._serialized_end=2253
+  _globals['_WATCHENDPOINTSREQUEST']._serialized_start=2255
+  _globals['_WATCHENDPOINTSREQUEST']._serialized_end=2323
+  _globals['_WATCHENDPOINTSRESPONSE']._serialized_start=2325
+  _globals['_WATCHENDPOINTSRESPONSE']._serialized_end=2440
+  _globals['_STREAMREPLICALOGSREQUEST']._serialized_start=2443
+  _globals['_STREAMREPLICALOGSREQUEST']._serialized_end=2585
+  _globals['_STREAMREPLICALOGSRESPONSE']._serialized_start=2587
+  _globals['_STREAMREPLICALOGSRESPONSE']._serialized_end=2628
+  _globals['_CONTROLLERSERVICE']._serialized_start=2738
+  _globals['_CONTROLLERSERVICE']._serialized_end=4306
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -18,6 +19,11 @@ if sys.version_info >= (3, 11):
     from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -601,7 +607,20 @@ Global___WatchServiceResponse: _TypeAlias = WatchServiceResponse  # noqa: Y015
 
 @_typing.final
 class ReportLoadRequest(_message.Message):
-    """ReportLoadRequest carries the requests a load balancer received."""
+    """ReportLoadRequest carries the requests a load balancer received.
+
+    A report is applied exactly once when it carries `balancer_id` and `sequence`: the controller
+    remembers the last sequence it applied from each balancer (with the load window, so across
+    restarts too) and answers a report at or below it with `already_applied` and no change. A
+    balancer resends a report whose answer it did not get unchanged, with the same sequence. Without
+    `balancer_id`, a report is applied every time it arrives (a retried report counts again).
+
+    Arrival times need no shared clock: `request_ages` are measured on the balancer's clock at send
+    time, and the controller places each request at its own clock minus the age. Entries older than
+    the load window count nothing. A malformed entry (a time or duration out of protobuf's range, a
+    negative age) refuses the whole report with INVALID_ARGUMENT and changes nothing; sending it
+    again cannot succeed, so a balancer drops a refused report.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -609,15 +628,38 @@ class ReportLoadRequest(_message.Message):
     REQUEST_TIMES_FIELD_NUMBER: _builtins.int
     REQUEST_COUNT_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
+    BALANCER_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    REQUEST_AGES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     request_count: _builtins.int
-    """Requests since the last report without individual times, counted at report time."""
+    """Requests since the last report without individual times, counted when the report arrives."""
     load_balancer_url: _builtins.str
     """URL of the reporting load balancer, shown as the service's endpoint; empty to leave it."""
+    balancer_id: _builtins.str
+    """Identifies the sending balancer: a new random id each time it starts (or a stable id whose
+    `sequence` survives restarts). At most 128 printable characters, no spaces. Requires
+    `sequence`.
+    """
+    sequence: _builtins.int
+    """This report's number from `balancer_id`: 1 for the first, higher for each new report, the same
+    for a resend. Required (at least 1) with `balancer_id`, and must be 0 without it.
+    """
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def request_times(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
-        """Arrival times of requests since the last report."""
+        """Deprecated: use `request_ages`, which clock skew cannot distort. Arrival times of requests
+        since the last report, on the sender's clock, compared with the controller's: a time ahead of
+        the controller's clock is counted at arrival, and a time older than the load window counts
+        nothing. Still accepted; both fields may be used in one report.
+        """
+
+    @_builtins.property
+    def request_ages(self) -> _containers.RepeatedCompositeFieldContainer[_duration_pb2.Duration]:
+        """For each request since the last report, how long before this report was sent it arrived
+        (not negative).
+        """
 
     def __init__(
         self,
@@ -626,10 +668,13 @@ class ReportLoadRequest(_message.Message):
         request_times: _abc.Iterable[_timestamp_pb2.Timestamp] | None = ...,
         request_count: _builtins.int = ...,
         load_balancer_url: _builtins.str = ...,
+        balancer_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        request_ages: _abc.Iterable[_duration_pb2.Duration] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_balancer_url", b"load_balancer_url", "request_count", b"request_count", "request_times", b"request_times", "service_name", b"service_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -642,16 +687,28 @@ class ReportLoadResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QPS_FIELD_NUMBER: _builtins.int
+    ALREADY_APPLIED_FIELD_NUMBER: _builtins.int
+    COUNTED_REQUESTS_FIELD_NUMBER: _builtins.int
     qps: _builtins.float
     """Requests per second the controller now sees for the service."""
+    already_applied: _builtins.bool
+    """True when a report from this balancer with this sequence (or a later one) was applied before;
+    nothing was counted again.
+    """
+    counted_requests: _builtins.int
+    """Requests of this report counted into the load window (entries older than the window, and
+    everything in an already applied report, are not).
+    """
     def __init__(
         self,
         *,
         qps: _builtins.float = ...,
+        already_applied: _builtins.bool = ...,
+        counted_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["qps", b"qps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_applied", b"already_applied", "counted_requests", b"counted_requests", "qps", b"qps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

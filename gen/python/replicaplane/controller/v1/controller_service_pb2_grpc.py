@@ -183,7 +183,9 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportLoad(self, request, context):
-        """Reports requests a load balancer received, for request-rate autoscaling.
+        """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+        the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+        for a malformed report, NOT_FOUND for an unknown service.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

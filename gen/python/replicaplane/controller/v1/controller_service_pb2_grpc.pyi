@@ -64,7 +64,10 @@ class ControllerServiceStub:
     WatchService: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]
     """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
     ReportLoad: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]
-    """Reports requests a load balancer received, for request-rate autoscaling."""
+    """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+    the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+    for a malformed report, NOT_FOUND for an unknown service.
+    """
     WatchEndpoints: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]
     """Streams the READY endpoints of a service's active versions: the full set on every change."""
     StreamReplicaLogs: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]
@@ -110,7 +113,10 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     WatchService: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]  # type: ignore[assignment]
     """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
     ReportLoad: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]  # type: ignore[assignment]
-    """Reports requests a load balancer received, for request-rate autoscaling."""
+    """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+    the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+    for a malformed report, NOT_FOUND for an unknown service.
+    """
     WatchEndpoints: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]  # type: ignore[assignment]
     """Streams the READY endpoints of a service's active versions: the full set on every change."""
     StreamReplicaLogs: _aio.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]  # type: ignore[assignment]
@@ -219,7 +225,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.ReportLoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_service_pb2.ReportLoadResponse, _abc.Awaitable[_controller_service_pb2.ReportLoadResponse]]:
-        """Reports requests a load balancer received, for request-rate autoscaling."""
+        """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+        the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+        for a malformed report, NOT_FOUND for an unknown service.
+        """
 
     @_abc_1.abstractmethod
     def WatchEndpoints(
