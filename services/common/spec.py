@@ -38,6 +38,8 @@ MAX_YAML_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
 MAX_NAME_LEN = 63
 MAX_REPLICAS_PER_SERVICE = 1000
+# A readiness probe body nests a few levels; deeper ones only exhaust the JSON codec's stack.
+MAX_POST_DATA_DEPTH = 64
 _INT32_MAX = 2**31 - 1
 # The largest value a google.protobuf.Duration can hold.
 _MAX_DURATION_S = 315_576_000_000
@@ -730,6 +732,7 @@ def _post_data(c: _Checker, raw: Any, path: str) -> str:
     if raw is None:
         return ""
     value = raw
+    too_deep = f"must not nest lists and mappings more than {MAX_POST_DATA_DEPTH} levels deep"
     if isinstance(raw, str):
         try:
             value = json.loads(raw)
@@ -737,16 +740,41 @@ def _post_data(c: _Checker, raw: Any, path: str) -> str:
             # The decoder's message quotes the text; the body may hold a token, so say less.
             c.add(path, "a string post_data must be valid JSON")
             return ""
+        except RecursionError:
+            c.add(path, too_deep)
+            return ""
     elif not isinstance(raw, Mapping):
         c.add(path, f"must be a mapping or a JSON string, got {_kind(raw)}")
         return ""
     if value is None:
+        return ""
+    if _nesting(value) > MAX_POST_DATA_DEPTH:
+        c.add(path, too_deep)
         return ""
     try:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         c.add(path, "must hold only JSON values (strings, numbers, booleans, null, lists, mappings)")
         return ""
+
+
+def _nesting(value: Any) -> int:
+    """How deeply lists and mappings nest in a loaded value (a scalar is 0); no recursion."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        node, level = pending.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_POST_DATA_DEPTH:
+            break
+        pending.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _headers(c: _Checker, raw: Any, path: str) -> dict[str, str]:

@@ -19,6 +19,21 @@ BAD_SPECS = [
     ("integer over 4300 digits", PROBE.replace("replicas: 1", "replicas: " + "9" * 5000), "yaml"),
     ("integer over 4300 digits in envs", PROBE + "envs:\n  BIG: " + "9" * 5000 + "\n", "yaml"),
     ("deeply nested post_data", PROBE.replace("/health", "{path: /, post_data: " + "[" * 400 + "]" * 400 + "}"), ""),
+    (
+        "post_data JSON string nested 1,000 deep",
+        PROBE.replace("/health", "{path: /, post_data: '" + "[" * 1000 + "]" * 1000 + "'}"),
+        "service.readiness_probe.post_data",
+    ),
+    (
+        "post_data JSON object nested 1,000 deep",
+        PROBE.replace("/health", "{path: /, post_data: '" + '{"a": ' * 1000 + "1" + "}" * 1000 + "'}"),
+        "service.readiness_probe.post_data",
+    ),
+    (
+        "post_data mapping nested 100 deep",
+        PROBE.replace("/health", "{path: /, post_data: " + "{a: " * 100 + "1" + "}" * 100 + "}"),
+        "service.readiness_probe.post_data",
+    ),
     ("NUL byte in an env value", PROBE + 'envs:\n  A: "x\\0y"\n', "envs.A"),
     ("NUL byte in a secret", PROBE + 'secrets:\n  A: "x\\0y"\n', "secrets.A"),
     ("NUL byte in run", PROBE + 'run: "echo \\0"\n', "run"),

@@ -741,6 +741,21 @@ def test_redacted_masks_secrets_substituted_into_any_field() -> None:
     assert dict(shown.file_mounts) == {"/data/<redacted>": "s3://bucket/<redacted>"}
 
 
+@pytest.mark.parametrize("as_string", [True, False], ids=["json string", "yaml mapping"])
+def test_post_data_may_nest_up_to_the_limit(as_string: bool) -> None:
+    def probe(depth: int) -> str:
+        body = '{"a": ' * (depth - 1) + "[1]" + "}" * (depth - 1)
+        shown = json.dumps(body) if as_string else body
+        return f"service:\n  readiness_probe: {{path: /, post_data: {shown}}}\n" + PORT
+
+    limit = spec.MAX_POST_DATA_DEPTH
+    parsed = spec.parse(probe(limit), name="svc")
+    assert json.loads(parsed.service.readiness_probe.post_data_json)["a"]
+    violations = _violations(probe(limit + 1), name="svc")
+    assert [v.field for v in violations] == ["service.readiness_probe.post_data"]
+    assert f"more than {limit} levels" in violations[0].description
+
+
 def test_shown_yaml_is_re_emitted_without_comments_or_secret_spellings() -> None:
     text = _yaml("""
         # deploy with token zz-secret-42 (a comment is never shown)
