@@ -10,7 +10,6 @@ running ones are watched, launches and teardowns that were in flight are resumed
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
 import dataclasses
@@ -22,7 +21,7 @@ from typing import Any
 
 import tenacity
 
-from services.common import errors
+from services.common import errors, pagetoken
 from services.provisioner import backend as backend_mod
 from services.provisioner import capability, events, logstore, model, retries, slots, store
 
@@ -739,17 +738,12 @@ class Provisioner:
         if page_size < 0:
             raise errors.ValidationError([errors.FieldViolation("page_size", "must not be negative")])
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        start = ""
-        if page_token:
-            try:
-                start = base64.urlsafe_b64decode(page_token.encode()).decode()
-            except (ValueError, UnicodeDecodeError):
-                raise errors.ValidationError([errors.FieldViolation("page_token", "malformed")]) from None
+        start = str(pagetoken.decode(page_token, "replicas", service, position_type=str)) if page_token else ""
         names = sorted(
             n for n, e in self._entries.items() if (not service or e.replica.service == service) and n > start
         )
         page = names[:size]
-        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(names) > size else ""
+        token = pagetoken.encode("replicas", service, page[-1]) if len(names) > size else ""
         return [self._entries[n].replica.copy() for n in page], token
 
     def _snapshot(self) -> builtins.list[model.Replica]:
