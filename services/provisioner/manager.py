@@ -718,7 +718,21 @@ class Provisioner:
     def _get_entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
-            raise errors.NotFoundError(f"replica {name} not found", reason="REPLICA_NOT_FOUND", replica=name)
+            message = f"replica {name} not found"
+            # A bare `{service}-{id}` (as older docs showed) names the replicas it could mean:
+            # the controller's names end in the service's uid.
+            service, _, rid = name.rpartition("-")
+            if service and rid.isascii() and rid.isdigit() and len(rid) <= 18:
+                meant = sorted(
+                    n
+                    for n, e in self._entries.items()
+                    if e.replica.service == service and e.replica.replica_id == int(rid)
+                )
+                if meant:
+                    message += (
+                        f"; replica names are {{service}}-{{replica_id}}-{{uid}}: did you mean {', '.join(meant[:3])}?"
+                    )
+            raise errors.NotFoundError(message, reason="REPLICA_NOT_FOUND", replica=name)
         return entry
 
     def get(self, name: str) -> model.Replica:

@@ -304,6 +304,25 @@ async def test_list_pages_and_refuses_page_tokens_it_did_not_make(stub, state_di
         assert [f for f, _ in decoded.field_violations] == ["page_token"]
 
 
+async def test_a_short_replica_name_is_not_found_with_the_full_name_in_the_message(stub, state_dir) -> None:
+    request = client.launch_request(2, "hello")
+    request.name = "hello-2-1a2b3c4d"  # as the controller names it: {service}-{id}-{uid}
+    await _launch(stub, request)
+    for call in (
+        stub.PreemptReplica(pb.PreemptReplicaRequest(name="hello-2")),
+        stub.GetReplica(pb.GetReplicaRequest(name="hello-2")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "hello-2-1a2b3c4d" in (info.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetReplica(pb.GetReplicaRequest(name="hello-3"))
+    assert info.value.details() == "replica hello-3 not found"
+    got = await stub.PreemptReplica(pb.PreemptReplicaRequest(name="hello-2-1a2b3c4d"))
+    assert got.replica.name == "hello-2-1a2b3c4d"
+
+
 def _plant_log_outside(state_dir: str) -> None:
     # A log directory outside the state dir, where "../../x" would reach.
     outside = pathlib.Path(state_dir).resolve().parent / "x"
