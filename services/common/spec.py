@@ -38,6 +38,8 @@ MAX_YAML_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
 MAX_NAME_LEN = 63
 MAX_REPLICAS_PER_SERVICE = 1000
+# A readiness probe body nests a few levels; deeper ones only exhaust the JSON codec's stack.
+MAX_POST_DATA_DEPTH = 64
 _INT32_MAX = 2**31 - 1
 # The largest value a google.protobuf.Duration can hold.
 _MAX_DURATION_S = 315_576_000_000
@@ -279,10 +281,11 @@ def is_in_place_update(old: spec_pb2.ServiceSpec, new: spec_pb2.ServiceSpec) -> 
 def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
     """Returns a copy safe to show: header and secret values replaced by `<redacted>`.
 
-    Every literal occurrence of a header or secret value in any string of the spec is masked
-    too, since secrets are substituted into `service`, `file_mounts` and `workdir`. A value the
-    YAML spells differently (escaped, folded over lines) is not found in `yaml`, so callers that
-    must never show secrets should not show `yaml` at all.
+    Every occurrence of a header or secret value in any string of the spec is masked too, since
+    secrets are substituted into `service`, `file_mounts` and `workdir`. `yaml` is not the text
+    the user sent but the document re-emitted from its loaded values with the same masking
+    (see `shown_yaml`): YAML can spell one value in many ways, so searching the raw text for
+    it cannot be made safe.
 
     Args:
         spec: A parsed spec.
@@ -301,6 +304,7 @@ def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
         headers[key] = REDACTED
     if values:
         _mask_strings(out, lambda text: mask_secrets(text, values))
+    out.yaml = shown_yaml(spec.yaml, values)
     return out
 
 
@@ -319,6 +323,85 @@ def mask_secrets(text: str, values: list[str]) -> str:
         if value in text:
             text = text.replace(value, REDACTED)
     return text
+
+
+def shown_yaml(yaml_text: str, values: list[str]) -> str:
+    """Re-emits a spec's YAML for display, with header and secret values replaced.
+
+    The text is loaded, every value under `secrets:` and `service.readiness_probe.headers:` is
+    replaced, every key and value holding one of `values` (from `secret_values`) is masked, and
+    the result is dumped again. Masking works on the loaded values, which have one spelling
+    whatever the quoting, escapes, line folding or anchors of the text; the raw text is never
+    returned. Comments and formatting are not kept.
+
+    Args:
+        yaml_text: The YAML a spec was parsed from.
+        values: The values to mask anywhere.
+
+    Returns:
+        The YAML to show; empty if the text does not load (it did when it was accepted).
+    """
+    if not yaml_text:
+        return ""
+    try:
+        config = yaml.load(yaml_text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError, OverflowError, TypeError, RecursionError):
+        return ""
+    if not isinstance(config, dict):
+        return ""
+    # Replaced in place first, where the document says they are secret; aliases of these
+    # mappings elsewhere are replaced with them.
+    secrets = config.get("secrets")
+    service = config.get("service")
+    probe = service.get("readiness_probe") if isinstance(service, Mapping) else None
+    headers = probe.get("headers") if isinstance(probe, Mapping) else None
+    for section in (secrets, headers):
+        if isinstance(section, dict):
+            for key in list(section):
+                section[key] = REDACTED
+    try:
+        return yaml.dump(
+            _hide(config, values),
+            Dumper=_ShownDumper,
+            sort_keys=False,
+            allow_unicode=True,
+            default_flow_style=False,
+            width=100,
+        )
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError):
+        return ""
+
+
+# The values are masked before they are dumped, so the faster C emitter is as safe.
+_SafeDumper: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _ShownDumper(_SafeDumper):  # type: ignore[valid-type,misc]
+    """A safe dumper that writes multi-line strings (run scripts) as literal blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    # PyYAML falls back to a quoted style where a block cannot hold the text exactly.
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_ShownDumper.add_representer(str, _represent_str)
+
+
+def _hide(node: Any, values: list[str]) -> Any:
+    """A copy of loaded YAML with every key and value holding one of `values` masked."""
+    if isinstance(node, str):
+        return mask_secrets(node, values)
+    if isinstance(node, Mapping):
+        return {_hide(key, values): _hide(value, values) for key, value in node.items()}
+    if isinstance(node, list | tuple | set | frozenset):
+        return [_hide(item, values) for item in node]
+    if node is None or not values:
+        return node
+    # A number, boolean, date or bytes: SkyPilot stringifies env and secret values, so a
+    # secret `PIN: 1234` is "1234"; its text is checked the same way.
+    text = node.decode("utf-8", "replace") if isinstance(node, bytes) else str(node)
+    return REDACTED if mask_secrets(text, values) != text else node
 
 
 def _mask_strings(message: Any, fill: Callable[[str], str]) -> None:
@@ -649,6 +732,7 @@ def _post_data(c: _Checker, raw: Any, path: str) -> str:
     if raw is None:
         return ""
     value = raw
+    too_deep = f"must not nest lists and mappings more than {MAX_POST_DATA_DEPTH} levels deep"
     if isinstance(raw, str):
         try:
             value = json.loads(raw)
@@ -656,16 +740,41 @@ def _post_data(c: _Checker, raw: Any, path: str) -> str:
             # The decoder's message quotes the text; the body may hold a token, so say less.
             c.add(path, "a string post_data must be valid JSON")
             return ""
+        except RecursionError:
+            c.add(path, too_deep)
+            return ""
     elif not isinstance(raw, Mapping):
         c.add(path, f"must be a mapping or a JSON string, got {_kind(raw)}")
         return ""
     if value is None:
+        return ""
+    if _nesting(value) > MAX_POST_DATA_DEPTH:
+        c.add(path, too_deep)
         return ""
     try:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         c.add(path, "must hold only JSON values (strings, numbers, booleans, null, lists, mappings)")
         return ""
+
+
+def _nesting(value: Any) -> int:
+    """How deeply lists and mappings nest in a loaded value (a scalar is 0); no recursion."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        node, level = pending.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_POST_DATA_DEPTH:
+            break
+        pending.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _headers(c: _Checker, raw: Any, path: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, pbtime, spec
+from services.common import errors, pagetoken, pbtime, spec
 from services.controller import convert, reconciler, store
 from services.controller.domain import load, placer
 
@@ -208,14 +208,13 @@ class Controller:
         return self._get(name).service()
 
     def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
-        """A page of services in name order; the token is the last name of the page."""
+        """A page of services in name order; the token holds the last name of the page."""
         _check_page_size(page_size)
-        if page_token:
-            errors.require(spec.validate_service_name(page_token, field="page_token"))
+        after = str(pagetoken.decode(page_token, "services", "", position_type=str)) if page_token else ""
         size = min(page_size or 100, _MAX_PAGE)
-        names = sorted(n for n in self._services if n > page_token)
+        names = sorted(n for n in self._services if n > after)
         page = names[:size]
-        token = page[-1] if len(names) > size else ""
+        token = pagetoken.encode("services", "", page[-1]) if len(names) > size else ""
         return [self._services[n].service() for n in page], token
 
     def delete_service(self, name: str, *, purge: bool) -> res.Service:
@@ -239,18 +238,14 @@ class Controller:
     # ---- replicas ------------------------------------------------------------------------
 
     def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
-        """A page of a service's replicas in id order; the token is the last id of the page."""
+        """A page of a service's replicas in id order; the token holds the last id of the page."""
         _check_page_size(page_size)
-        if page_token and not (page_token.isascii() and page_token.isdigit() and len(page_token) <= 10):
-            raise errors.ValidationError(
-                [errors.FieldViolation("page_token", "must be the next_page_token of an earlier page")]
-            )
+        after = int(pagetoken.decode(page_token, "replicas", name, position_type=int)) if page_token else 0
         rec = self._get(name)
         size = min(page_size or 100, _MAX_PAGE)
-        after = int(page_token) if page_token else 0
         ids = sorted(i for i in rec.replicas if i > after)
         page = ids[:size]
-        token = str(page[-1]) if len(ids) > size else ""
+        token = pagetoken.encode("replicas", name, page[-1]) if len(ids) > size else ""
         return [rec.replicas[i] for i in page], token
 
     def get_replica(self, name: str, replica_id: int) -> res.Replica:

@@ -230,6 +230,7 @@ class Store:
         self._depth = 0
         self._owner: object = None
         self.writable = True
+        self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
         try:
             migrate(self._db)
@@ -272,6 +273,7 @@ class Store:
             return
         self.writable = ok
         if ok:
+            self._last_failure = ""
             log.info("the store takes writes again")
         else:
             log.error("the store does not take writes: %s", self.path)
@@ -372,13 +374,26 @@ class Store:
         with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it already
             self._db.execute("ROLLBACK")
 
-    def _unavailable(self, exc: sqlite3.Error) -> errors.UnavailableError:
-        self._set_writable(False)
-        # The message names the failure class only: SQLite errors can quote statements.
-        return errors.UnavailableError(
-            f"the controller's store is unavailable ({type(exc).__name__}: {str(exc)[:80]})",
-            reason="STORE_UNAVAILABLE",
-        )
+    def _unavailable(self, exc: sqlite3.Error, *, writing: bool = True) -> errors.UnavailableError:
+        """The API's error for a failed store call: what failed, in the user's words.
+
+        SQLite's own text names internals and can quote statements or paths, so it goes to
+        the log (once per distinct failure, not every heartbeat) and never into the message.
+        """
+        cause, words = _cause(exc)
+        detail = f"{type(exc).__name__}: {exc}"
+        operation = "write" if writing else "read"
+        if detail != self._last_failure:
+            self._last_failure = detail
+            log.error("the store could not %s %s: %s", operation, self.path, detail)
+        else:
+            log.debug("the store could not %s %s again: %s", operation, self.path, detail)
+        if writing:
+            self._set_writable(False)
+            message = f"the controller could not save the change: {words}; nothing was changed, try again later"
+        else:
+            message = f"the controller could not read its state: {words}; try again later"
+        return errors.UnavailableError(message, reason="STORE_UNAVAILABLE", cause=cause, operation=operation)
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -387,7 +402,10 @@ class Store:
         with self._lock:
             if self._depth and _current_owner() is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
-            yield self._db
+            try:
+                yield self._db
+            except sqlite3.Error as exc:
+                raise self._unavailable(exc, writing=False) from exc
 
     # ---- services ------------------------------------------------------------------------
 
@@ -654,6 +672,26 @@ class Store:
             "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
             (name, version, spec.SerializeToString(), spec.yaml),
         )
+
+
+# What a failed call tells the caller, by SQLite's primary result code: (cause, words).
+_CAUSES = {
+    "SQLITE_BUSY": ("busy", "its state store is busy (another process holds its lock)"),
+    "SQLITE_LOCKED": ("busy", "its state store is busy (another process holds its lock)"),
+    "SQLITE_FULL": ("disk_full", "its disk is full"),
+    "SQLITE_READONLY": ("read_only", "its state store is read-only"),
+    "SQLITE_IOERR": ("disk_error", "its disk reported an error"),
+    "SQLITE_CANTOPEN": ("disk_error", "its disk reported an error"),
+    "SQLITE_CORRUPT": ("damaged", "its state store is damaged"),
+    "SQLITE_NOTADB": ("damaged", "its state store is damaged"),
+}
+
+
+def _cause(exc: sqlite3.Error) -> tuple[str, str]:
+    """(cause, words) for a SQLite error; extended codes (SQLITE_IOERR_WRITE) by their primary."""
+    name = str(getattr(exc, "sqlite_errorname", "") or "")
+    primary = "_".join(name.split("_")[:2])
+    return _CAUSES.get(primary, ("error", "its state store failed"))
 
 
 def _current_owner() -> object:

@@ -10,7 +10,6 @@ running ones are watched, launches and teardowns that were in flight are resumed
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
 import dataclasses
@@ -22,7 +21,7 @@ from typing import Any
 
 import tenacity
 
-from services.common import errors
+from services.common import errors, pagetoken
 from services.provisioner import backend as backend_mod
 from services.provisioner import capability, events, logstore, model, retries, slots, store
 
@@ -719,7 +718,21 @@ class Provisioner:
     def _get_entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
-            raise errors.NotFoundError(f"replica {name} not found", reason="REPLICA_NOT_FOUND", replica=name)
+            message = f"replica {name} not found"
+            # A bare `{service}-{id}` (as older docs showed) names the replicas it could mean:
+            # the controller's names end in the service's uid.
+            service, _, rid = name.rpartition("-")
+            if service and rid.isascii() and rid.isdigit() and len(rid) <= 18:
+                meant = sorted(
+                    n
+                    for n, e in self._entries.items()
+                    if e.replica.service == service and e.replica.replica_id == int(rid)
+                )
+                if meant:
+                    message += (
+                        f"; replica names are {{service}}-{{replica_id}}-{{uid}}: did you mean {', '.join(meant[:3])}?"
+                    )
+            raise errors.NotFoundError(message, reason="REPLICA_NOT_FOUND", replica=name)
         return entry
 
     def get(self, name: str) -> model.Replica:
@@ -739,17 +752,12 @@ class Provisioner:
         if page_size < 0:
             raise errors.ValidationError([errors.FieldViolation("page_size", "must not be negative")])
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        start = ""
-        if page_token:
-            try:
-                start = base64.urlsafe_b64decode(page_token.encode()).decode()
-            except (ValueError, UnicodeDecodeError):
-                raise errors.ValidationError([errors.FieldViolation("page_token", "malformed")]) from None
+        start = str(pagetoken.decode(page_token, "replicas", service, position_type=str)) if page_token else ""
         names = sorted(
             n for n, e in self._entries.items() if (not service or e.replica.service == service) and n > start
         )
         page = names[:size]
-        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(names) > size else ""
+        token = pagetoken.encode("replicas", service, page[-1]) if len(names) > size else ""
         return [self._entries[n].replica.copy() for n in page], token
 
     def _snapshot(self) -> builtins.list[model.Replica]:

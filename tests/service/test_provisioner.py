@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import pathlib
@@ -280,6 +281,46 @@ async def test_bad_requests_are_invalid_argument_with_field_violations(stub, sta
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await client.collect(stub.StreamLogs(pb.StreamLogsRequest(name="svc-7")))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_list_pages_and_refuses_page_tokens_it_did_not_make(stub, state_dir) -> None:
+    for request in (client.launch_request(1), client.launch_request(2), client.launch_request(1, "other")):
+        await _launch(stub, request)
+    first = await stub.ListReplicas(pb.ListReplicasRequest(service="svc", page_size=1))
+    rest = await stub.ListReplicas(pb.ListReplicasRequest(service="svc", page_size=1, page_token=first.next_page_token))
+    assert [r.name for r in [*first.replicas, *rest.replicas]] == ["svc-1", "svc-2"] and not rest.next_page_token
+    made_up = base64.urlsafe_b64encode(b"svc-1").decode()  # a replica name, as tokens once were
+    for service, token in (
+        ("svc", "zzz"),
+        ("svc", "abc"),
+        ("svc", made_up),
+        ("other", first.next_page_token),  # another listing's token
+        ("", first.next_page_token),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListReplicas(pb.ListReplicasRequest(service=service, page_token=token))
+        decoded = grpc_errors.RpcError(info.value)
+        assert decoded.code == grpc.StatusCode.INVALID_ARGUMENT, (service, token)
+        assert [f for f, _ in decoded.field_violations] == ["page_token"]
+
+
+async def test_a_short_replica_name_is_not_found_with_the_full_name_in_the_message(stub, state_dir) -> None:
+    request = client.launch_request(2, "hello")
+    request.name = "hello-2-1a2b3c4d"  # as the controller names it: {service}-{id}-{uid}
+    await _launch(stub, request)
+    for call in (
+        stub.PreemptReplica(pb.PreemptReplicaRequest(name="hello-2")),
+        stub.GetReplica(pb.GetReplicaRequest(name="hello-2")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "hello-2-1a2b3c4d" in (info.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetReplica(pb.GetReplicaRequest(name="hello-3"))
+    assert info.value.details() == "replica hello-3 not found"
+    got = await stub.PreemptReplica(pb.PreemptReplicaRequest(name="hello-2-1a2b3c4d"))
+    assert got.replica.name == "hello-2-1a2b3c4d"
 
 
 def _plant_log_outside(state_dir: str) -> None:

@@ -162,7 +162,9 @@ class ListServicesRequest(_message.Message):
     page_size: _builtins.int
     """Maximum services per page; default 100, maximum 1000."""
     page_token: _builtins.str
-    """Token from a previous response's `next_page_token`."""
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
     def __init__(
         self,
         *,
@@ -337,7 +339,9 @@ class ListReplicasRequest(_message.Message):
     page_size: _builtins.int
     """Maximum replicas per page; default 100, maximum 1000."""
     page_token: _builtins.str
-    """Token from a previous response's `next_page_token`."""
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
     def __init__(
         self,
         *,

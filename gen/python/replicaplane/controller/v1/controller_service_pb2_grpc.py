@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class ControllerServiceStub:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def __init__(self, channel):
@@ -105,7 +106,8 @@ class ControllerServiceStub:
 
 class ControllerServiceServicer:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def CreateService(self, request, context):
@@ -286,7 +288,8 @@ def add_ControllerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ControllerService:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @staticmethod

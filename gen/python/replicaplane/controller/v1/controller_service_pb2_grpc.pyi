@@ -28,7 +28,8 @@ GRPC_VERSION: str
 
 class ControllerServiceStub:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @_typing.overload
@@ -80,7 +81,8 @@ class ControllerServiceStub:
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -128,7 +130,8 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @_abc_1.abstractmethod

@@ -359,7 +359,10 @@ class Replica(_message.Message):
     replica_id: _builtins.int
     """Per-service id, starting at 1, never reused."""
     replica_name: _builtins.str
-    """Backend name of the replica: `{service}-{replica_id}`."""
+    """Backend name of the replica: `{service}-{replica_id}-{uid}`, `uid` being 8 hex digits
+    unique to this incarnation of the service name (services created before uids existed
+    keep `{service}-{replica_id}`). The provisioner knows the replica by this name only.
+    """
     version: _builtins.int
     """The service version this replica runs."""
     status: Global___ReplicaStatus.ValueType

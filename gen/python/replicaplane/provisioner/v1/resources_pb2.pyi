@@ -295,7 +295,10 @@ class ProvisionedReplica(_message.Message):
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Replica name, the launch key: `{service}-{replica_id}`."""
+    """Replica name, the launch key (the `LaunchRequest.name` it was launched with). The
+    controller names replicas `{service}-{replica_id}-{uid}`, `uid` being 8 hex digits unique to
+    the service's incarnation; a bare `{service}-{replica_id}` is a different name.
+    """
     service: _builtins.str
     """The service name."""
     replica_id: _builtins.int
