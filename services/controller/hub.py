@@ -108,7 +108,7 @@ class ServiceHub:
         for w in list(self._subscribers):
             if not w.offer(msg):
                 self._subscribers.discard(w)
-                log.warning("dropped a WatchService stream of %s that fell %d changes behind", service.name, QUEUE_LIMIT)
+                log.warning("dropped a WatchService stream of %s: %d changes behind", service.name, QUEUE_LIMIT)
         if deleted:
             self.close()
 

@@ -137,7 +137,7 @@ async def test_replicactl_watch_resumes_a_dropped_watch_and_misses_nothing(tmp_p
             assert await asyncio.wait_for(watching, 20) == cli.OK
         finally:
             client.close()
-        assert "dropped a WatchService stream of svc" in caplog.text
+        assert "dropped a WatchService stream of svc:" in caplog.text
         changes = [json.loads(line)["change"] for line in out.getvalue().splitlines()]
         sequences = [int(c["sequence"]) for c in changes]
         assert sequences == list(range(sequences[0], sequences[0] + len(sequences)))
