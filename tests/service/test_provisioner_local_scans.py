@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import threading
 
 from services.provisioner import backend, local, model, procs
@@ -31,21 +30,22 @@ async def test_the_local_backend_never_scans_proc_on_the_event_loop(tmp_path, mo
     loop_thread = threading.get_ident()
     state = str(tmp_path / "state")
     # A process of a replica this provisioner does not know: start() must find and kill it.
-    stray = subprocess.Popen(
-        ["sleep", "60"], env={**os.environ, local.OWNER_ENV: os.path.abspath(state), local.TOKEN_ENV: "unknown"}
+    stray = await asyncio.create_subprocess_exec(
+        "sleep", "60", env={**os.environ, local.OWNER_ENV: state, local.TOKEN_ENV: "unknown"}
     )
     backend_ = local.LocalBackend(state, network="port")
     try:
         await backend_.start()
-        assert await asyncio.to_thread(stray.wait, 10) == -9
+        assert await asyncio.wait_for(stray.wait(), 10) == -9
         # Ignores SIGTERM, so the teardown polls the group through its grace, then SIGKILLs.
         await backend_.create(_request(tmp_path, "svc-1-a", "trap '' TERM; while true; do sleep 0.05; done"))
         await backend_.create(_request(tmp_path, "svc-2-b", "sleep 60"))
         await asyncio.gather(backend_.delete("svc-1-a", grace_s=0.3), backend_.preempt("svc-2-b"))
         await backend_.delete("svc-2-b", grace_s=0)
     finally:
-        stray.kill()
-        stray.wait()
+        if stray.returncode is None:
+            stray.kill()
+            await stray.wait()
         await backend_.close()
     assert scans, "nothing looked at /proc: the test did not exercise the scans"
     assert loop_thread not in scans
