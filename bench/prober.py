@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2  # noqa: E402
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb  # noqa: E402
 from services.common import probe_fleet  # noqa: E402
-from tests.helpers import prober_apps, procs  # noqa: E402
+from tests.helpers import ports, prober_apps, procs  # noqa: E402
 
 TARGETS = int(os.environ.get("BENCH_TARGETS", "100"))
 INTERVAL_S = float(os.environ.get("BENCH_INTERVAL", "0.005"))
@@ -83,19 +83,15 @@ async def throughput(probers: int) -> float:
 async def _detect_once(fleet: probe_fleet.ProbeFleet, ready: dict[str, asyncio.Future[float]], i: int) -> float:
     """Upsert a starting target whose app is down, start the app, return ms until READY."""
     target_id = f"r{i}"
-    port = prober_apps.free_port()
+    down = ports.Reserved()  # refuses connections until the app listens on its socket
     loop = asyncio.get_running_loop()
     ready[target_id] = loop.create_future()
-    fleet.upsert(
-        pb.ProbeTarget(
-            target_id=target_id, url=f"http://127.0.0.1:{port}", path="/", starting=True, interval=_duration(10)
-        )
-    )
+    fleet.upsert(pb.ProbeTarget(target_id=target_id, url=down.url, path="/", starting=True, interval=_duration(10)))
     # Let a few fast probes fail first, at a random phase of the fast interval.
     await asyncio.sleep(random.uniform(0.15, 0.35))
     app = prober_apps.App()
     started = time.perf_counter()
-    await app.start(port)
+    await app.start(sock=down.take())
     try:
         seen = await asyncio.wait_for(ready[target_id], 5)
         return (seen - started) * 1000

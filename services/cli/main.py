@@ -165,6 +165,35 @@ class Client:
         except grpc.RpcError as err:
             raise _rpc_error(err, controller=self.addr) from None
 
+    def watch(self, name: str, *, timeout: float | None = None) -> Iterator[pb.WatchServiceResponse]:
+        """A snapshot of service `name`, then every change.
+
+        The controller drops a watch that falls too far behind (RESOURCE_EXHAUSTED,
+        WATCH_FELL_BEHIND); it is resumed from the last change received, so nothing is missed.
+
+        Raises:
+            grpc.RpcError: any other failure of the stream (DEADLINE_EXCEEDED after `timeout`).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        after = 0
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            request = pb.WatchServiceRequest(service_name=name, after_sequence=after)
+            got = False
+            try:
+                for msg in self.stub.WatchService(request, timeout=left, metadata=self.metadata):
+                    got = True
+                    after = msg.sequence
+                    yield msg
+                return
+            except grpc.RpcError as err:
+                decoded = grpc_errors.RpcError(err)
+                if not got or (decoded.code, decoded.reason) != (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "WATCH_FELL_BEHIND",
+                ):
+                    raise
+
     def replicas(self, name: str) -> list[res.Replica]:
         """Every replica of a service (all pages)."""
         out: list[res.Replica] = []
@@ -218,11 +247,8 @@ def wait_for(
     """Print the service's changes until `done(service)`; fail if it fails or time runs out."""
     printer = watchlines.WatchPrinter()
     deadline = time.monotonic() + timeout
-    call = client.stub.WatchService(
-        pb.WatchServiceRequest(service_name=name), timeout=timeout, metadata=client.metadata
-    )
     try:
-        for msg in call:
+        for msg in client.watch(name, timeout=timeout):
             for line in printer.lines(msg):
                 _say(out, line)
             svc = msg.service
@@ -365,14 +391,17 @@ def cmd_logs(args: argparse.Namespace, client: Client, out: TextIO) -> int:
 def cmd_watch(args: argparse.Namespace, client: Client, out: TextIO) -> int:
     """Print changes until the service is deleted (or Ctrl-C)."""
     printer = watchlines.WatchPrinter()
-    for msg in client.stream("WatchService", pb.WatchServiceRequest(service_name=args.name)):
-        if args.json:
-            print(render.to_json({"change": msg}, indent=None), file=out, flush=True)
-        else:
-            for line in printer.lines(msg):
-                _say(out, line)
-        if msg.deleted:
-            break
+    try:
+        for msg in client.watch(args.name):
+            if args.json:
+                print(render.to_json({"change": msg}, indent=None), file=out, flush=True)
+            else:
+                for line in printer.lines(msg):
+                    _say(out, line)
+            if msg.deleted:
+                break
+    except grpc.RpcError as err:
+        raise _rpc_error(err, controller=client.addr) from None
     return OK
 
 

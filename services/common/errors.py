@@ -86,6 +86,12 @@ class UnavailableError(ReplicaplaneError):
     reason = "UNAVAILABLE"
 
 
+class ResourceExhaustedError(ReplicaplaneError):
+    """A limit of the caller's own use was reached (a watch fell too far behind, for one)."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+
 def require(violations: list[FieldViolation], *, subject: str = "request") -> None:
     """Raise ValidationError if any violation was collected."""
     if violations:

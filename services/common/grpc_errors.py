@@ -22,6 +22,7 @@ _CODES: list[tuple[type[errors.ReplicaplaneError], grpc.StatusCode]] = [
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AbortedError, grpc.StatusCode.ABORTED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 
@@ -165,6 +166,7 @@ class RpcError(Exception):
         self.code: grpc.StatusCode = err.code()
         self.message: str = err.details() or ""
         self.reason = ""
+        self.metadata: dict[str, str] = {}
         self.field_violations: list[tuple[str, str]] = []
         status = rpc_status.from_call(err)
         if status is not None:
@@ -173,6 +175,7 @@ class RpcError(Exception):
                     info = error_details_pb2.ErrorInfo()
                     detail.Unpack(info)
                     self.reason = info.reason
+                    self.metadata = dict(info.metadata)
                 elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                     bad = error_details_pb2.BadRequest()
                     detail.Unpack(bad)

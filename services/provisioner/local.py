@@ -109,6 +109,9 @@ class LocalBackend(backend.Backend):
         self._handles: dict[str, _Handle] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
+        # /proc scans take milliseconds per call and grow with the host's processes: they
+        # run in a worker thread, one at a time, shared by every teardown that waits.
+        self._scanner = procs.Scanner((OWNER_ENV, TOKEN_ENV))
         self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -133,8 +136,8 @@ class LocalBackend(backend.Backend):
         known = {h.token for h in self._handles.values()}
         strays = [
             pid
-            for pid in procs.pids_with_env(OWNER_ENV, self._state_dir)
-            if procs.env_value(pid, TOKEN_ENV) not in known
+            for pid, env in (await self._scanner.env_table()).items()
+            if env.get(OWNER_ENV) == self._state_dir and env.get(TOKEN_ENV) not in known
         ]
         if strays:
             log.warning("killing %d processes of replicas this provisioner does not know", len(strays))
@@ -143,6 +146,7 @@ class LocalBackend(backend.Backend):
     async def close(self) -> None:
         """Stop watching; the replica processes keep running and are re-found on start()."""
         self._watcher.close()
+        self._scanner.close()
 
     # ---- backend interface -----------------------------------------------------------------
 
@@ -421,10 +425,13 @@ class LocalBackend(backend.Backend):
         ok = True
         for pgid in (handle.pgid, handle.setup_pgid):
             if pgid:
-                ok = await procs.kill_group(pgid, grace_s=grace_s, reap=functools.partial(self._reap, pgid)) and ok
+                reap = functools.partial(self._reap, pgid)
+                alive = self._scanner.group_alive
+                ok = await procs.kill_group(pgid, grace_s=grace_s, alive=alive, reap=reap) and ok
                 self._reap(pgid)  # it may have turned zombie right after the last look
         for _ in range(50):  # bounded: strays get SIGKILL and die within milliseconds
-            strays = procs.pids_with_env(TOKEN_ENV, handle.token)
+            table = await self._scanner.env_table()
+            strays = [pid for pid, env in table.items() if env.get(TOKEN_ENV) == handle.token]
             if not strays:
                 break
             procs.signal_pids(strays, signal.SIGKILL)

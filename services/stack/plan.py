@@ -34,9 +34,11 @@ class ProcessSpec:
         component: the service package: controller, provisioner, prober or loadbalancer.
         argv: the command line.
         env: the REPLICAPLANE_* variables the process gets on top of the caller's environment.
-        addr: host:port it listens on.
+        addr: host:port it listens on; port 0 lets the process pick one and report it.
         grpc_service: full name of its gRPC service, for the health check.
-        url: the HTTP URL it serves users on, if any (the load balancer).
+        url: the HTTP URL it serves users on, if any (the load balancer); port 0 as in `addr`.
+        needs: env variable -> the processes whose addresses (comma-separated) it holds. `env`
+            has them for the planned ports; `resolve` puts in the ports actually bound.
     """
 
     name: str
@@ -46,6 +48,7 @@ class ProcessSpec:
     addr: str
     grpc_service: str
     url: str = ""
+    needs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -68,12 +71,23 @@ def dial_addr(listen_addr: str) -> str:
     return f"{host}:{port}"
 
 
-def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
-    var = config.env_name(section, "listen_addr")
+def _listen(environ: Mapping[str, str], section: str, default: str, field: str = "listen_addr") -> str:
+    var = config.env_name(section, field)
     addr = environ.get(var) or default
-    if split_addr(addr)[1] == 0:
-        raise ValueError(f"{var}: the stack needs a fixed port, got {addr}")
+    try:
+        split_addr(addr)
+    except ValueError as exc:
+        raise ValueError(f"{var}: {exc}") from None
     return addr
+
+
+def resolve(spec: ProcessSpec, bound: Mapping[str, str]) -> dict[str, str]:
+    """`spec.env` with the addresses it needs taken from `bound` (process name -> host:port
+    it listens on, with the port it got)."""
+    env = dict(spec.env)
+    for var, names in spec.needs.items():
+        env[var] = ",".join(dial_addr(bound[n]) for n in names)
+    return env
 
 
 def plan(
@@ -87,7 +101,8 @@ def plan(
 
     Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
     defaults; probers listen on the prober port and the ports after it, skipping the other
-    services' ports.
+    services' ports. Port 0 (tests, several stacks on one machine) lets each process pick a
+    free port; the runner reads the ports they got before starting the processes that dial them.
 
     Args:
         probers: number of prober processes, at least 1.
@@ -99,7 +114,7 @@ def plan(
         One ProcessSpec per process.
 
     Raises:
-        ValueError: probers < 1, or an address without a fixed port.
+        ValueError: probers < 1, or an address that is not host:port.
     """
     if probers < 1:
         raise ValueError(f"probers must be at least 1, got {probers}")
@@ -108,15 +123,12 @@ def plan(
     provisioner_addr = _listen(env, "provisioner", config.PROVISIONER_ADDR)
     controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
     balancer_addr = _listen(env, "loadbalancer", config.LOADBALANCER_ADDR)
-    http_var = config.env_name("loadbalancer", "http_addr")
-    http_addr = env.get(http_var) or config.LOADBALANCER_HTTP_ADDR
-    if split_addr(http_addr)[1] == 0:
-        raise ValueError(f"{http_var}: the stack needs a fixed port, got {http_addr}")
+    http_addr = _listen(env, "loadbalancer", config.LOADBALANCER_HTTP_ADDR, "http_addr")
     # Probers count up from the prober port, stepping over the other services' ports (the
-    # balancer's 50054 sits right after the first prober's 50053).
+    # balancer's 50054 sits right after the first prober's 50053); with port 0 each picks.
     taken = {split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)}
     prober_host, port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
-    prober_addrs: list[str] = []
+    prober_addrs = [f"{prober_host}:0"] * probers if port == 0 else []
     while len(prober_addrs) < probers:
         if port not in taken:
             prober_addrs.append(f"{prober_host}:{port}")
@@ -161,6 +173,10 @@ def plan(
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
+            needs={
+                "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
+                "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": tuple(f"prober-{i}" for i in range(1, probers + 1)),
+            },
         )
     )
     specs.append(
@@ -177,6 +193,7 @@ def plan(
             addr=balancer_addr,
             grpc_service=LOADBALANCER_SERVICE,
             url=f"http://{dial_addr(http_addr)}",
+            needs={"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)},
         )
     )
     return specs

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from services.common import config
 from services.stack import api, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,6 +114,12 @@ class StateFiles:
         return os.path.join(self.state_dir, "logs")
 
     @property
+    def port_dir(self) -> str:
+        """Port files: each process writes the port it bound there (`<name>.port`, and
+        `<name>.http.port` for the balancer's HTTP port)."""
+        return os.path.join(self.state_dir, "ports")
+
+    @property
     def result_path(self) -> str:
         """JSON the stopping stack leaves for `down`: the services it could not delete."""
         return os.path.join(self.state_dir, "stack.result.json")
@@ -158,7 +165,15 @@ class Stack:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.created: list[str] = []
         self.ready = False
-        self.controller_addr = plan.dial_addr(next(s.addr for s in self.specs if s.component == "controller"))
+        # Where each process listens and serves HTTP; a planned port 0 becomes the bound one.
+        self.addrs = {s.name: s.addr for s in self.specs}
+        self.urls = {s.name: s.url for s in self.specs if s.url}
+        self._controller = next(s.name for s in self.specs if s.component == "controller")
+
+    @property
+    def controller_addr(self) -> str:
+        """Where clients dial the controller (known once it bound its port)."""
+        return plan.dial_addr(self.addrs[self._controller])
 
     def save(self) -> None:
         """Record what is running, for `down` and for a waiting `up --detach`."""
@@ -168,31 +183,82 @@ class Stack:
             "controller": self.controller_addr,
             "services": self.created,
             "processes": [
-                {"name": s.name, "pid": self.procs[s.name].pid, "addr": s.addr}
+                {"name": s.name, "pid": self.procs[s.name].pid, "addr": self.addrs[s.name]}
+                | ({"url": self.urls[s.name]} if s.name in self.urls else {})
                 for s in self.specs
                 if s.name in self.procs
             ],
         }
         self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
 
-    def start(self) -> None:
-        """Start every process, each in its own session, logging to the log dir."""
+    def _port_files(self, spec: plan.ProcessSpec) -> dict[str, str]:
+        files = {config.env_name(spec.component, "port_file"): os.path.join(self.files.port_dir, f"{spec.name}.port")}
+        if spec.url:
+            http = os.path.join(self.files.port_dir, f"{spec.name}.http.port")
+            files[config.env_name(spec.component, "http_port_file")] = http
+        return files
+
+    def _launch(self, spec: plan.ProcessSpec, env: dict[str, str]) -> None:
+        for path in self._port_files(spec).values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a stale port from an earlier run
+        log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
+        with open(log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
+            log.flush()
+            self.procs[spec.name] = subprocess.Popen(
+                spec.argv,
+                cwd=REPO,
+                env=child_env(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def start(self, timeout: float) -> None:
+        """Start every process, each in its own session, logging to the log dir.
+
+        A process that dials others starts once they have bound their ports (with port 0 it
+        learns them from their port files); the others start at once.
+
+        Raises:
+            api.StackError: a process it waits for exited or reported no port in `timeout` s.
+        """
         os.makedirs(self.files.log_dir, exist_ok=True)
+        os.makedirs(self.files.port_dir, exist_ok=True)
         for spec in self.specs:
-            log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
-            with open(log_path, "ab") as log:
-                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
-                log.flush()
-                self.procs[spec.name] = subprocess.Popen(
-                    spec.argv,
-                    cwd=REPO,
-                    env=child_env(dict(spec.env)),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            for name in {n for names in spec.needs.values() for n in names}:
+                await self.bound(name, timeout)
+            self._launch(spec, {**plan.resolve(spec, self.addrs), **self._port_files(spec)})
             self.save()
+
+    async def bound(self, name: str, timeout: float) -> None:
+        """Wait until process `name` has bound its planned port 0 (ports and URL), if it had one.
+
+        Raises:
+            api.StackError: it exited first, or wrote no port file in `timeout` s.
+        """
+        spec = next(s for s in self.specs if s.name == name)
+        host, port = plan.split_addr(self.addrs[name])
+        url_host, url_port = plan.split_addr(self.urls[name].removeprefix("http://")) if spec.url else ("", 1)
+        if port and url_port:
+            return
+        files = self._port_files(spec)
+        paths = list(files.values())
+        deadline = time.monotonic() + timeout
+        while not _all_exist(paths):
+            if (code := self.procs[name].poll()) is not None:
+                log = os.path.join(self.files.log_dir, f"{name}.log")
+                raise api.StackError(f"{name} exited with code {code} before it served; see {log}")
+            if time.monotonic() > deadline:
+                raise api.StackError(f"{name} reported no port in {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+        ports = [int(await asyncio.to_thread(_read, p)) for p in paths]
+        self.addrs[name] = f"{host}:{ports[0]}"
+        if spec.url:
+            self.urls[name] = f"http://{url_host}:{ports[1]}"
+        self.save()
 
     def exited(self) -> str | None:
         """A message naming the first process that exited, or None while all run."""
@@ -206,14 +272,17 @@ class Stack:
     async def wait_serving(self, timeout: float) -> None:
         """Wait until every process's health check says SERVING."""
         for spec in self.specs:
+            await self.bound(spec.name, timeout)
             proc = self.procs[spec.name]
             alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
             var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
             tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
-            await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
-            self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            addr = self.addrs[spec.name]
+            await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
+            self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
             if spec.url:
-                self.out(f"{spec.name}: {spec.env.get('REPLICAPLANE_LOADBALANCER_SERVICE_NAME', '')} at {spec.url}")
+                service = spec.env.get("REPLICAPLANE_LOADBALANCER_SERVICE_NAME", "")
+                self.out(f"{spec.name}: {service} at {self.urls[spec.name]}")
 
     async def watch_exits(self) -> str:
         """Return once a process exits (bounded by the caller's cancellation)."""
@@ -252,7 +321,7 @@ class Stack:
 
 
 async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
-    stack.start()
+    await stack.start(ready_timeout)
     await stack.wait_serving(ready_timeout)
     client = api.Controller(stack.controller_addr)
     try:
@@ -439,6 +508,15 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         return 1
     out("stack stopped")
     return 1 if failed else 0
+
+
+def _all_exist(paths: Sequence[str]) -> bool:
+    return all(os.path.exists(p) for p in paths)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().strip()
 
 
 def _read_result(files: StateFiles) -> list[str] | None:

@@ -194,7 +194,7 @@ def test_replicactl_stack_up_and_down(tmp_path) -> None:
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "stack running in the background" in up.stdout
-        addr = env["REPLICAPLANE_CONTROLLER_LISTEN_ADDR"]
+        addr = json.loads(pathlib.Path(state, "stack.json").read_text())["controller"]
         status = run("--controller", addr, "status")
         assert (status.returncode, status.stdout.strip()) == (0, "No services.")
     finally:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc, resources_pb2
+from tests.helpers import ports
 
 pytestmark = pytest.mark.e2e
 
@@ -27,43 +27,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports (held together while picked, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def free_port_run(n: int, avoid: list[int]) -> int:
-    """The first of `n` consecutive free loopback ports, none in `avoid` (prober i listens on the
-    first + i - 1)."""
-    for _ in range(50):
-        first = free_ports(1)[0]
-        if set(range(first, first + n)) & set(avoid):
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(first, first + n):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def stack_env(probers: int = 1) -> dict[str, str]:
-    controller, provisioner, balancer, balancer_http = free_ports(4)
-    prober = free_port_run(probers, avoid=[controller, provisioner, balancer, balancer_http])
+def stack_env() -> dict[str, str]:
+    """Every service of the stack on port 0: each binds a free port and reports it (the stack
+    records them in stack.json), so no port is picked here and taken by another process before
+    the service binds it."""
     return {
         **os.environ,
-        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
-        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
     }
+
+
+def balancer_url(state: dict) -> str:
+    """The stack's load balancer URL, with the port it bound (from stack.json)."""
+    return next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
 
 
 def stack(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -155,11 +135,15 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
             body = json.loads(resp.read())
         assert body["message"] == f"hello from replica {replica_id}"
     # One URL for the service: the stack's balancer reaches both replicas.
-    balancer_url = f"http://{env['REPLICAPLANE_LOADBALANCER_HTTP_ADDR']}"
+    url = balancer_url(state)
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+    assert len({p["addr"] for p in state["processes"]}) == 4 and all(
+        not p["addr"].endswith(":0") for p in state["processes"]
+    )
     seen = set()
     for _ in range(20):
         try:
-            with urllib.request.urlopen(f"{balancer_url}/", timeout=10) as resp:
+            with urllib.request.urlopen(f"{url}/", timeout=10) as resp:
                 seen.add(json.loads(resp.read())["message"])
         except urllib.error.HTTPError as exc:  # 503 until the balancer has the endpoints
             assert exc.code == 503, exc
@@ -183,7 +167,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
 
 
 def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> None:
-    env = stack_env(probers=2)
+    env = stack_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--probers", "2"],
         cwd=REPO,
@@ -211,8 +195,8 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
         # The container health check command, against a live and a dead address.
         service = "replicaplane.controller.v1.ControllerService"
         assert stack("health", state["controller"], "--service", service, env=env, timeout=30).returncode == 0
-        dead = f"127.0.0.1:{free_ports(1)[0]}"
-        assert stack("health", dead, "--timeout", "1", env=env, timeout=30).returncode == 1
+        with ports.Reserved() as dead:
+            assert stack("health", dead.addr, "--timeout", "1", env=env, timeout=30).returncode == 1
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:

@@ -169,13 +169,40 @@ def test_plan_default_probers_skip_the_ports_of_the_other_services() -> None:
     assert probers == ["127.0.0.1:50053", "127.0.0.1:50055", "127.0.0.1:50056"]
 
 
+def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_serve() -> None:
+    environ = {
+        config.env_name(section, "listen_addr"): "127.0.0.1:0"
+        for section in ("controller", "provisioner", "prober", "loadbalancer")
+    }
+    environ[config.env_name("loadbalancer", "http_addr")] = "127.0.0.1:0"
+    specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
+    assert [s.addr for s in specs.values()] == ["127.0.0.1:0"] * 5
+    # Addresses of peers are filled in at start, from the ports the peers report.
+    assert specs["controller"].needs == {
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ("prober-1", "prober-2"),
+    }
+    assert specs["loadbalancer"].needs == {"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)}
+    assert specs["loadbalancer"].url == "http://127.0.0.1:0"
+    assert not specs["provisioner"].needs
+
+
+def test_peer_addresses_come_from_the_ports_the_peers_bound() -> None:
+    specs = plan.plan(probers=2, environ={config.env_name("prober", "listen_addr"): "127.0.0.1:0"})
+    bound = {"provisioner": "0.0.0.0:50052", "prober-1": "127.0.0.1:41001", "prober-2": "127.0.0.1:41002"}
+    controller = next(s for s in specs if s.name == "controller")
+    env = plan.resolve(controller, bound)
+    assert env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "127.0.0.1:50052"
+    assert env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == "127.0.0.1:41001,127.0.0.1:41002"
+    assert env["REPLICAPLANE_CONTROLLER_STATE_DIR"] == controller.env["REPLICAPLANE_CONTROLLER_STATE_DIR"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"probers": 0}, "at least 1"),
-        ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0"}}, "fixed port"),
         ({"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere"}}, "host:port"),
-        ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0"}}, "fixed port"),
+        ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1"}}, "host:port"),
     ],
 )
 def test_plan_rejects_what_cannot_run(kwargs, message) -> None:

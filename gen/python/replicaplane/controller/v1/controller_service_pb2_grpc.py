@@ -179,6 +179,8 @@ class ControllerServiceServicer:
 
     def WatchService(self, request, context):
         """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+        A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +197,8 @@ class ControllerServiceServicer:
 
     def WatchEndpoints(self, request, context):
         """Streams the READY endpoints of a service's active versions: the full set on every change.
+        A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,14 +63,20 @@ class ControllerServiceStub:
     PurgeReplicas: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.PurgeReplicasRequest, _controller_service_pb2.PurgeReplicasResponse]
     """Removes every failed replica record of a service, tearing down what is left."""
     WatchService: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]
-    """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+    """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+    A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+    """
     ReportLoad: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]
     """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
     the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
     for a malformed report, NOT_FOUND for an unknown service.
     """
     WatchEndpoints: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]
-    """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    """Streams the READY endpoints of a service's active versions: the full set on every change.
+    A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+    """
     StreamReplicaLogs: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]
     """Streams a replica's log (app output by default, or the launch log) from the provisioner;
     with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
@@ -113,14 +119,20 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     PurgeReplicas: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.PurgeReplicasRequest, _controller_service_pb2.PurgeReplicasResponse]  # type: ignore[assignment]
     """Removes every failed replica record of a service, tearing down what is left."""
     WatchService: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]  # type: ignore[assignment]
-    """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+    """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+    A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+    """
     ReportLoad: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]  # type: ignore[assignment]
     """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
     the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
     for a malformed report, NOT_FOUND for an unknown service.
     """
     WatchEndpoints: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]  # type: ignore[assignment]
-    """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    """Streams the READY endpoints of a service's active versions: the full set on every change.
+    A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+    """
     StreamReplicaLogs: _aio.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]  # type: ignore[assignment]
     """Streams a replica's log (app output by default, or the launch log) from the provisioner;
     with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
@@ -220,7 +232,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.WatchServiceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchServiceResponse], _abc.AsyncIterator[_controller_service_pb2.WatchServiceResponse]]:
-        """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+        """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+        A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+        """
 
     @_abc_1.abstractmethod
     def ReportLoad(
@@ -239,7 +254,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.WatchEndpointsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchEndpointsResponse], _abc.AsyncIterator[_controller_service_pb2.WatchEndpointsResponse]]:
-        """Streams the READY endpoints of a service's active versions: the full set on every change."""
+        """Streams the READY endpoints of a service's active versions: the full set on every change.
+        A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+        """
 
     @_abc_1.abstractmethod
     def StreamReplicaLogs(
