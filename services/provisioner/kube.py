@@ -213,7 +213,7 @@ class _Api:
             stop=tenacity.stop_after_attempt(max(1, self._opts.api_attempts) if retry else 1),
             wait=self._wait,
             retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ApiError) and exc.transient),
-            before_sleep=lambda state: log.info(
+            before_sleep=lambda state: log.warning(
                 "kubernetes API %s failed (%s); try %d of %d",
                 method,
                 describe(state.outcome.exception()) if state.outcome else "?",  # type: ignore[arg-type]
@@ -470,7 +470,10 @@ class KubernetesBackend(backend.Backend):
         except kube_objects.ManifestError as exc:
             raise backend.LaunchError(str(exc), permanent=True) from None
         if launch.name in self._tracked:
-            await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            try:
+                await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            except backend.TeardownError as exc:
+                raise backend.LaunchError(f"the earlier attempt's objects could not be removed: {exc}") from None
         obj = pod["metadata"]["name"]
         tracked = _Tracked(
             name=launch.name,
