@@ -160,6 +160,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
         kubernetes_instance="",
         kubernetes_endpoint="service",
         kubernetes_watch_idle_s=0,
+        kubernetes_api_attempts=0,
+        kubernetes_api_backoff_s=-1,
     )
     with pytest.raises(errors.ValidationError) as caught:
         server.make_backend(settings)
@@ -175,6 +177,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
             "instance",
             "endpoint",
             "watch_idle_s",
+            "api_attempts",
+            "api_backoff_s",
         )
     }
 
