@@ -418,6 +418,9 @@ class KubernetesBackend(backend.Backend):
         Pod is gone, then start the watch."""
         try:
             await self._api.open()
+        except ApiError as exc:
+            raise RuntimeError(f"kubernetes backend: {exc.message}") from None
+        try:
             if self._opts.create_namespace:
                 await self._api.ensure_namespace(self._ns)
             items, version = await self._api.list("pod", self._ns, self._selector)

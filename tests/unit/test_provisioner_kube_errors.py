@@ -55,3 +55,12 @@ def test_the_wait_is_the_servers_retry_after_capped_else_our_backoff() -> None:
     assert wait(_state(_error(429, "TooManyRequests", **{"Retry-After": "600"}), 1)) == 10.0  # capped
     assert wait(_state(_error(503, "ServiceUnavailable"), 1)) == 0.5
     assert wait(_state(_error(503, "ServiceUnavailable"), 3)) == 2.0
+
+
+async def test_a_missing_kubeconfig_stops_the_start_naming_the_file(tmp_path) -> None:
+    missing = str(tmp_path / "nowhere.yaml")
+    backend = kube.KubernetesBackend(kube.Options(kubeconfig=missing))
+    with pytest.raises(RuntimeError) as caught:
+        await backend.start()
+    assert str(caught.value).startswith(f"kubernetes backend: cannot load {missing}: ")
+    await backend.close()
