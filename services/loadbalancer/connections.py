@@ -33,7 +33,7 @@ class Limits:
 
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 60.0
-    max_connections: int = 10_000
+    max_connections: int = 4096
 
 
 def _reply(status: str, text: str, **headers: str) -> bytes:
@@ -213,7 +213,12 @@ class GuardedSite(web.BaseSite):
         )
 
 
-def connection_cap(wanted: int) -> int:
+def connection_cap(
+    wanted: int,
+    *,
+    getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
+    setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
+) -> int:
     """`wanted`, or less if the process may not open that many files.
 
     Each client connection needs a file descriptor, and one more to its replica. The soft limit is
@@ -221,11 +226,11 @@ def connection_cap(wanted: int) -> int:
     low, the cap is lowered to fit, with a warning.
     """
     needed = 2 * wanted + _FDS_KEPT_FREE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, hard = getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError):
             pass

@@ -99,7 +99,7 @@ class ProxySettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 60.0
-    max_connections: int = 10_000
+    max_connections: int = 4096
 
 
 def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body) -> CIMultiDict[str]:
