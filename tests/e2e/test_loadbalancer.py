@@ -145,7 +145,6 @@ async def test_large_uploads_stream_through_with_bounded_balancer_memory(
             await asyncio.sleep(0.01)
         assert await uploads == [(200, size)] * 4
         # Read whole, four 60 MiB bodies would add 240 MiB or more; streamed, a few chunks each.
-        print(f"balancer RSS {base >> 20} -> {peak >> 20} MiB")
         assert peak - base < 48 << 20, f"balancer RSS grew {(peak - base) >> 20} MiB"
     finally:
         await b.close()
