@@ -55,9 +55,7 @@ _ABSOLUTE_FORM = re.compile(r"(?i:https?)://([^/?#]*)(.*)", re.DOTALL)
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     """Header names listed in `Connection` (all of its fields): they belong to this hop only."""
-    return frozenset(
-        token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")
-    )
+    return frozenset(token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(","))
 
 
 def end_to_end(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
@@ -115,7 +113,7 @@ def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body
     return headers
 
 
-def _text(status: int, message: str, *, close: bool = False, **headers: str) -> web.Response:
+def _text(status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None) -> web.Response:
     resp = web.Response(status=status, text=message + "\n", headers=headers)
     if close:
         resp.force_close()  # the rest of the request was not read: the connection cannot carry another
@@ -180,6 +178,13 @@ class Proxy:
                 "tunnel (CONNECT) or answer for the server as a whole (*)",
                 close=True,
             )
+        expect = request.headers.get("Expect")
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                return _text(417, f"unsupported expectation: {expect}", close=True)
+            if request.version >= (1, 1) and request.body_exists:
+                # The client waits for this before it sends the body (RFC 9110 10.1.1).
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.balancer.record_arrival()
         s = self.settings
         body = bodies.Body(
@@ -212,7 +217,8 @@ class Proxy:
             try:
                 replica = await self.balancer.pick(frozenset(tried))
             except bal.NoReplicaError as exc:
-                return _text(503, str(exc), **{"Retry-After": "1"})
+                return _text(503, str(exc), headers={"Retry-After": "1"})
+            failure: Exception
             try:
                 upstream = await self.session.request(
                     request.method,

@@ -11,8 +11,8 @@ from replicaplane.controller.v1 import controller_service_pb2_grpc
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
 from services.common import clients, config, errors, grpc_server, logs, security
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import link as ctl_link
 from services.loadbalancer import connections, policies, proxy, servicer
+from services.loadbalancer import link as ctl_link
 
 SERVICE_NAME = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
 

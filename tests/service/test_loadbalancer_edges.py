@@ -317,6 +317,25 @@ async def test_connection_named_and_hop_by_hop_headers_are_stripped_both_ways(st
     assert body_of(raw) == b"ok\n"
 
 
+async def test_expect_100_continue_is_answered_by_the_balancer(start_front, servers) -> None:
+    front = await start_front()
+    replica = RawReplica(1, OK)
+    front.balancer.set_endpoints(await start_replicas(servers, replica), version=1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    try:
+        writer.write(request("PUT /doc HTTP/1.1", "Content-Length: 4", "Expect: 100-continue"))
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # before any body byte
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"data")
+        assert status_of(await asyncio.wait_for(reader.read(), 5)) == 200
+    finally:
+        writer.close()
+    assert replica.requests[0][1] == b"data"
+    assert "expect" not in replica.heads()[0]
+    raw = await exchange(front.port, request("PUT /doc HTTP/1.1", "Content-Length: 4", "Expect: something-else"))
+    assert status_of(raw) == 417
+
+
 # ---- request targets --------------------------------------------------------------------------
 
 
