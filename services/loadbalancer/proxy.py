@@ -239,6 +239,7 @@ class Proxy:
                 self.balancer.release(replica)  # cancelled: the client went away
                 raise
             else:
+                body.release()  # an answer has started: no attempt will need the body again
                 return await self._relay(request, replica, upstream)
             self.balancer.release(replica)
             tried.add(replica.replica_id)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from services.loadbalancer import balancer as bal
 from services.loadbalancer import policies, proxy
+from tests.helpers import certs
 
 MiB = 1024 * 1024
 
@@ -79,7 +81,8 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n"
 
 
 class Sink:
-    """An aiohttp replica whose /sink reads the body as it arrives and answers its size and sha256."""
+    """An aiohttp replica whose /sink reads the body as it arrives and answers its size and sha256,
+    and whose /drip reads the body, then answers in three parts 0.2 s apart."""
 
     def __init__(self, rid: int, *, pause_s: float = 0.0) -> None:
         self.rid = rid
@@ -94,9 +97,20 @@ class Sink:
             size += len(chunk)
         return web.json_response({"replica": self.rid, "bytes": size, "sha256": digest.hexdigest()})
 
+    async def _drip(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f"part{i}\n".encode())
+            await asyncio.sleep(0.2)
+        await resp.write_eof()
+        return resp
+
     async def start(self) -> policies.Replica:
         app = web.Application()
         app.router.add_route("*", "/sink", self._sink)
+        app.router.add_route("*", "/drip", self._drip)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
@@ -110,24 +124,24 @@ class Sink:
 class Front:
     """A balancer and its proxy on 127.0.0.1 port 0."""
 
-    def __init__(self, b: bal.Balancer, px: proxy.Proxy, runner: web.BaseRunner, port: int) -> None:
+    def __init__(self, b: bal.Balancer, px: proxy.Proxy, runner: web.BaseRunner, port: int, scheme: str) -> None:
         self.balancer = b
         self.proxy = px
         self.runner = runner
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{scheme}://127.0.0.1:{port}"
 
 
 @pytest.fixture
 async def start_front() -> AsyncIterator:
     fronts: list[Front] = []
 
-    async def start(*, policy: str = "", **settings: object) -> Front:
-        b = bal.Balancer("web", hold_timeout_s=0.0, hold_max=5, policy_override=policy)
+    async def start(*, ssl_context: ssl.SSLContext | None = None, **settings: object) -> Front:
+        b = bal.Balancer("web", hold_timeout_s=0.0, hold_max=5)
         b.configure(bal.Config())
         px = proxy.Proxy(b, proxy.ProxySettings(backoff_initial_s=0.01, **settings))  # type: ignore[arg-type]
-        runner, port = await proxy.start_http(px, "127.0.0.1", 0, ssl_context=None, shutdown_timeout_s=0.5)
-        fronts.append(Front(b, px, runner, port))
+        runner, port = await proxy.start_http(px, "127.0.0.1", 0, ssl_context=ssl_context, shutdown_timeout_s=0.5)
+        fronts.append(Front(b, px, runner, port, "https" if ssl_context else "http"))
         return fronts[-1]
 
     yield start
@@ -445,6 +459,19 @@ async def test_buffered_bodies_stay_within_the_total_bound(start_front, servers)
     assert front.proxy.buffered.used == 0
 
 
+async def test_a_kept_body_is_let_go_once_the_answer_starts(start_front, servers) -> None:
+    front = await start_front()
+    front.balancer.set_endpoints(await start_replicas(servers, Sink(1)), version=1)
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(front.url + "/drip", data=b"b" * 100_000) as resp,
+    ):
+        assert await resp.content.readline() == b"part0\n"
+        assert front.proxy.buffered.peak >= 100_000
+        assert front.proxy.buffered.used == 0  # no retry can happen now: a long answer holds no buffer
+        assert await resp.read() == b"part1\npart2\n"
+
+
 async def test_streamed_post_is_retried_when_no_replica_was_reached(start_front, servers) -> None:
     front = await start_front(retry_buffer_bytes=64 * 1024)
     gone = RawReplica(1, OK)
@@ -546,6 +573,22 @@ async def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout(start
         assert await closed_within(reader, 4.0) == b""
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+async def test_a_slow_answer_is_not_cut_by_the_client_timeouts(start_front, servers, tmp_path, tls: bool) -> None:
+    server_ctx = client_ctx = None
+    if tls:
+        identity = certs.Authority(str(tmp_path)).issue("127.0.0.1")
+        server_ctx = proxy.tls_context(identity.cert_file, identity.key_file)
+        client_ctx = ssl.create_default_context(cafile=identity.ca_file)
+    front = await start_front(ssl_context=server_ctx, header_timeout_s=0.3, idle_timeout_s=0.3, body_timeout_s=0.3)
+    front.balancer.set_endpoints(await start_replicas(servers, Sink(1, pause_s=1.0)), version=1)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(2):  # the second request comes on the same connection
+            async with client.post(front.url + "/sink", data=b"x" * 10, ssl=client_ctx) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["bytes"] == 10
 
 
 async def test_connections_over_the_cap_get_503(start_front, servers) -> None:
