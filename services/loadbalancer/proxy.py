@@ -247,7 +247,10 @@ class Proxy:
                 return _text(body.error.status, body.error.message, close=True)
             # The client sees the replica id and the kind of error; the log has the details.
             last_error = f"replica {replica.replica_id}: {type(failure).__name__}"
-            log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, path, last_error, failure)
+            # Logs name the path, never the query (it may carry tokens), not even inside aiohttp's message.
+            bare, _, query = path.partition("?")
+            detail = str(failure).replace("?" + query, "?...") if query else str(failure)
+            log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, bare, last_error, detail)
             if reached and request.method not in IDEMPOTENT_METHODS:
                 return _text(
                     502,

@@ -258,6 +258,16 @@ async def test_idempotent_request_is_retried_when_its_replica_closed_after_readi
     await drained(front.balancer)
 
 
+async def test_failed_attempts_are_logged_without_the_query(start_front, servers, caplog) -> None:
+    front = await start_front()
+    front.balancer.set_endpoints(await start_replicas(servers, RawReplica(1, None)), version=1)
+    caplog.set_level("INFO", logger="services.loadbalancer.proxy")
+    raw = await exchange(front.port, request("GET /x?token=s3cret HTTP/1.1"))
+    assert status_of(raw) == 502
+    assert "attempt 1 of GET /x failed" in caplog.text
+    assert "s3cret" not in caplog.text
+
+
 async def test_post_is_retried_when_the_connection_was_refused(start_front, servers) -> None:
     front = await start_front()
     gone = RawReplica(1, OK)
@@ -573,6 +583,19 @@ async def test_idle_keep_alive_connection_is_closed_after_the_idle_timeout(start
         assert await closed_within(reader, 4.0) == b""
     finally:
         writer.close()
+
+
+async def test_many_slowloris_connections_are_all_closed(start_front) -> None:
+    front = await start_front(header_timeout_s=0.5)
+    conns = [await asyncio.open_connection("127.0.0.1", front.port) for _ in range(200)]
+    try:
+        for i, (_, writer) in enumerate(conns):
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half send a partial head
+        closed = await asyncio.gather(*(closed_within(reader, 8.0) for reader, _ in conns))
+        assert sum(c is not None for c in closed) == 200
+    finally:
+        for _, writer in conns:
+            writer.close()
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
