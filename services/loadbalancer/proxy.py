@@ -251,18 +251,19 @@ class Proxy:
             bare, _, query = path.partition("?")
             detail = str(failure).replace("?" + query, "?...") if query else str(failure)
             log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, bare, last_error, detail)
+            where = f"replica {replica.replica_id} of service {self.balancer.service_name!r}"
+            kind = type(failure).__name__
             if reached and request.method not in IDEMPOTENT_METHODS:
                 return _text(
                     502,
-                    f"replica {replica.replica_id} of service {self.balancer.service_name!r} closed the connection "
-                    f"before answering; {request.method} is not idempotent and the replica may have processed it, "
-                    "so it was not sent to another replica",
+                    f"the connection to {where} broke after the request went out ({kind}); {request.method} is not "
+                    "idempotent and the replica may have processed it, so it was not sent to another replica",
                 )
             if not body.replayable:
                 return _text(
                     502,
-                    f"replica {replica.replica_id} of service {self.balancer.service_name!r} closed the connection "
-                    "before answering, after the request body was streamed to it, so it could not be sent again",
+                    f"the connection to {where} broke after the request body was streamed to it ({kind}), "
+                    "so it could not be sent again",
                 )
             if attempt < self.settings.attempts:
                 await asyncio.sleep(delay)
