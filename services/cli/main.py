@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", help="create a service from a task YAML")
-    up.add_argument("spec", help="SkyPilot-style task YAML (a relative workdir is resolved against its directory)")
+    up.add_argument("spec", help="SkyPilot-style task YAML (a relative workdir is resolved against the current directory, as sky does)")
     up.add_argument("-n", "--name", default="", help="service name (default: the YAML's name:)")
     up.add_argument("--wait", action="store_true", help="show progress until READY (or failed)")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")
@@ -223,13 +223,18 @@ class Client:
 
 def _read_spec(path: str) -> str:
     try:
-        return specfile.read_spec(path)
+        resolved = specfile.load(path)
+    except specfile.PathError as exc:
+        raise CliError(f"error: {exc}", BAD_INPUT) from None
     except FileNotFoundError:
         raise CliError(f"error: no such file: {path}", BAD_INPUT) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"error: cannot read {path}: {exc}", BAD_INPUT) from None
     except Exception as exc:  # YAML syntax: the controller names the field, here the file
         raise CliError(f"error: yaml: {path} is not valid YAML: {str(exc).splitlines()[0]}", BAD_INPUT) from None
+    for note in resolved.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return resolved.text
 
 
 def _say(out: TextIO, line: str) -> None:
