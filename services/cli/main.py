@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", help="create a service from a task YAML")
-    up.add_argument("spec", help="SkyPilot-style task YAML (a relative workdir is resolved against the current directory, as sky does)")
+    up.add_argument("spec", help="SkyPilot-style task YAML (a relative workdir is taken from the current directory)")
     up.add_argument("-n", "--name", default="", help="service name (default: the YAML's name:)")
     up.add_argument("--wait", action="store_true", help="show progress until READY (or failed)")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")

@@ -13,7 +13,8 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -108,7 +109,7 @@ def spec_name(yaml_path: str) -> str:
     return str(doc.get("name") or "") if isinstance(doc, dict) else ""
 
 
-def _resolvable(value: Any) -> bool:
+def _resolvable(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and bool(value.strip()) and "$" not in value and localpaths.is_relative(value)
 
 
@@ -152,12 +153,16 @@ def _rewrite(
             rf"^(\s+['\"]?{re.escape(str(destination))}['\"]?\s*:\s*)(['\"]?){re.escape(source)}\2(\s*(#.*)?)$",
             re.MULTILINE,
         )
-        edited, count = pattern.subn(lambda m, a=absolute: f"{m.group(1)}{json.dumps(a)}{m.group(3)}", edited)
+        edited, count = pattern.subn(_replacer(json.dumps(absolute)), edited)
         if count != 1:
             edited = ""
     if edited and _loads(edited) == expected:
         return edited
     return yaml.safe_dump(expected, sort_keys=False)
+
+
+def _replacer(value: str) -> Callable[[re.Match[str]], str]:
+    return lambda m: f"{m.group(1)}{value}{m.group(3)}"
 
 
 def _loads(text: str) -> Any:

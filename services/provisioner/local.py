@@ -26,11 +26,13 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from services.provisioner import addresses, backend, model, ports, procs, zones
+from services.common import errors, localpaths
+from services.provisioner import addresses, backend, capability, copies, model, ports, procs, zones
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ TOKEN_ENV = "REPLICAPLANE_REPLICA_TOKEN"
 _WRAPPER = 'bash -c "$1"; code=$?; printf "%s" "$code" > "$2"; exit "$code"'
 _EXIT_FILE = "exit_code"
 _HANDLE_FILE = "handle.json"
+DEFAULT_COPY_LIMITS = copies.Limits(max_bytes=1024 << 20, max_entries=100_000)
+"""What one replica's workdir and file mounts may take together, unless settings say otherwise."""
 
 
 @dataclasses.dataclass
@@ -86,9 +90,11 @@ class LocalBackend(backend.Backend):
         advertise_host: str = "",
         network: str = "port",
         accelerators: dict[str, float] | None = None,
+        copy_limits: copies.Limits = DEFAULT_COPY_LIMITS,
     ) -> None:
         # Local replicas get no accelerators unless a setting declares (fake) ones for tests.
         self._accelerators = dict(accelerators or {})
+        self._copy_limits = copy_limits
         self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
         self._root = os.path.join(self._state_dir, "local")
         self._zones = zones.ZoneTable(zone_list or zones.parse(zones.DEFAULT_ZONES))
@@ -192,7 +198,10 @@ class LocalBackend(backend.Backend):
         self._handles[launch.name] = handle
         root = self._dir(launch.name)
         try:
-            await asyncio.to_thread(self._prepare_dir, root, spec, request.launch_log)
+            # In a thread of its own and cancellable: a teardown never waits behind a long copy.
+            budget = copies.Budget(self._copy_limits)
+            prepare = functools.partial(self._prepare_dir, root, spec, request.launch_log, budget)
+            await copies.in_thread(prepare, budget.cancel)
             self._save_handle(handle)
             self._ensure_current(handle)
             if spec.resources:
@@ -297,40 +306,74 @@ class LocalBackend(backend.Backend):
     def offered_accelerators(self) -> dict[str, float] | None:
         return dict(self._accelerators)
 
-    def copies_local_paths(self) -> bool:
-        return True
+    def accelerator_hint(self, wanted: str) -> str:
+        return (
+            f"to run it on this machine anyway, start the provisioner with local_accelerators={wanted} "
+            f"(REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS={wanted}), which pretends to have them"
+        )
+
+    async def path_problems(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+        cancel = threading.Event()
+        check = functools.partial(
+            capability.path_problems, needs, state_dir=self._state_dir, limits=self._copy_limits, cancel=cancel
+        )
+        return await copies.in_thread(check, cancel)
 
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
             raise backend.LaunchError("the replica was deleted during its launch", permanent=True)
 
-    def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str) -> None:
+    def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str, budget: copies.Budget) -> None:
+        """Make the replica's working directory: the workdir and file mounts copied in (in a thread)."""
         if os.path.exists(root):
             shutil.rmtree(root, ignore_errors=True)
         work = os.path.join(root, "work")
         os.makedirs(os.path.dirname(root), mode=0o700, exist_ok=True)
+        sources = self._copy_sources(spec, work, launch_log)
+        # Count first, so a copy over the limits fails before writing anything.
+        counted = copies.Budget(budget.limits, budget.cancel)
+        try:
+            for label, source, _ in sources:
+                copies.measure(label, source, counted)
+            os.makedirs(work, mode=0o700, exist_ok=True)
+            for label, source, target in sources:
+                for skipped in copies.copy(label, source, target, budget):
+                    _note(launch_log, f"{label}: skipped {os.path.relpath(skipped, source)} (not a file)")
+        except copies.TooLargeError as exc:
+            raise backend.LaunchError(str(exc), permanent=True) from None
+        except copies.CancelledCopyError:
+            raise backend.LaunchError("the copy was cancelled") from None
+        if sources:
+            _note(launch_log, f"copied {budget.bytes} bytes in {budget.entries} files and directories")
+
+    def _copy_sources(self, spec: model.ReplicaSpec, work: str, launch_log: str) -> builtins.list[tuple[str, str, str]]:
+        """(label, source, target) of every local path to copy; refuses the ones that cannot be."""
+        wanted: builtins.list[tuple[str, str, str]] = []
         if spec.workdir:
-            source = os.path.expanduser(spec.workdir)
-            if not os.path.isdir(source):
-                raise backend.LaunchError(f"workdir {spec.workdir} is not a directory", permanent=True)
-            shutil.copytree(source, work, symlinks=True)
-        os.makedirs(work, mode=0o700, exist_ok=True)
+            wanted.append((f"workdir {spec.workdir}", spec.workdir, work))
         for destination, source in sorted(spec.file_mounts.items()):
-            if "://" in source:
+            if not localpaths.is_local_source(source):
                 _note(launch_log, f"file mount {destination}: {source} is not a local path; skipped")
                 continue
-            local = os.path.expanduser(source)
-            if not os.path.exists(local):
-                raise backend.LaunchError(f"file mount source {source} does not exist", permanent=True)
             target = os.path.normpath(os.path.join(work, destination.removeprefix("~/").lstrip("/")))
             if os.path.commonpath([work, target]) != work:
                 raise backend.LaunchError(f"file mount {destination} is outside the working directory", permanent=True)
-            os.makedirs(os.path.dirname(target) or work, exist_ok=True)
-            if os.path.isdir(local):
-                shutil.copytree(local, target, symlinks=True, dirs_exist_ok=True)
-            else:
-                shutil.copy2(local, target)
+            wanted.append((f"file mount {destination} (source {source})", source, target))
+        out = []
+        for label, source, target in wanted:
+            if localpaths.is_relative(source):
+                raise backend.LaunchError(
+                    f"{label}: a relative path; the provisioner needs an absolute one", permanent=True
+                )
+            local = os.path.expanduser(source)
+            if not os.path.exists(local) or (target == work and not os.path.isdir(local)):
+                kind = "directory" if target == work else "path"
+                raise backend.LaunchError(f"{label}: no such {kind} on this host", permanent=True)
+            if why := copies.overlap(local, self._state_dir):
+                raise backend.LaunchError(f"{label} {why}", permanent=True)
+            out.append((label, local, target))
+        return out
 
     def _environment(
         self,

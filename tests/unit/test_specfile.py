@@ -29,7 +29,7 @@ def test_a_relative_workdir_is_resolved_against_the_current_directory(layout) ->
 
 
 def test_a_workdir_only_next_to_the_yaml_is_taken_from_there_with_a_note(layout, tmp_path) -> None:
-    root, app = layout
+    _, app = layout
     (app / "src").mkdir()
     resolved = specfile.resolve_paths("workdir: src\nrun: x\n", cwd=str(tmp_path), yaml_dir=str(app))
     assert yaml.safe_load(resolved.text)["workdir"] == str(app / "src")
