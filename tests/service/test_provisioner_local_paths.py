@@ -166,3 +166,12 @@ async def test_a_teardown_does_not_wait_behind_a_copy_in_progress(tmp_path) -> N
     finally:
         await srv.stop(None)
         provisioner_procs.kill_replicas(state_dir)
+
+
+async def test_check_spec_says_how_to_run_a_gpu_spec_on_this_machine(prov) -> None:
+    gpu = client.spec()
+    gpu.resources.accelerators = "A100:1"
+    problems = _problems(await prov.CheckSpec(pb.CheckSpecRequest(spec=gpu)))
+    assert list(problems) == ["resources.accelerators"]
+    assert "local_accelerators=A100:1" in problems["resources.accelerators"]
+    assert "REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS=A100:1" in problems["resources.accelerators"]

@@ -65,14 +65,25 @@ def problems(zones: Sequence[tuple[str, float]], places: Sequence[tuple[str, Pla
     out: list[tuple[str, str]] = []
     for path, (zone, region) in places:
         if zone and zone not in names:
-            out.append((f"{path}.zone", f"the provisioner has no zone {zone!r} (it has: {have})"))
+            why = f"the provisioner has no zone {zone!r} (it has: {have}); {_zones_hint(zone)}"
+            out.append((f"{path}.zone", why))
         elif region and not any(in_place(name, (zone, region)) for name in names):
             if zone:
                 why = f"zone {zone!r} is not in region {region!r} (a zone's name starts with its region's)"
             else:
-                why = f"no zone of the provisioner is in region {region!r} (it has: {have})"
+                why = (
+                    f"no zone of the provisioner is in region {region!r} (it has: {have}); {_zones_hint(region + '-a')}"
+                )
             out.append((f"{path}.region", why))
     return out
+
+
+def _zones_hint(zone: str) -> str:
+    # Only a local provisioner lists zones, and they are simulated: say how to have this one.
+    return (
+        f"the local backend's zones are its `zones` setting: to run this here, start the provisioner with "
+        f"REPLICAPLANE_PROVISIONER_ZONES={zone}:1.00 (name:price_per_hour, comma-separated)"
+    )
 
 
 def select(zones: Sequence[tuple[str, float]], marks: Mapping[str, str], used: Collection[str]) -> str:
