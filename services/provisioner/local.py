@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from services.common import errors, localpaths
-from services.provisioner import addresses, backend, capability, copies, model, ports, procs, zones
+from services.provisioner import addresses, backend, capability, copies, model, ports, procs, pyenvs, zones
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class _Handle:
     exit_code: int = 0
     host: str = "127.0.0.1"
     address: str = ""  # the replica's own loopback address ("address" network), else empty
+    env_key: str = ""  # its python environment (pyenvs), shared with its version's replicas
 
     @property
     def endpoint(self) -> str:
@@ -91,6 +92,8 @@ class LocalBackend(backend.Backend):
         network: str = "port",
         accelerators: dict[str, float] | None = None,
         copy_limits: copies.Limits = DEFAULT_COPY_LIMITS,
+        python_envs: bool = True,
+        system_site_packages: bool = True,
     ) -> None:
         # Local replicas get no accelerators unless a setting declares (fake) ones for tests.
         self._accelerators = dict(accelerators or {})
@@ -112,6 +115,11 @@ class LocalBackend(backend.Backend):
         self._network = network
         self._addresses = addresses.AddressAllocator()
         self._shim_dir = os.path.join(self._state_dir, "local-shim")
+        self._envs = (
+            pyenvs.PythonEnvs(os.path.join(self._state_dir, "envs"), system_site_packages=system_site_packages)
+            if python_envs
+            else None
+        )
         self._handles: dict[str, _Handle] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
@@ -139,6 +147,10 @@ class LocalBackend(backend.Backend):
                     self._ports.hold(port)
             if handle.pgid and handle.app_state == model.AppState.RUNNING.value:
                 self._watch_app(handle)
+            if handle.env_key and self._envs is not None:
+                self._envs.hold(handle.env_key)
+        if self._envs is not None:
+            await asyncio.to_thread(self._envs.prune)
         known = {h.token for h in self._handles.values()}
         strays = [
             pid
@@ -208,22 +220,15 @@ class LocalBackend(backend.Backend):
                 recorded = ", ".join(f"{k}={v}" for k, v in sorted(spec.resources.items()))
                 _note(request.launch_log, f"recorded, not enforced by the local backend: {recorded}")
             env = self._environment(launch, spec, port_map, port, handle)
+            python_env = await self._python_env(launch, handle, request.launch_log)
+            if python_env is not None:
+                env = pyenvs.PythonEnvs.environment(python_env, env)
             work = os.path.join(root, "work")
             if spec.setup.strip():
-                _note(request.launch_log, "running setup")
-                setup = self._spawn(
-                    ["bash", "-c", ports.substitute(spec.setup, port_map)], work, env, request.launch_log
-                )
-                handle.setup_pgid = setup.pid
-                self._save_handle(handle)
-                # On cancellation the except clause below kills (and reaps) the setup group.
-                await procs.wait_exit(setup.pid)
-                code = setup.wait()
-                self._children.pop(setup.pid, None)
-                self._ensure_current(handle)
-                if code != 0:
-                    raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
-                _note(request.launch_log, "setup succeeded")
+                async with self._setup_turn(python_env):
+                    await self._setup(handle, ports.substitute(spec.setup, port_map), work, env, request.launch_log)
+                if python_env is not None:
+                    python_env.ready = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, _EXIT_FILE))
             run = ports.substitute(spec.run, port_map)
@@ -247,6 +252,40 @@ class LocalBackend(backend.Backend):
         except OSError as exc:
             raise backend.LaunchError(f"could not start the replica: {exc}") from exc
 
+    async def _python_env(self, launch: model.LaunchRequest, handle: _Handle, launch_log: str) -> pyenvs.Env | None:
+        """The version's venv (made by its first replica), or None when venvs are off."""
+        if self._envs is None:
+            return None
+        key = pyenvs.PythonEnvs.key(launch)
+        try:
+            python_env = await self._envs.acquire(key, functools.partial(_note, launch_log))
+        except pyenvs.EnvError as exc:
+            raise backend.LaunchError(str(exc)) from None
+        handle.env_key = key  # released with the replica, in delete()
+        self._save_handle(handle)
+        self._ensure_current(handle)
+        return python_env
+
+    def _setup_turn(self, python_env: pyenvs.Env | None) -> contextlib.AbstractAsyncContextManager[None]:
+        if self._envs is None or python_env is None:
+            return contextlib.nullcontext()
+        return self._envs.setup_turn(python_env)
+
+    async def _setup(self, handle: _Handle, setup_text: str, work: str, env: dict[str, str], launch_log: str) -> None:
+        """Run `setup` as its own process group; a non-zero exit fails the attempt."""
+        _note(launch_log, "running setup")
+        setup = self._spawn(["bash", "-c", setup_text], work, env, launch_log)
+        handle.setup_pgid = setup.pid
+        self._save_handle(handle)
+        # On cancellation create() kills (and reaps) the setup group.
+        await procs.wait_exit(setup.pid)
+        code = setup.wait()
+        self._children.pop(setup.pid, None)
+        self._ensure_current(handle)
+        if code != 0:
+            raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
+        _note(launch_log, "setup succeeded")
+
     async def delete(self, name: str, *, grace_s: float) -> None:
         """Stop the replica's process groups (SIGTERM, grace, SIGKILL) and remove its files."""
         handle = self._handles.get(name)
@@ -259,6 +298,8 @@ class LocalBackend(backend.Backend):
             del self._handles[name]
         self._release(handle)
         await asyncio.to_thread(shutil.rmtree, self._dir(name), True)
+        if handle.env_key and self._envs is not None:
+            await self._envs.release(handle.env_key)
 
     def get(self, name: str) -> backend.BackendReplica | None:
         """The replica `name`, if this backend runs it."""

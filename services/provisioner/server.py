@@ -88,6 +88,13 @@ class Settings:
     a spec over it is refused at create and a launch over it fails, naming this setting."""
     local_copy_max_files: int = local.DEFAULT_COPY_LIMITS.max_entries
     """The most files and directories a local replica's workdir and file mounts may hold together."""
+    local_venv: bool = True
+    """Give each service version's local replicas one Python venv of their own (made once, shared
+    by them, removed with the last), active in setup and run, so `pip install` never writes
+    into the host's Python. False: replicas run in the provisioner's environment."""
+    local_venv_system_site_packages: bool = True
+    """Let those venvs see the base interpreter's installed packages (faster: nothing to install
+    twice, and pip comes from there). False: a bare venv with pip installed into each (seconds)."""
     kubernetes_kubeconfig: str = ""
     """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
     kubernetes_context: str = ""
@@ -218,6 +225,8 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         copy_limits=copies.Limits(
             max_bytes=int(settings.local_copy_max_mb * (1 << 20)), max_entries=settings.local_copy_max_files
         ),
+        python_envs=settings.local_venv,
+        system_site_packages=settings.local_venv_system_site_packages,
     )
 
 
