@@ -348,10 +348,9 @@ class LocalBackend(backend.Backend):
         return dict(self._accelerators)
 
     def accelerator_hint(self, wanted: str) -> str:
-        return (
-            f"to run it on this machine anyway, start the provisioner with local_accelerators={wanted} "
-            f"(REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS={wanted}), which pretends to have them"
-        )
+        # Short: a violation's description is clipped at 240 characters.
+        setting = f"REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS={wanted}"
+        return f"to run it here anyway: {setting} (its local_accelerators setting)"
 
     async def path_problems(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
         cancel = threading.Event()

@@ -61,7 +61,7 @@ def problems(zones: Sequence[tuple[str, float]], places: Sequence[tuple[str, Pla
     if not zones:
         return []
     names = [name for name, _ in zones]
-    have = ", ".join(names)
+    have = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     out: list[tuple[str, str]] = []
     for path, (zone, region) in places:
         if zone and zone not in names:
@@ -80,10 +80,8 @@ def problems(zones: Sequence[tuple[str, float]], places: Sequence[tuple[str, Pla
 
 def _zones_hint(zone: str) -> str:
     # Only a local provisioner lists zones, and they are simulated: say how to have this one.
-    return (
-        f"the local backend's zones are its `zones` setting: to run this here, start the provisioner with "
-        f"REPLICAPLANE_PROVISIONER_ZONES={zone}:1.00 (name:price_per_hour, comma-separated)"
-    )
+    # Short: a violation's description is clipped at 240 characters.
+    return f"to run this here: REPLICAPLANE_PROVISIONER_ZONES={zone}:1.00 (its zones setting, name:price,...)"
 
 
 def select(zones: Sequence[tuple[str, float]], marks: Mapping[str, str], used: Collection[str]) -> str:
