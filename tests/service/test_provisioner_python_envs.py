@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import os
 import subprocess
-import zipfile
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,32 +14,10 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from services.provisioner import server
 from tests.helpers import provisioner_client as client
-from tests.helpers import provisioner_procs
+from tests.helpers import provisioner_procs, wheels
 
 L = client.L
-PACKAGE = "rpvenvprobe"
-
-
-def make_wheel(folder: str) -> str:
-    """A tiny pure-Python wheel, so `pip install` works offline."""
-    files = {
-        f"{PACKAGE}/__init__.py": b"VALUE = 42\n",
-        f"{PACKAGE}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 1.0\n".encode(),
-        f"{PACKAGE}-1.0.dist-info/WHEEL": (
-            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record = [
-        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
-        for path, data in files.items()
-    ]
-    record.append(f"{PACKAGE}-1.0.dist-info/RECORD,,")
-    files[f"{PACKAGE}-1.0.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
-    path = os.path.join(folder, f"{PACKAGE}-1.0-py3-none-any.whl")
-    with zipfile.ZipFile(path, "w") as wheel:
-        for name, data in files.items():
-            wheel.writestr(name, data)
-    return path
+PACKAGE = wheels.PACKAGE
 
 
 def read(path: str) -> str:
@@ -116,7 +91,7 @@ def _spec(tmp_path, wheel: str) -> object:
 
 
 async def test_replicas_of_a_version_share_one_venv_that_setup_installs_into(stub, state_dir, tmp_path) -> None:
-    wheel = make_wheel(str(tmp_path))
+    wheel = wheels.make_wheel(str(tmp_path))
     spec = _spec(tmp_path, wheel)
     results = await asyncio.gather(
         *(client.collect(stub.Launch(client.launch_request(i, "pyapp", spec_=spec)), timeout=60) for i in (1, 2))
@@ -145,7 +120,7 @@ async def test_replicas_of_a_version_share_one_venv_that_setup_installs_into(stu
 
 
 async def test_a_restarted_provisioner_keeps_the_venvs_its_replicas_use(state_dir, tmp_path) -> None:
-    wheel = make_wheel(str(tmp_path))
+    wheel = wheels.make_wheel(str(tmp_path))
     srv = await _serve(state_dir)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
