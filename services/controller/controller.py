@@ -184,7 +184,12 @@ class Controller:
         known: backends that list none, such as kubernetes, place by the zone label instead).
         A relative workdir or file mount source is refused whatever the provisioner says.
         """
-        errors.require(localpaths.relative_problems(parsed.workdir, parsed.file_mounts), subject="service spec")
+        relative = localpaths.relative_problems(parsed.workdir, parsed.file_mounts)
+        hidden = spec.secret_values(parsed)  # a mount destination may hold a substituted secret
+        errors.require(
+            [errors.FieldViolation(spec.mask_secrets(v.field, hidden), v.description) for v in relative],
+            subject="service spec",
+        )
         try:
             answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -192,7 +197,6 @@ class Controller:
             return
         if not self._zones:
             await self._load_zones()
-        hidden = spec.secret_values(parsed)
         errors.require(
             [
                 errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))
