@@ -39,9 +39,7 @@ def read_certificates(paths: Iterable[str]) -> list[bytes]:
     for path in paths:
         files = [path]
         if os.path.isdir(path):
-            files = [
-                os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith((".crt", ".pem"))
-            ]
+            files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith((".crt", ".pem"))]
         for name in sorted(files):
             with open(name, "rb") as fh:
                 found.extend(certificates(fh.read()))
