@@ -101,7 +101,9 @@ def _unstorable_strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
             if isinstance(key, str) and (bad := problem(key)):
                 yield path or "yaml", f"a key {bad}"
                 continue
-            yield from _unstorable_strings(value, checks.join(path, checks.short(key)) if isinstance(key, str) else path)
+            yield from _unstorable_strings(
+                value, checks.join(path, checks.short(key)) if isinstance(key, str) else path
+            )
     elif isinstance(node, list):
         for i, item in enumerate(node):
             yield from _unstorable_strings(item, f"{path}[{i}]")

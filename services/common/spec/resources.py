@@ -18,8 +18,6 @@ _CPUS_RE = re.compile(r"\d+(\.\d+)?\+?")
 _MEMORY_RE = re.compile(r"\d+(\.\d+)?([KkMmGgTt][Bb]?)?[+x]?")
 _PORT_RANGE_RE = re.compile(r"(\d+)\s*-\s*(\d+)")
 _CLOUD_ALIASES = {"k8s": "kubernetes"}
-# Marker in a resources mapping's "given" set: its ports were present but invalid.
-_BAD_PORTS = "!ports"
 
 
 class Alternative:
@@ -42,7 +40,7 @@ def parse(c: checks.Checker, raw: Any, out: spec_pb2.Resources) -> list[Alternat
     section = c.mapping(raw, "resources")
     if section is None:
         return []
-    given = _fields(c, section, "resources", out, nested=False)
+    given, bad_ports = _fields(c, section, "resources", out, nested=False)
     alternatives: list[Alternative] = []
     lists = [k for k in ("any_of", "ordered") if section.get(k) is not None]
     if len(lists) == 2:
@@ -59,13 +57,13 @@ def parse(c: checks.Checker, raw: Any, out: spec_pb2.Resources) -> list[Alternat
             if entry is None:
                 continue
             parsed = spec_pb2.Resources()
-            entry_given = _fields(c, entry, path, parsed, nested=True)
+            entry_given, entry_bad_ports = _fields(c, entry, path, parsed, nested=True)
             merged = _merge(out, parsed, entry_given)
             getattr(out, kind).append(merged)
-            bad = _BAD_PORTS in entry_given or ("ports" not in entry_given and _BAD_PORTS in given)
+            bad = entry_bad_ports or ("ports" not in entry_given and bad_ports)
             alternatives.append(Alternative(merged, path, entry_given, bad_ports=bad))
     if not lists:
-        alternatives.append(Alternative(out, "resources", given, bad_ports=_BAD_PORTS in given))
+        alternatives.append(Alternative(out, "resources", given, bad_ports=bad_ports))
     elif alternatives and all(a.resources.use_spot == alternatives[0].resources.use_spot for a in alternatives):
         out.use_spot = alternatives[0].resources.use_spot
     spot = {a.resources.use_spot for a in alternatives}
@@ -78,13 +76,20 @@ def parse(c: checks.Checker, raw: Any, out: spec_pb2.Resources) -> list[Alternat
     return alternatives
 
 
-def _fields(c: checks.Checker, section: dict[Any, Any], path: str, out: spec_pb2.Resources, *, nested: bool) -> set[str]:
-    """Reads one resources mapping (without any_of/ordered); returns the proto fields it set."""
+def _fields(
+    c: checks.Checker, section: dict[Any, Any], path: str, out: spec_pb2.Resources, *, nested: bool
+) -> tuple[set[str], bool]:
+    """Reads one resources mapping (without any_of/ordered).
+
+    Returns:
+        The proto fields it set, and whether it gave ports that were invalid (and reported).
+    """
     if nested:
         c.keys(section, path, schema.RESOURCE_ENTRY_KEYS, schema.UNSUPPORTED_RESOURCE_ENTRY)
     else:
         c.keys(section, path, schema.RESOURCE_KEYS, schema.UNSUPPORTED_RESOURCES)
     given: set[str] = set()
+    bad_ports = False
 
     def present(key: str) -> bool:
         return section.get(key) is not None
@@ -102,7 +107,7 @@ def _fields(c: checks.Checker, section: dict[Any, Any], path: str, out: spec_pb2
             out.ports.extend(ports)
             given.add("ports")
         else:
-            given.add(_BAD_PORTS)
+            bad_ports = True
     take("use_spot", c.boolean)
     take("cpus", lambda raw, where: _quantity(c, raw, where, _CPUS_RE))
     take("memory", lambda raw, where: _quantity(c, raw, where, _MEMORY_RE))
@@ -129,7 +134,7 @@ def _fields(c: checks.Checker, section: dict[Any, Any], path: str, out: spec_pb2
                 elif c.string(value, f"{path}.labels.{checks.short(key)}") is not None:
                     out.labels[key] = value
             given.add("labels")
-    return given
+    return given, bad_ports
 
 
 def _merge(top: spec_pb2.Resources, entry: spec_pb2.Resources, given: set[str]) -> spec_pb2.Resources:
