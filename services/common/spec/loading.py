@@ -15,7 +15,7 @@ from services.common import errors
 from services.common.spec import checks, schema
 
 
-class Loader(yaml.SafeLoader):
+class _Loader(yaml.SafeLoader):
     """A safe loader that rejects duplicate keys: a second `run:` is a mistake, not an override."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -54,8 +54,8 @@ def load(yaml_text: str) -> dict[Any, Any]:
     if len(yaml_text.encode("utf-8", "surrogatepass")) > schema.MAX_YAML_BYTES:
         raise fail(f"the spec is larger than {schema.MAX_YAML_BYTES} bytes")
     try:
-        # Loader is a SafeLoader: no arbitrary Python objects.
-        config = yaml.load(yaml_text, Loader=Loader)
+        # _Loader is a SafeLoader: no arbitrary Python objects.
+        config = yaml.load(yaml_text, Loader=_Loader)
     except yaml.MarkedYAMLError as exc:
         # str(exc) quotes the offending line, which may hold a secret: report position only.
         where = ""
