@@ -5,9 +5,10 @@ the host (which runs the provisioner, often as root), and a version never sees w
 version installed. The venv is made with the standard `venv` module from the provisioner's base
 interpreter, without pip of its own and, by default, with the system site-packages visible:
 making one takes milliseconds and a few dozen KB, and packages the host already has need no
-install. `pip` in the venv runs the base interpreter's pip module, which installs into the venv.
-Where the base has no pip (or system packages are hidden), pip is installed into each venv with
-`ensurepip`, which takes seconds.
+install. `pip` in the venv runs `python -m pip`, which installs into the venv: the base
+interpreter's pip, or where there is none (or system packages are hidden) the provisioner's own,
+made importable by a `.pth` file that adds only a link to it. Only without either is pip
+installed into each venv with `ensurepip`, which takes seconds.
 
 Until a setup has succeeded in a venv, the setups of its replicas run one at a time, so parallel
 `pip install`s never write into one environment at once; after that they run side by side
@@ -20,11 +21,13 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import venv
 from collections.abc import AsyncIterator, Callable
@@ -74,7 +77,7 @@ class PythonEnvs:
         self._root = root
         self._system = system_site_packages
         self._envs: dict[str, Env] = {}
-        self._base_has_pip: bool | None = None
+        self._pip: str | None = None  # where venvs get pip: "base", "ensurepip", or a link dir
 
     @staticmethod
     def key(launch: model.LaunchRequest) -> str:
@@ -95,6 +98,8 @@ class PythonEnvs:
         if not os.path.isdir(self._root):
             return
         for name in os.listdir(self._root):
+            if name.startswith("."):
+                continue  # the pip link dir, shared by every venv
             env = self._envs.get(name)
             if env is None or not env.made:
                 shutil.rmtree(os.path.join(self._root, name), ignore_errors=True)
@@ -157,13 +162,27 @@ class PythonEnvs:
     async def _make(self, env: Env, note: Callable[[str], None]) -> None:
         await asyncio.to_thread(self._create, env.path)
         python = os.path.join(env.path, "bin", "python")
-        if self._base_has_pip is None and self._system:
-            self._base_has_pip = await _succeeds(python, "-c", "import pip")
-        if not (self._system and self._base_has_pip):
-            note("installing pip into the python environment (the base interpreter's pip is not visible)")
+        if self._pip is None:
+            self._pip = await self._find_pip(python)
+        if self._pip == "ensurepip":
+            note("installing pip into the python environment (no pip to lend it)")
             if not await _succeeds(python, "-m", "ensurepip", "--default-pip"):
                 note("this Python has no ensurepip: `pip` will not work in setup or run")
+        elif self._pip != "base":
+            await asyncio.to_thread(_lend_pip, env.path, self._pip)
         await asyncio.to_thread(_mark_made, env.path)
+
+    async def _find_pip(self, python: str) -> str:
+        """Where venvs get pip from: the base interpreter, the provisioner's own, or ensurepip."""
+        if self._system and await _succeeds(python, "-c", "import pip"):
+            return "base"
+        spec = importlib.util.find_spec("pip")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        if not locations:
+            return "ensurepip"
+        links = os.path.join(self._root, ".pip")
+        await asyncio.to_thread(_link, locations[0], os.path.join(links, "pip"))
+        return links
 
     def _create(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
@@ -194,6 +213,21 @@ async def _succeeds(*args: str) -> bool:
             proc.kill()
         await proc.wait()
         raise
+
+
+def _link(target: str, link: str) -> None:
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(link)
+    os.symlink(target, link)
+
+
+def _lend_pip(path: str, links: str) -> None:
+    """Make the pip package in `links` importable in the venv at `path` (and nothing else)."""
+    site = sysconfig.get_paths(scheme="venv", vars={"base": path, "platbase": path})["purelib"]
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "_replicaplane_pip.pth"), "w", encoding="utf-8") as fh:
+        fh.write(links + "\n")
 
 
 def _mark_made(path: str) -> None:

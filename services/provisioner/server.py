@@ -93,8 +93,8 @@ class Settings:
     by them, removed with the last), active in setup and run, so `pip install` never writes
     into the host's Python. False: replicas run in the provisioner's environment."""
     local_venv_system_site_packages: bool = True
-    """Let those venvs see the base interpreter's installed packages (faster: nothing to install
-    twice, and pip comes from there). False: a bare venv with pip installed into each (seconds)."""
+    """Let those venvs see the base interpreter's installed packages (nothing is installed twice).
+    False: bare venvs (pip is still lent from the provisioner's environment)."""
     kubernetes_kubeconfig: str = ""
     """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
     kubernetes_context: str = ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -152,6 +153,30 @@ async def test_venvs_can_be_turned_off(tmp_path) -> None:
             seen = await wait_read(os.path.join(state_dir, "local", "plain-1", "work", "seen.txt"))
             assert seen.strip() == "[none]"
             assert "envs" not in os.listdir(state_dir)
+    finally:
+        await srv.stop(None)
+        provisioner_procs.kill_replicas(state_dir)
+
+
+async def test_bare_venvs_borrow_the_provisioners_pip_instead_of_installing_one(tmp_path) -> None:
+    # Without the system site-packages (or where the base interpreter has no pip), venvs get pip
+    # through a link to the provisioner's own, not ensurepip's seconds-long install into each.
+    state_dir = str(tmp_path / "state")
+    wheel = wheels.make_wheel(str(tmp_path))
+    srv = await _serve(state_dir, local_venv_system_site_packages=False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+            stub = pb_grpc.ProvisionerServiceStub(channel)
+            launch = client.launch_request(1, "bare", spec_=_spec(tmp_path, wheel))
+            assert (await client.collect(stub.Launch(launch), timeout=60))[-1].type == L.LAUNCH_EVENT_TYPE_RUNNING
+            seen = (await wait_read(os.path.join(state_dir, "local", "bare-1", "work", "seen.txt"))).split()
+            env_dir = seen[1]
+            version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+            site = os.path.join(env_dir, "lib", version, "site-packages")
+            assert sorted(os.listdir(site)) == sorted(
+                ["_replicaplane_pip.pth", PACKAGE, f"{PACKAGE}-1.0.dist-info"]
+            )  # no pip of its own
+            assert read(os.path.join(env_dir, "pyvenv.cfg")).count("include-system-site-packages = false") == 1
     finally:
         await srv.stop(None)
         provisioner_procs.kill_replicas(state_dir)
