@@ -78,7 +78,9 @@ def _compose(yaml_text: str) -> yaml.MappingNode | None:
 def _set(root: yaml.MappingNode, section: str, values: Mapping[str, str]) -> bool:
     """Set `values` in the top-level mapping `section`; False if it cannot be done."""
     entries = [
-        (i, value) for i, (key, value) in enumerate(root.value) if isinstance(key, yaml.ScalarNode) and key.value == section
+        (i, value)
+        for i, (key, value) in enumerate(root.value)
+        if isinstance(key, yaml.ScalarNode) and key.value == section
     ]
     if len(entries) > 1:
         return False  # a duplicate key: the parser says so

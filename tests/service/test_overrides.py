@@ -143,7 +143,9 @@ async def test_replicactl_up_sends_env_and_secret_flags(env: Env, tmp_path, monk
         cli.run, ["--controller", env.addr, "update", "llm", str(spec_file), "--secret", "HF_TOKEN"], out=out, err=err
     )
     assert code == cli.BAD_INPUT
-    assert err.getvalue() == "error: --secret HF_TOKEN: HF_TOKEN is not set in your environment (or give HF_TOKEN=VALUE)\n"
+    assert (
+        err.getvalue() == "error: --secret HF_TOKEN: HF_TOKEN is not set in your environment (or give HF_TOKEN=VALUE)\n"
+    )
 
 
 def _status_json(addr: str, name: str) -> str:
