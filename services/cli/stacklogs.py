@@ -22,6 +22,8 @@ LOG_DIR = "logs"
 # A line of a service's log starts with its time; other lines continue the one before
 # (a traceback, a multi-line message).
 _NEW_LINE = re.compile(rb"^\d{4}-\d\d-\d\d[ T]")
+# The line the stack writes before it starts a process.
+_MARK = b"--- "
 
 
 class NotFound(Exception):
@@ -130,7 +132,12 @@ def read(
 
     def shown(line: bytes) -> bool:
         nonlocal show
-        if keep is not None and _NEW_LINE.match(line):
+        if keep is None:
+            return True
+        if line.startswith(_MARK):  # the stack started the process: always worth seeing
+            show = False
+            return True
+        if _NEW_LINE.match(line):
             show = keep(line)
         return show
 
