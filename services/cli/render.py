@@ -347,6 +347,14 @@ def status_text(
     rows = [service_row(s, now) + (verbose_cells(s) if verbose else ()) for s in services]
     out = table("Services", headers, rows, tty=tty, width=width, optional=SERVICE_OPTIONAL)
     notes = [line for s in services for line in _notes(s, show_all)]
+    if width is not None:  # prose: wrapped between words, a long word (a URL) kept whole
+        notes = [
+            part
+            for note in notes
+            for part in textwrap.wrap(
+                note, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+            )
+        ]
     if notes:
         out += "\n" + "\n".join(notes) + "\n"
     headers = REPLICA_HEADERS + (REPLICA_EXTRA_HEADERS if show_all else ())

@@ -40,7 +40,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        svc, plan = await self._ctl.update_service(request.service_name, text, mode=request.mode, dry_run=request.dry_run)
+        svc, plan = await self._ctl.update_service(
+            request.service_name, text, mode=request.mode, dry_run=request.dry_run
+        )
         return api.UpdateServiceResponse(service=svc, plan=plan)
 
     async def DeleteService(

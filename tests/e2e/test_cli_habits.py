@@ -34,7 +34,8 @@ def checked_app(name: str, tag: str) -> str:
     digest = hashlib.sha256(SECRET.encode()).hexdigest()
     run = (
         'test "$GREETING" = "hello there" || { echo "GREETING missing"; exit 1; }\n'
-        f'  test "$(printf %s "$API_KEY" | sha256sum | cut -d" " -f1)" = {digest} || {{ echo "API_KEY wrong"; exit 1; }}\n'
+        f'  test "$(printf %s "$API_KEY" | sha256sum | cut -d" " -f1)" = {digest}'
+        ' || { echo "API_KEY wrong"; exit 1; }\n'
         f"  exec {sys.executable} {cl.APP} --port 8080 --tag {tag}\n"
     )
     text = cl.app_yaml(name, tag, replicas=1, run="RUN")
@@ -91,7 +92,7 @@ async def test_env_and_secret_flags_reach_the_replica_and_the_secret_is_shown_no
     assert shown[4].strip(), "the launch log is shown"
     assert '"name": "keyed"' in shown[5] or '"name":"keyed"' in shown[5]
     for log in ("controller/controller.log", "provisioner/provisioner.log"):
-        shown.append(pathlib.Path(cluster.tmp, log).read_text(errors="replace"))
+        shown.append(await asyncio.to_thread(pathlib.Path(cluster.tmp, log).read_text, errors="replace"))
     for n, text in enumerate(shown):
         assert SECRET not in text, n
 

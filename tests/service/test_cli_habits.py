@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import pathlib
 import re
 from collections.abc import AsyncIterator
 
@@ -132,11 +133,13 @@ async def test_logs_by_position_and_sync_down_to_a_folder(env: Env, tmp_path) ->
     assert code == cli.NOT_FOUND
     assert err.startswith(f"error: no controller log in {state}: replicactl reads the local stack's logs")
 
-    code, out, err = await ctl(env, "logs", "web", "--sync-down", "--dir", str(tmp_path / "out"), "--state-dir", str(state))
+    code, out, err = await ctl(
+        env, "logs", "web", "--sync-down", "--dir", str(tmp_path / "out"), "--state-dir", str(state)
+    )
     assert code == cli.OK, err
     folder = re.search(r"written to (\S+)", out)[1]  # type: ignore[index]
     assert folder.startswith(str(tmp_path / "out" / "web-"))
     assert sorted(os.listdir(folder)) == ["replica-1.launch.log", "replica-1.log"]
-    with open(os.path.join(folder, "replica-1.log"), encoding="utf-8") as fh:
-        assert fh.read() == f"LOG_KIND_APP of {replica_name}\n"
+    written = await asyncio.to_thread(pathlib.Path(folder, "replica-1.log").read_text)
+    assert written == f"LOG_KIND_APP of {replica_name}\n"
     assert "note: no controller log in" in err and "note: no load balancer log in" in err
