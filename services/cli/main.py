@@ -283,7 +283,7 @@ def cmd_up(args: argparse.Namespace, client: client_mod.Client, out: TextIO) -> 
         raise CliError(f"error: {_NAME_ATTEMPTS} generated names were taken; give one with -n NAME", REFUSED)
     name = resp.service.name
     if generated:
-        print(f"{name}: no -n NAME and no name: in the YAML, so the service is named {name}", file=out)
+        print(f"no -n NAME and no name: in the YAML: naming the service {name}", file=out)
     print(f"{name}: created (version {resp.service.latest_version})", file=out, flush=True)
     if args.wait:
         client_mod.print_endpoints(

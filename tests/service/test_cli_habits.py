@@ -56,10 +56,12 @@ async def test_up_without_a_name_generates_one_and_prints_it(env: Env, tmp_path)
     assert code == cli.OK, err
     name = re.search(r"^(service-[a-z]+-[0-9a-f]{4}): created \(version 1\)$", out, re.MULTILINE)
     assert name, out
-    assert f"the service is named {name[1]}" in out
+    assert out.startswith(f"no -n NAME and no name: in the YAML: naming the service {name[1]}\n")
     code, again, _ = await ctl(env, "up", str(spec))
     assert code == cli.OK
-    assert sorted(await names(env)) == sorted([name[1], again.split(":")[0]])
+    second = re.search(r"^(service-[a-z]+-[0-9a-f]{4}): created", again, re.MULTILINE)
+    assert second and second[1] != name[1]
+    assert sorted(await names(env)) == sorted([name[1], second[1]])
     # A name given, or one in the YAML, is used as it is.
     code, out, _ = await ctl(env, "up", str(spec), "-n", "given")
     assert (code, out) == (cli.OK, "given: created (version 1)\n")
