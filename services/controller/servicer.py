@@ -8,6 +8,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from services.common import overrides
 from services.controller import controller
 
 
@@ -20,7 +21,8 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def CreateService(
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
-        svc = await self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
+        text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
+        svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
     async def GetService(
@@ -37,8 +39,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def UpdateService(
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
+        text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
         svc, plan = await self._ctl.update_service(
-            request.service_name, request.yaml, mode=request.mode, dry_run=request.dry_run
+            request.service_name, text, mode=request.mode, dry_run=request.dry_run
         )
         return api.UpdateServiceResponse(service=svc, plan=plan)
 

@@ -25,6 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 STOP_TIMEOUT_S = 10.0
 """How long a service process gets to exit after SIGTERM before SIGKILL."""
+# The setting that names the service a load balancer process serves.
+_BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
 
 
 def say(line: str) -> None:
@@ -182,9 +184,17 @@ class Stack:
             "ready": self.ready,
             "controller": self.controller_addr,
             "services": self.created,
+            # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
             "processes": [
-                {"name": s.name, "pid": self.procs[s.name].pid, "addr": self.addrs[s.name]}
+                {
+                    "name": s.name,
+                    "component": s.component,
+                    "pid": self.procs[s.name].pid,
+                    "addr": self.addrs[s.name],
+                    "log": os.path.abspath(os.path.join(self.files.log_dir, f"{s.name}.log")),
+                }
                 | ({"url": self.urls[s.name]} if s.name in self.urls else {})
+                | ({"service": s.env[_BALANCED]} if _BALANCED in s.env else {})
                 for s in self.specs
                 if s.name in self.procs
             ],

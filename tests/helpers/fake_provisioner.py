@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from aiohttp import web
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as res
@@ -33,6 +34,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.dead_endpoint = False
         self.launches: collections.Counter[str] = collections.Counter()
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
+        self.specs: dict[str, spec_pb2.ServiceSpec] = {}  # name -> the spec of its last Launch
         self.terminations: collections.Counter[str] = collections.Counter()
         self.running: dict[str, res.ProvisionedReplica] = {}
         self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
@@ -48,6 +50,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
         self.launch_times.setdefault(request.name, time.monotonic())
+        self.specs[request.name] = request.spec
         replica = self.running.get(request.name)
         if replica is None and self.capacity_refused:
             self.launches[request.name] += 1

@@ -57,25 +57,84 @@ class CreateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name. If empty, the YAML's `name:` is used."""
     yaml: _builtins.str
     """The SkyPilot-style task YAML."""
     request_id: _builtins.str
     """Optional idempotency key: a retried create with the same key returns the same service."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the YAML's `envs:` before it is validated (SkyPilot's
+        `--env`): a key the YAML lists with no value is filled, one it lists with a value is
+        replaced, a new one is added. Keys are environment variable names
+        (`[A-Za-z_][A-Za-z0-9_]*`); a bad one is INVALID_ARGUMENT on `env_overrides.KEY`.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the YAML's `secrets:` the same way (SkyPilot's `--secret`). Their
+        values are redacted wherever the spec is shown and never logged; a bad key is
+        INVALID_ARGUMENT on `secret_overrides.KEY`.
+        """
+
     def __init__(
         self,
         *,
         service_name: _builtins.str = ...,
         yaml: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_overrides", b"env_overrides", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,11 +272,53 @@ class UpdateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     yaml: _builtins.str
@@ -228,6 +329,16 @@ class UpdateServiceRequest(_message.Message):
     """Return the plan without applying it."""
     request_id: _builtins.str
     """Optional idempotency key."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the new YAML's `envs:`, as in
+        `CreateServiceRequest.env_overrides`. Overrides are not carried over from earlier versions.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the new YAML's `secrets:`, as in `CreateServiceRequest.secret_overrides`."""
+
     def __init__(
         self,
         *,
@@ -236,10 +347,12 @@ class UpdateServiceRequest(_message.Message):
         mode: _resources_pb2.UpdateMode.ValueType = ...,
         dry_run: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "mode", b"mode", "request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "env_overrides", b"env_overrides", "mode", b"mode", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
