@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
+import webbrowser
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -33,6 +38,7 @@ from services.common import config, grpc_errors, security, specfile, watchlines
 OK, REFUSED, BAD_INPUT, NOT_FOUND, UNREACHABLE, TIMED_OUT, UNAUTHORIZED, INTERRUPTED = 0, 1, 2, 3, 4, 5, 6, 130
 
 ENV_CONTROLLER = "REPLICAPLANE_CONTROLLER"
+ENV_DASHBOARD_URL = "REPLICAPLANE_DASHBOARD_URL"
 
 _CODE_EXIT = {
     grpc.StatusCode.INVALID_ARGUMENT: BAD_INPUT,
@@ -123,6 +129,15 @@ def parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="print every change of a service as it happens (Ctrl-C stops)")
     watch.add_argument("name")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
+
+    dashboard = sub.add_parser("dashboard", help="print (or open) the URL of the live web dashboard")
+    dashboard.add_argument(
+        "--url", default="", help=f"the dashboard's URL (env {ENV_DASHBOARD_URL}; default: the local stack's)"
+    )
+    dashboard.add_argument("--state-dir", default=".state", help="the local stack whose dashboard to find")
+    dashboard.add_argument(
+        "--open", action="store_true", help="open it in a browser (with the API token, if any, for the page)"
+    )
 
     stack = sub.add_parser("stack", help="run the local stack (controller, provisioner, probers)")
     stack_sub = stack.add_subparsers(dest="stack_command", required=True, parser_class=_Parser)
@@ -405,6 +420,42 @@ def cmd_watch(args: argparse.Namespace, client: Client, out: TextIO) -> int:
     return OK
 
 
+def dashboard_url(args: argparse.Namespace) -> str:
+    """The dashboard's URL: --url, else $REPLICAPLANE_DASHBOARD_URL, else the one the local stack
+    in --state-dir recorded (its port may have been picked at start), else the default address."""
+    url = args.url or os.environ.get(ENV_DASHBOARD_URL, "")
+    if not url:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            with open(os.path.join(args.state_dir, "stack.json"), encoding="utf-8") as fh:
+                processes = json.load(fh).get("processes", [])
+            url = next((str(p["url"]) for p in processes if p.get("name") == "dashboard" and p.get("url")), "")
+    if not url:
+        addr = os.environ.get(config.env_name("dashboard", "http_addr")) or config.DASHBOARD_HTTP_ADDR
+        host, _, port = addr.rpartition(":")
+        url = f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '[::]') else host}:{port}"
+    return url if url.endswith("/") else url + "/"
+
+
+def cmd_dashboard(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Print the dashboard's URL (and open it); exit 4 if nothing answers there."""
+    url = dashboard_url(args)
+    print(url, file=out, flush=True)
+    try:
+        with urllib.request.urlopen(urllib.parse.urljoin(url, "healthz"), timeout=3):
+            pass
+    except (urllib.error.URLError, OSError, ValueError):
+        print(f"error: nothing answers at {url} (is the stack running? `make up`)", file=err)
+        return UNREACHABLE
+    if args.open:
+        token = security.client_token()
+        # In the fragment, which the browser never sends; the page moves it to session storage.
+        target = f"{url}#token={urllib.parse.quote(token, safe='')}" if token else url
+        if not webbrowser.open(target):
+            print("error: no browser to open; open the URL above yourself", file=err)
+            return REFUSED
+    return OK
+
+
 def cmd_stack(args: argparse.Namespace) -> NoReturn:
     """Hand over to the local stack's own command line (same process, same exit code)."""
     argv = [sys.executable, "-m", "services.stack", args.stack_command, "--state-dir", args.state_dir]
@@ -435,6 +486,12 @@ def run(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: Te
     args = parser().parse_args(argv)
     if args.command == "stack":
         cmd_stack(args)
+    if args.command == "dashboard":
+        try:
+            return cmd_dashboard(args, out, err)
+        except OSError as exc:
+            print(f"error: cannot read the API token file: {exc.strerror}", file=err)
+            return BAD_INPUT
     try:
         token = security.client_token()
     except OSError as exc:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest import mock
 
 import aiohttp
 import grpc
@@ -17,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
+from services.cli import main as cli
 from services.common import errors
 from services.dashboard import server as dash_server
 from tests.helpers import ports
@@ -277,3 +281,58 @@ def test_settings_name_every_bad_value() -> None:
     ]
     settings = dash_server.load_settings(environ={"REPLICAPLANE_DASHBOARD_ALLOWED_HOSTS": "a.example, b.example"})
     assert settings.allowed_hosts == ("a.example", "b.example")
+
+
+# --- replicactl dashboard -------------------------------------------------------------------
+
+
+def write_stack_state(state_dir, url: str) -> None:  # type: ignore[no-untyped-def]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state = {"pid": 1, "processes": [{"name": "dashboard", "pid": 1, "addr": "127.0.0.1:1", "url": url}]}
+    (state_dir / "stack.json").write_text(json.dumps(state))
+
+
+async def replicactl(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}, clear=False):
+        for var in ("REPLICAPLANE_DASHBOARD_URL", "REPLICAPLANE_API_TOKEN", "REPLICAPLANE_API_TOKEN_FILE"):
+            if var not in (env or {}):
+                os.environ.pop(var, None)
+        code = await asyncio.to_thread(cli.run, list(args), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_replicactl_dashboard_prints_the_url_of_the_running_stack(env: tc.Env, tmp_path) -> None:
+    async with dashboard(env.addr) as dash:
+        base = dash.url.rstrip("/")
+        write_stack_state(tmp_path / "st", base)
+        code, out, err = await replicactl("dashboard", "--state-dir", str(tmp_path / "st"))
+        assert (code, out, err) == (0, f"{base}/\n", "")
+        # --url and $REPLICAPLANE_DASHBOARD_URL come first.
+        code, out, _ = await replicactl("dashboard", "--state-dir", str(tmp_path / "none"), "--url", dash.url)
+        assert (code, out) == (0, dash.url + "\n")
+        code, out, _ = await replicactl(
+            "dashboard", "--state-dir", str(tmp_path / "none"), env={"REPLICAPLANE_DASHBOARD_URL": base}
+        )
+        assert (code, out) == (0, f"{base}/\n")
+
+
+async def test_replicactl_dashboard_open_hands_the_token_to_the_page_in_the_fragment(env: tc.Env, tmp_path) -> None:
+    opened: list[str] = []
+    async with dashboard(env.addr) as dash:
+        with mock.patch("webbrowser.open", side_effect=lambda url, *a, **k: opened.append(url) or True):
+            code, out, err = await replicactl(
+                "dashboard", "--url", dash.url, "--open", env={"REPLICAPLANE_API_TOKEN": "tok/en+with space"}
+            )
+    assert code == 0, err
+    assert opened == [f"{dash.url}#token=tok%2Fen%2Bwith%20space"]
+    assert "tok" not in out and "tok" not in err, "the token is never printed"
+    assert dash.url in out
+
+
+async def test_replicactl_dashboard_says_when_nothing_answers(tmp_path) -> None:
+    with ports.Reserved() as dead:
+        code, out, err = await replicactl("dashboard", "--url", dead.url)
+    assert code == 4
+    assert out == f"{dead.url}/\n"
+    assert "nothing answers" in err and "make up" in err
