@@ -1,6 +1,6 @@
 """Bridges the controller's watch streams to the pages.
 
-A bridge follows the whole fleet for one API token: ListServices every few seconds finds the
+A bridge follows the whole fleet for one API token: ListServices every second finds new
 services, and one WatchService stream per service (resumed from its last sequence number when
 cut) brings every change the moment it happens. Pages that present the same token share one
 bridge, so ten open pages cost the controller one set of streams, not ten. The controller
@@ -81,7 +81,7 @@ class Bridge:
         stub: api_grpc.ControllerServiceStub,
         token: str,
         *,
-        discover_interval_s: float = 2.0,
+        discover_interval_s: float = 1.0,
         call_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:

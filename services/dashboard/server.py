@@ -32,7 +32,7 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
     """Host names the page may be reached by besides IP addresses and `localhost` (a guard against
     DNS rebinding); `*` allows any. Comma-separated in the environment."""
-    discover_interval_s: float = 2.0
+    discover_interval_s: float = 1.0
     """How often the service list is read to find new services (changes of known services arrive
     on their watch streams at once)."""
     max_pages: int = 64

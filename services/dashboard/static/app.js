@@ -9,7 +9,7 @@
   const MAX_EVENTS = 300;
   const MAX_TIMELINE_ROWS = 200;
   const WINDOW_MAX_MS = 30 * 60 * 1000;
-  const WINDOW_MIN_MS = 60 * 1000;
+  const WINDOW_MIN_MS = 30 * 1000;
   const LEGEND = [
     "PENDING", "PROVISIONING", "STARTING", "READY", "NOT_READY", "SHUTTING_DOWN", "FAILED", "PREEMPTED",
   ];
@@ -97,12 +97,13 @@
   // it is moved to session storage and taken out of the address bar and history at once.
   function takeTokenFromFragment() {
     const params = new URLSearchParams(location.hash.slice(1));
-    if (!params.has("token")) return;
+    if (!params.has("token")) return false;
     const value = params.get("token");
     if (value) sessionStorage.setItem(TOKEN_KEY, value);
     params.delete("token");
     const rest = params.toString();
     history.replaceState(null, "", location.pathname + location.search + (rest ? `#${rest}` : ""));
+    return true;
   }
 
   function showTokenPanel(message) {
@@ -401,6 +402,10 @@
       sessionStorage.removeItem(TOKEN_KEY);
       $("token-input").value = "";
       connect();
+    });
+    // A token pasted into the address bar of an open page changes only the fragment: no reload.
+    window.addEventListener("hashchange", () => {
+      if (takeTokenFromFragment()) connect();
     });
     // Ages and the timeline move with the clock; this redraws locally, it asks the server nothing.
     setInterval(queueDraw, 1000);
