@@ -154,9 +154,7 @@ class Bridge:
 
     def _deny(self, exc: grpc.aio.AioRpcError) -> None:
         message = (
-            "the controller did not accept this API token"
-            if self._metadata
-            else "the controller requires an API token"
+            "the controller did not accept this API token" if self._metadata else "the controller requires an API token"
         )
         self.state, self.message = DENIED, message
         self._answered.set()

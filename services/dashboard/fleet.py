@@ -172,35 +172,24 @@ class Fleet:
             self._end_rows(svc.name, now_ms, touched, uid=known.uid)
             known = None
         counts = f"({svc.ready}/{svc.total} ready)"
-        if change.snapshot:
+        gone = set(change.removed)
+        if change.snapshot:  # every replica is listed: the ones we had and it lacks are gone
             listed = {r.replica_id for r in change.replicas}
-            for key, row in list(self._rows.items()):
-                if key[:2] == (svc.name, svc.uid) and row.removed_ms is None and key[2] not in listed:
-                    row.removed_ms = now_ms
-                    touched[key] = row
-                    events.append(self._event(now_ms, svc.name, key[2], "REMOVED", f"replica {key[2]} removed {counts}"))
+            gone |= {k[2] for k in self._rows if k[:2] == (svc.name, svc.uid) and k[2] not in listed}
+        for replica_id in sorted(gone):
+            key = (svc.name, svc.uid, replica_id)
+            old = self._rows.get(key)
+            if old is not None and old.removed_ms is None:
+                old.removed_ms = now_ms
+                touched[key] = old
+                text = f"replica {replica_id} removed {counts}"
+                events.append(self._event(now_ms, svc.name, replica_id, "REMOVED", text))
         for info in sorted(change.replicas, key=lambda r: r.replica_id):
             key = (svc.name, svc.uid, info.replica_id)
-            row = self._rows.get(key)
-            if row is None or row.removed_ms is not None:
-                row = _Row(svc.name, svc.uid, info, inferred_history(info, now_ms))
-                self._rows[key] = row
-                changed = True
-            else:
-                changed = row.info.status != info.status
-                if changed:
-                    row.history.append({"status": info.status, "since": now_ms, "inferred": False})
-                    del row.history[: -self.max_history]
-                row.info = info
+            row, changed = self._update_row(key, info, now_ms)
             touched[key] = row
             if changed:
                 events.append(self._replica_event(svc.name, info, counts, now_ms))
-        for replica_id in sorted(change.removed):
-            row = self._rows.get((svc.name, svc.uid, replica_id))
-            if row is not None and row.removed_ms is None:
-                row.removed_ms = now_ms
-                touched[(svc.name, svc.uid, replica_id)] = row
-                events.append(self._event(now_ms, svc.name, replica_id, "REMOVED", f"replica {replica_id} removed {counts}"))
         deleted = None
         if change.deleted:
             deleted = svc.name
@@ -218,6 +207,20 @@ class Fleet:
             "replicas": [self._row_dict(r) for r in touched.values()],
             "events": events,
         }
+
+    def _update_row(self, key: tuple[str, str, int], info: ReplicaInfo, now_ms: int) -> tuple[_Row, bool]:
+        """The replica's row with `info` applied, and whether its status changed (or it is new)."""
+        row = self._rows.get(key)
+        if row is None or row.removed_ms is not None:
+            row = _Row(key[0], key[1], info, inferred_history(info, now_ms))
+            self._rows[key] = row
+            return row, True
+        changed = row.info.status != info.status
+        if changed:
+            row.history.append({"status": info.status, "since": now_ms, "inferred": False})
+            del row.history[: -self.max_history]
+        row.info = info
+        return row, changed
 
     def forget(self, name: str, now_ms: int) -> dict[str, Any] | None:
         """The service is gone without a last message (NOT_FOUND): as if it was deleted.

@@ -12,7 +12,9 @@ from aiohttp import web
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
 from services.common import clients, config, errors, grpc_server, logs
-from services.dashboard import bridge, web as dweb
+from services.dashboard import bridge
+from services.dashboard import web as dweb
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

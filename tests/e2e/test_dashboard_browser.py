@@ -5,6 +5,7 @@ reload. A screenshot is saved (and kept in $REPLICAPLANE_TEST_ARTIFACTS when set
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.e2e
 # Chromium runs as root in CI containers, and `--no-sandbox` is only for that.
 _NO_CHROMIUM = "no Chromium: install Debian's `chromium` package (`apt-get install -y chromium`; .ci/run does)"
 
-READY_ROWS = "document.querySelectorAll('#replicas tr[data-service=\"hello\"][data-status=\"READY\"]').length"
+READY_ROWS = 'document.querySelectorAll(\'#replicas tr[data-service="hello"][data-status="READY"]\').length'
 
 
 @pytest.fixture
@@ -84,9 +85,7 @@ async def test_the_page_shows_replicas_going_ready_live_without_a_reload(state_d
 
         # Services table, timeline and events all show it.
         assert await page.evaluate("document.querySelector('#services tr[data-service=\"hello\"]').dataset.status")
-        await page.wait_for(
-            "document.querySelector('#services tr[data-service=\"hello\"]').dataset.status === 'READY'"
-        )
+        await page.wait_for("document.querySelector('#services tr[data-service=\"hello\"]').dataset.status === 'READY'")
         endpoints = await page.evaluate(
             "[...document.querySelectorAll('#replicas tr[data-service=\"hello\"] a')].map(a => a.href)"
         )
@@ -114,8 +113,8 @@ async def test_the_page_shows_replicas_going_ready_live_without_a_reload(state_d
         shot = await page.screenshot(str(tmp_path / "dashboard.png"))
         browser.keep_artifact(shot)
         print(f"screenshot: {shot}", file=sys.stderr)
-    with open(shot, "rb") as fh:
-        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    png = await asyncio.to_thread((tmp_path / "dashboard.png").read_bytes)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
     down = st.stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
     assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{st.logs(state_dir)}"

@@ -119,8 +119,7 @@ class Page:
         size = metrics.get("cssContentSize") or metrics["contentSize"]
         clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 4000), "scale": 1}
         shot = await self.send("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
-        with open(path, "wb") as fh:
-            fh.write(base64.b64decode(shot["data"]))
+        await asyncio.to_thread(_write, path, base64.b64decode(shot["data"]))
         return path
 
     async def close(self) -> None:
@@ -128,6 +127,71 @@ class Page:
         await self._ws.close()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def _launch(exe: str, workdir: str, width: int, height: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Start Chromium with its profile and log in `workdir`; returns it and its profile dir."""
+    profile = os.path.join(workdir, "chromium-profile")
+    os.makedirs(profile, exist_ok=True)
+    with open(os.path.join(workdir, "chromium.log"), "wb") as log:
+        proc = subprocess.Popen(
+            [
+                exe,
+                "--headless",
+                "--no-sandbox",  # tests may run as root, where the sandbox refuses to start
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-extensions",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                "--remote-debugging-port=0",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, profile
+
+
+def _devtools_port(proc: subprocess.Popen[bytes], profile: str, timeout: float) -> int:
+    """The DevTools port Chromium writes into its profile once it listens."""
+    port_file = os.path.join(profile, "DevToolsActivePort")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(port_file, encoding="utf-8") as fh:
+                line = fh.readline().strip()
+            if line.isdigit():
+                return int(line)
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise PageError(f"chromium did not start (exit code {proc.poll()}); see chromium.log beside {profile}")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 @contextlib.asynccontextmanager
@@ -140,44 +204,12 @@ async def chromium(workdir: str, *, width: int = 1440, height: int = 1000) -> As
     exe = find()
     if exe is None:
         raise PageError("no chromium executable")
-    profile = os.path.join(workdir, "chromium-profile")
-    os.makedirs(profile, exist_ok=True)
-    log = open(os.path.join(workdir, "chromium.log"), "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--headless",
-            "--no-sandbox",  # tests may run as root, where the sandbox refuses to start
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-extensions",
-            "--no-first-run",
-            "--no-default-browser-check",
-            "--hide-scrollbars",
-            f"--user-data-dir={profile}",
-            "--remote-debugging-port=0",
-            f"--window-size={width},{height}",
-            "about:blank",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc, profile = await asyncio.to_thread(_launch, exe, workdir, width, height)
     session = aiohttp.ClientSession()
     page: Page | None = None
     try:
-        port_file = os.path.join(profile, "DevToolsActivePort")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise PageError(f"chromium did not start (exit code {proc.poll()}); see {log.name}")
-            await asyncio.sleep(0.1)
-        with open(port_file, encoding="utf-8") as fh:
-            port = int(fh.readline().strip())
+        port = await asyncio.to_thread(_devtools_port, proc, profile, 60.0)
+        deadline = time.monotonic() + 30
         ws_url = ""
         while not ws_url:
             async with session.get(f"http://127.0.0.1:{port}/json/list") as resp:
@@ -196,11 +228,4 @@ async def chromium(workdir: str, *, width: int = 1440, height: int = 1000) -> As
         if page is not None:
             await page.close()
         await session.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(proc.wait, 10)
-        log.close()
+        await asyncio.to_thread(_stop, proc)

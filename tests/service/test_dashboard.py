@@ -170,7 +170,7 @@ async def test_a_page_that_falls_behind_gets_a_fresh_snapshot_instead_of_a_backl
         (sub,) = bridge.subscribers
         sub.limit = 0  # every message overflows the queue
         await env.stub.CreateService(api.CreateServiceRequest(yaml=tc.spec("busy", replicas=3)))
-        kind, data = await stream.until(lambda k, d: k == "snapshot" and d["services"])
+        _, data = await stream.until(lambda k, d: k == "snapshot" and d["services"])
         assert [s["name"] for s in data["services"]] == ["busy"]
 
 
@@ -255,9 +255,12 @@ async def test_page_assets_and_headers(env: tc.Env) -> None:
         for host, status in [("evil.example", 421), ("localhost:1", 200), ("[::1]:1", 200), ("127.0.0.1", 200)]:
             async with session.get(dash.url, headers={"Host": host}) as resp:
                 assert resp.status == status, host
-    async with dashboard(env.addr, allowed_hosts=("dash.example",)) as dash, aiohttp.ClientSession() as session:
-        async with session.get(dash.url, headers={"Host": "dash.example:8080"}) as resp:
-            assert resp.status == 200
+    async with (
+        dashboard(env.addr, allowed_hosts=("dash.example",)) as dash,
+        aiohttp.ClientSession() as session,
+        session.get(dash.url, headers={"Host": "dash.example:8080"}) as resp,
+    ):
+        assert resp.status == 200
 
 
 async def test_health_check_answers_serving(env: tc.Env) -> None:

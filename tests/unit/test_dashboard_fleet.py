@@ -168,9 +168,7 @@ def test_service_events_name_status_versions_and_the_balancer_once() -> None:
 
 def test_failed_replicas_carry_their_reason_and_a_failure_kind() -> None:
     f = fleet.Fleet()
-    update = f.apply(
-        change(svc(), rep(1, "FAILED", failure_reason="app exited with code 1"), snapshot=True), now_ms=T0
-    )
+    update = f.apply(change(svc(), rep(1, "FAILED", failure_reason="app exited with code 1"), snapshot=True), now_ms=T0)
     (event,) = [e for e in update["events"] if e["replica_id"] == 1]
     assert event["text"] == "hello: replica 1 FAILED (app exited with code 1) (0/1 ready)"
     assert event["level"] == "error"
