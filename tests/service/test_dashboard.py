@@ -215,6 +215,26 @@ async def test_with_the_right_token_the_page_sees_the_fleet(tmp_path, caplog) ->
     assert TOKEN not in caplog.text
 
 
+async def test_a_token_the_controller_stops_accepting_ends_the_page_with_denied(tmp_path) -> None:
+    # The controller restarts on its address with a token required: the open page is told, and
+    # its stream ends (it does not keep showing the fleet).
+    host = ports.private_host()
+    first = contextlib.AsyncExitStack()
+    env = await first.enter_async_context(tc.started(tmp_path, listen_addr=f"{host}:0"))
+    try:
+        port = int(env.addr.rpartition(":")[2])
+        async with dashboard(f"{host}:{port}") as dash, events(dash.url) as stream:
+            assert (await stream.next())[1]["connection"]["state"] == "live"
+            await first.aclose()
+            async with tc.started(tmp_path / "again", listen_addr=f"{host}:{port}", auth_token=TOKEN):
+                _, denied = await stream.until(lambda k, d: k == "denied", timeout=30)
+                assert denied["message"] == "the controller requires an API token"
+                with pytest.raises(EOFError):
+                    await stream.next(timeout=10)
+    finally:
+        await first.aclose()
+
+
 async def test_more_pages_than_allowed_get_503(env: tc.Env) -> None:
     async with dashboard(env.addr, max_pages=1) as dash, events(dash.url) as stream:
         await stream.next()
