@@ -29,7 +29,7 @@ import yaml
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import exits, inputs, logs, render
+from services.cli import dashboard, exits, inputs, logs, render
 from services.common import config, security, specfile, watchlines
 
 OK, REFUSED, BAD_INPUT, NOT_FOUND = exits.OK, exits.REFUSED, exits.BAD_INPUT, exits.NOT_FOUND
@@ -217,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     watch = command("watch", "print every change of a service as it happens (Ctrl-C stops)")
     watch.add_argument("name", metavar="NAME", help="the service to watch")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
+
+    dashboard_cmd = command("dashboard", "print (or open) the URL of the live web dashboard")
+    dashboard.add_parser(dashboard_cmd, DEFAULT_STATE_DIR)
 
     stack = command("stack", "run the local stack (controller, provisioner, probers, load balancer)")
     stack_sub = stack.add_subparsers(dest="stack_command", required=True, parser_class=_Parser, metavar="ACTION")
@@ -511,6 +514,8 @@ def run(
     args = parser().parse_args(argv)
     if args.command == "stack":
         cmd_stack(args)
+    if args.command == "dashboard":
+        return dashboard.cmd_dashboard(args, out, err)
     try:
         token = security.client_token()
     except OSError as exc:
