@@ -162,4 +162,3 @@ def kubernetes(failure: Kube, *, status: int = 0, message: str = "") -> model.Fa
     if failure == Kube.IMAGE_PULL:
         return INFRASTRUCTURE if any(hint in text for hint in _REGISTRY_TROUBLE) else USER
     return _KUBE[failure]
-

@@ -1,4 +1,4 @@
-"""Backoff for launch and teardown retries, as a tenacity wait strategy.
+"""Which launch failures are tried again, and the backoff between tries (a tenacity wait).
 
 SkyPilot's backoff: the first gap is `initial`, each next one `multiplier` times longer, capped
 at `maximum`, and each gap jittered by +-40 %. The jittered gap never exceeds `maximum`.
@@ -11,7 +11,16 @@ import random
 import tenacity
 from tenacity import wait as tenacity_wait
 
+from services.provisioner import backend
+
 DEFAULT_JITTER = 0.4
+
+
+def launch_retryable(exc: BaseException) -> bool:
+    """Whether another attempt of a launch may help: not for a permanent failure (the spec
+    cannot work), and not for a lack of capacity, which goes back to the controller at once so
+    that it places the replica again (another zone, after its own backoff)."""
+    return isinstance(exc, backend.LaunchError) and not exc.permanent and not exc.capacity_unavailable
 
 
 class wait_jittered_exponential(tenacity_wait.wait_base):
