@@ -25,8 +25,8 @@ class LaunchError(Exception):
             the infrastructure's (capacity, quota, the API server, this host).
         permanent: retrying cannot help (bad spec, missing files, an image name that cannot
             be). Only user-caused failures can be permanent: the infrastructure's are retried.
-        capacity_unavailable: the zone lacked capacity. Not retried here: the controller
-            places the replica again (another zone, after a backoff).
+        capacity_unavailable: the zone lacked capacity. Not retried when the launch asked for
+            that zone: the controller places the replica again (another zone, after a backoff).
     """
 
     def __init__(

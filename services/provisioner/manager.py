@@ -317,7 +317,10 @@ class Provisioner:
                 ),
                 # Never again once a teardown owns the replica (a cancel that timed out).
                 retry=tenacity.retry_if_exception(
-                    lambda exc: retries.launch_retryable(exc) and entry.replica.state != model.ReplicaState.TERMINATING
+                    lambda exc: (
+                        retries.launch_retryable(exc, zone=entry.request.zone)
+                        and entry.replica.state != model.ReplicaState.TERMINATING
+                    )
                 ),
                 before_sleep=lambda state: self._launch_retrying(entry, state),
                 reraise=True,

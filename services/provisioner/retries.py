@@ -16,11 +16,16 @@ from services.provisioner import backend
 DEFAULT_JITTER = 0.4
 
 
-def launch_retryable(exc: BaseException) -> bool:
-    """Whether another attempt of a launch may help: not for a permanent failure (the spec
-    cannot work), and not for a lack of capacity, which goes back to the controller at once so
-    that it places the replica again (another zone, after its own backoff)."""
-    return isinstance(exc, backend.LaunchError) and not exc.permanent and not exc.capacity_unavailable
+def launch_retryable(exc: BaseException, *, zone: str) -> bool:
+    """Whether another attempt of a launch into `zone` ("" when the backend chooses) may help.
+
+    Not for a permanent failure (the spec cannot work), and not for a lack of capacity in a
+    zone the launch asked for: that goes back to the controller at once, whose spot placer
+    chooses another zone (capacity is the infrastructure's fault, so it is never permanent).
+    """
+    if not isinstance(exc, backend.LaunchError) or exc.permanent:
+        return False
+    return not (exc.capacity_unavailable and zone)
 
 
 class wait_jittered_exponential(tenacity_wait.wait_base):

@@ -207,6 +207,14 @@ async def test_a_capacity_failure_goes_back_at_once_not_permanent(prov: manager.
     assert len(fake.creates) == 1
 
 
+async def test_a_capacity_failure_where_the_backend_chooses_is_retried_here(
+    prov: manager.Provisioner, fake: FakeBackend
+) -> None:
+    fake.outcomes["svc-1"] = [backend.LaunchError("no capacity", cause=INFRA, capacity_unavailable=True)]
+    events = await _all(prov.launch(_request()))
+    assert events[-1].type == L.RUNNING and len(fake.creates) == 2
+
+
 async def test_an_unexpected_backend_error_is_the_infrastructures(prov: manager.Provisioner, fake: FakeBackend) -> None:
     fake.outcomes["svc-1"] = [RuntimeError("bug")] * 3
     events = await _all(prov.launch(_request()))
