@@ -124,6 +124,22 @@ def parser() -> argparse.ArgumentParser:
     watch.add_argument("name")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
 
+    orphans = sub.add_parser(
+        "orphans", help="replicas the provisioner runs that no record of this controller refers to; --reap them"
+    )
+    orphans.add_argument("--reap", action="store_true", help="tear them down (this controller's own by default)")
+    who = orphans.add_mutually_exclusive_group()
+    who.add_argument("--owner", default="", metavar="ID", help="only those of this owner (another controller's id)")
+    who.add_argument(
+        "--all-owners", action="store_true", help="with --reap: every owner's (another live controller may use them)"
+    )
+    orphans.add_argument(
+        "--name", action="append", default=[], metavar="REPLICA", help="with --reap: only this replica (repeatable)"
+    )
+    orphans.add_argument("--wait", action="store_true", help="with --reap: wait until the reaped replicas are gone")
+    orphans.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits (default 300)")
+    orphans.add_argument("--json", action="store_true", help="the API's messages in protobuf's JSON mapping")
+
     stack = sub.add_parser("stack", help="run the local stack (controller, provisioner, probers)")
     stack_sub = stack.add_subparsers(dest="stack_command", required=True, parser_class=_Parser)
     stack_up = stack_sub.add_parser("up", help="start it; Ctrl-C stops it (deleting every service first)")
@@ -207,6 +223,19 @@ class Client:
             if not token:
                 break
         return out
+
+    def orphans(self, owner: str = "") -> tuple[list[res.Orphan], str]:
+        """Every orphan (all pages), of `owner` only when given, and this controller's id."""
+        out: list[res.Orphan] = []
+        token, controller_id = "", ""
+        for _ in range(10_000):
+            resp = self.call("ListOrphans", pb.ListOrphansRequest(owner=owner, page_size=1000, page_token=token))
+            out += resp.orphans
+            controller_id = resp.controller_id
+            token = resp.next_page_token
+            if not token:
+                break
+        return out, controller_id
 
     def services(self) -> list[res.Service]:
         """Every service (all pages)."""
@@ -405,6 +434,43 @@ def cmd_watch(args: argparse.Namespace, client: Client, out: TextIO) -> int:
     return OK
 
 
+def cmd_orphans(args: argparse.Namespace, client: Client, out: TextIO) -> int:
+    """List orphans, or reap them (and wait until they are gone)."""
+    if not args.reap and (args.all_owners or args.name or args.wait):
+        raise CliError("error: --all-owners, --name and --wait go with --reap", BAD_INPUT)
+    if not args.reap:
+        orphans, controller_id = client.orphans(args.owner)
+        if args.json:
+            print(render.to_json({"controller_id": controller_id, "orphans": orphans}), file=out)
+        else:
+            out.write(render.orphans_text(orphans, controller_id, tty=out.isatty()))
+        return OK
+    request = pb.ReapOrphansRequest(replica_names=args.name, owner=args.owner, all_owners=args.all_owners)
+    resp = client.call("ReapOrphans", request)
+    if args.json:
+        print(render.to_json({"reaped": list(resp.reaped), "skipped": list(resp.skipped)}), file=out)
+    else:
+        for o in resp.reaped:
+            print(
+                f"reaping {o.replica_name} (service {o.service_name}, owner {o.owner or 'none'}): {o.reason}", file=out
+            )
+        for skip in resp.skipped:
+            print(f"skipped {skip.replica_name}: {skip.reason}", file=out)
+        if not resp.reaped and not resp.skipped:
+            print("No orphans to reap.", file=out)
+    out.flush()
+    if args.wait and resp.reaped:
+        names = {o.replica_name for o in resp.reaped}
+        deadline = time.monotonic() + args.timeout
+        while names & {o.replica_name for o in client.orphans()[0]}:
+            if time.monotonic() >= deadline:
+                raise CliError(f"error: orphans still there after {args.timeout:.0f} s", TIMED_OUT)
+            time.sleep(0.25)
+        if not args.json:
+            print(f"reaped {len(names)} orphan{'s' if len(names) != 1 else ''}", file=out)
+    return OK
+
+
 def cmd_stack(args: argparse.Namespace) -> NoReturn:
     """Hand over to the local stack's own command line (same process, same exit code)."""
     argv = [sys.executable, "-m", "services.stack", args.stack_command, "--state-dir", args.state_dir]
@@ -425,6 +491,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Client, TextIO], int]] = {
     "down": cmd_down,
     "logs": cmd_logs,
     "watch": cmd_watch,
+    "orphans": cmd_orphans,
 }
 
 
