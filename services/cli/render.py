@@ -130,7 +130,8 @@ def orphan_row(o: res.Orphan, now: float) -> tuple[str, ...]:
         owner = "this controller" if o.owner else "none (this controller's)"
     else:
         owner = o.owner
-    return (o.replica_name, o.service_name, str(o.replica_id), str(o.version), o.state, age, owner, o.reason)
+    row = (o.replica_name, o.service_name, str(o.replica_id), str(o.version), o.state, age, owner, o.reason)
+    return tuple(cell or "-" for cell in row)
 
 
 def orphans_text(orphans: Sequence[res.Orphan], controller_id: str, *, tty: bool, now: float | None = None) -> str:
