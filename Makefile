@@ -55,6 +55,11 @@ compose-check: setup  ## Validate docker-compose.yml with the real Compose v2 bi
 	@compose="$$($(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"; \
 	  echo "$$compose config -q"; "$$compose" config -q
 
+# Needs root where no engine runs yet: it installs docker.io and starts dockerd (see the script).
+.PHONY: compose-e2e
+compose-e2e: setup  ## Build the image and run the compose stack for real: scale, create, curl, restart.
+	PY=$(PY) .ci/compose-e2e
+
 test: setup  ## Run every test (unit, service, end to end).
 	$(PY) -m pytest
 

@@ -5,10 +5,20 @@ starts, so the local backend never pays for it. Objects are built as plain dicts
 kube_objects.py; this module sends them and follows their Pods.
 
 One watch over the Pods carrying this instance's labels drives everything: a list, then a
-watch from the list's resourceVersion, re-watched when the server ends it, relisted on 410
-Gone, on an idle read timeout and after errors. Every (re)list replays every Pod; the state
-kept per replica makes duplicates harmless (an event is reported once per incarnation).
-Labels are also checked on the client side, for servers that ignore selectors.
+watch from the list's resourceVersion, resumed from the last version it saw (an event's or a
+bookmark's) whenever it ends: the server's timeout, a silent connection, an error. Only a 410
+Gone (the version is too old to resume from) makes it list again. A list replays every Pod;
+the state kept per replica makes that harmless (each incarnation reports one end).
+
+API calls are retried here, and only here, when the failure is transient (no answer, 429,
+5xx): a few tries with backoff or the server's Retry-After. A create whose answer was lost
+meets its own object on the retry (409) and takes it. Other failures become launch or
+teardown failures that say what the API server answered.
+
+A replica's Secret and Service carry an ownerReference to its Pod, so the cluster's garbage
+collector removes them with the Pod even when no provisioner is left to. The Secret is created
+before the Pod (the container needs it to start) and owned once the Pod exists; one left
+behind by a crash in between is removed at the next start.
 
 Restart safety: the Pods themselves are the record. Each carries the full replica name and
 the incarnation token in annotations, so a restarted provisioner lists its Pods by label and
@@ -29,11 +39,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.provisioner import backend, kube_objects, model
+import tenacity
+from tenacity import wait as tenacity_wait
+
+from services.provisioner import backend, kube_objects, model, retries
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("pod", "service", "secret")
+MERGE_PATCH = "application/merge-patch+json"
+TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})
+"""HTTP statuses worth another try of the same call (0: no answer at all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +69,99 @@ class Options:
     watch_timeout_s: float = 300.0
     watch_idle_s: float = 330.0
     request_timeout_s: float = 30.0
+    api_attempts: int = 5
+    api_backoff_s: float = 0.5
+    api_backoff_max_s: float = 10.0
 
 
 class ApiError(Exception):
-    """A Kubernetes API call failed: `status` is the HTTP status (0 when there was no answer)."""
+    """A Kubernetes API call failed.
 
-    def __init__(self, status: int, message: str) -> None:
+    Attributes:
+        status: the HTTP status (0 when there was no answer).
+        message: the API server's message (or the connection error).
+        reason: the Status reason (`Forbidden`, `AlreadyExists`, ...), else the HTTP reason.
+        retry_after: the server's Retry-After in seconds, if it sent one.
+        tries: how many times the call was made.
+    """
+
+    def __init__(self, status: int, message: str, *, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason
+        self.retry_after = retry_after
+        self.tries = 1
+
+    @property
+    def transient(self) -> bool:
+        """Whether trying the same call again may succeed."""
+        return self.status in TRANSIENT
+
+
+def describe(exc: ApiError) -> str:
+    """An API failure in words, for launch and teardown messages: what, the status, the message."""
+    code = f"{exc.status} {exc.reason}".strip()
+    tries = f", {exc.tries} tries" if exc.tries > 1 else ""
+    text = exc.message or "no message"
+    if exc.status == 0:
+        return f"the API server could not be reached ({exc.tries} {'tries' if exc.tries > 1 else 'try'}): {text}"
+    if exc.status in (401, 403):
+        return f"no access ({code}): {text}"
+    if exc.status == 404:
+        return f"not found ({code}): {text}"
+    if exc.status == 409:
+        return f"conflict ({code}): {text}"
+    if exc.status in (400, 422):
+        return f"rejected by the API server ({code}): {text}"
+    if exc.status == 429:
+        return f"the API server is throttling requests ({code}{tries}): {text}"
+    if exc.status >= 500:
+        return f"the API server failed ({code}{tries}): {text}"
+    return f"the API server answered {code}{tries}: {text}"
+
+
+class ServerWait(tenacity_wait.wait_base):
+    """Wait before another try: the server's Retry-After when it sent one, else jittered exponential
+    backoff; never longer than the backoff's maximum."""
+
+    def __init__(self, backoff: retries.wait_jittered_exponential) -> None:
+        self.backoff = backoff
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        """The gap before the next try."""
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if isinstance(exc, ApiError) and exc.retry_after is not None:
+            return min(max(0.0, exc.retry_after), self.backoff.maximum)
+        return self.backoff(retry_state)
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None  # the HTTP-date form: fall back to our own backoff
+
+
+def _error(status: int, http_reason: str, body: bytes, headers: Any) -> ApiError:
+    """An ApiError from an error answer (a Status object when the API server sent one)."""
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    message = str(data.get("message") or body[:300].decode(errors="replace") or f"HTTP {status}")
+    reason = str(data.get("reason") or http_reason or "")
+    return ApiError(status, message, reason=reason, retry_after=_retry_after(headers.get("Retry-After")))
 
 
 class _Gone(Exception):
     """The watch's resourceVersion is too old (410): relist."""
+
+
+class _DeleteFailed(Exception):
+    """Deleting a replica's objects failed; the message says which and why."""
 
 
 class _Api:
@@ -76,8 +171,8 @@ class _Api:
         self._opts = opts
         self._client: Any = None
         self._core: Any = None
-        self._api_exception: type[BaseException] = Exception
         self._errors: tuple[type[BaseException], ...] = ()
+        self._wait = ServerWait(retries.wait_jittered_exponential(opts.api_backoff_s, 2.0, opts.api_backoff_max_s))
 
     async def open(self) -> None:
         from kubernetes.aio import client, config
@@ -99,21 +194,49 @@ class _Api:
             raise ApiError(0, f"cannot load {where}: {exc}") from None
         self._client = client.ApiClient(cfg)
         self._core = client.CoreV1Api(self._client)
-        self._api_exception = client.exceptions.ApiException
         import aiohttp
 
-        self._errors = (aiohttp.ClientError, OSError, TimeoutError)
+        self._errors = (aiohttp.ClientError, OSError, TimeoutError, client.exceptions.ApiException)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Call `method` and return the answer's JSON as a dict.
+    async def _call(self, method: str, *args: Any, retry: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` and return the answer's JSON as a dict; transient failures are tried
+        again (`api_attempts` in all) unless `retry` is False.
 
-        The raw (`_without_preload_content`) variants are used: the client's generated models
-        reject objects that lack fields they think required, and plain dicts are all we need.
+        Raises:
+            ApiError: the last try's failure, with `tries` set.
         """
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(max(1, self._opts.api_attempts) if retry else 1),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ApiError) and exc.transient),
+            before_sleep=lambda state: log.warning(
+                "kubernetes API %s failed (%s); try %d of %d",
+                method,
+                describe(state.outcome.exception()) if state.outcome else "?",  # type: ignore[arg-type]
+                state.attempt_number + 1,
+                self._opts.api_attempts,
+            ),
+            reraise=True,
+        )
+        tries = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    tries += 1
+                    return await self._call_once(method, *args, **kwargs)
+        except ApiError as exc:
+            exc.tries = tries
+            raise
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    async def _call_once(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One call. The raw (`_without_preload_content`) variants are used: the client's
+        generated models reject objects that lack fields they think required, and plain dicts
+        are all we need."""
         kwargs.setdefault("_request_timeout", self._opts.request_timeout_s)
         try:
             resp = await getattr(self._core, f"{method}_without_preload_content")(*args, **kwargs)
@@ -121,45 +244,57 @@ class _Api:
                 body = await resp.read()
             finally:
                 resp.release()
-        except self._api_exception as exc:
-            raise ApiError(int(getattr(exc, "status", 0) or 0), _api_message(exc)) from None
-        except self._errors as exc:
-            raise ApiError(0, f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        except self._errors as exc:  # no answer (the client's own ApiException included)
+            status = int(getattr(exc, "status", 0) or 0)
+            raise ApiError(status, f"{type(exc).__name__}: {exc}".strip().rstrip(":")) from None
+        if resp.status >= 400:
+            raise _error(resp.status, str(resp.reason or ""), body, resp.headers)
         try:
             data = json.loads(body or b"{}")
         except ValueError:
             data = {}
-        if not isinstance(data, dict):
-            data = {}
-        if resp.status >= 400:
-            message = str(data.get("message") or body[:300].decode(errors="replace") or f"HTTP {resp.status}")
-            raise ApiError(int(resp.status), message)
-        return data
+        return data if isinstance(data, dict) else {}
 
     async def create(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = body["metadata"]["namespace"]
         return await self._call(f"create_namespaced_{kind}", ns, body)
 
-    async def delete(self, kind: str, name: str, namespace: str, *, grace_s: float | None = None) -> bool:
-        """Delete one object; False when it was not there."""
-        kwargs: dict[str, Any] = {}
-        if grace_s is not None:
-            kwargs["grace_period_seconds"] = max(0, round(grace_s))
+    async def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        """The object, or None when there is none."""
         try:
-            await self._call(f"delete_namespaced_{kind}", name, namespace, **kwargs)
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
-    async def get_pod(self, name: str, namespace: str) -> dict[str, Any] | None:
-        try:
-            return await self._call("read_namespaced_pod", name, namespace)
+            return await self._call(f"read_namespaced_{kind}", name, namespace)
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(
+        self, kind: str, namespace: str, labels: str, *, retry: bool = True
+    ) -> tuple[builtins.list[dict[str, Any]], str]:
+        """The objects with `labels`, and the list's resourceVersion."""
+        data = await self._call(f"list_namespaced_{kind}", namespace, label_selector=labels, retry=retry)
+        return builtins.list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def patch(self, kind: str, name: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch (the client would send a strategic merge patch for a dict)."""
+        return await self._call(f"patch_namespaced_{kind}", name, namespace, body, _content_type=MERGE_PATCH)
+
+    async def delete(
+        self, kind: str, name: str, namespace: str, *, grace_s: float | None = None, uid: str = ""
+    ) -> bool:
+        """Delete one object (only if its uid is `uid`, when given); False when it was not there."""
+        kwargs: dict[str, Any] = {}
+        if grace_s is not None:
+            kwargs["grace_period_seconds"] = max(0, round(grace_s))
+        if uid:
+            kwargs["body"] = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            await self._call(f"delete_namespaced_{kind}", name, namespace, **kwargs)
+        except ApiError as exc:
+            if exc.status == 404 or (uid and exc.status == 409):  # gone, or another object by now
+                return False
+            raise
+        return True
 
     async def ensure_namespace(self, namespace: str) -> None:
         try:
@@ -171,14 +306,10 @@ class _Api:
             with contextlib.suppress(ApiError):  # a racing creator is fine
                 await self._call("create_namespace", body)
 
-    async def list_pods(self, namespace: str, labels: str) -> tuple[list[dict[str, Any]], str]:
-        data = await self._call("list_namespaced_pod", namespace, label_selector=labels)
-        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
-
     async def watch_pods(
         self, namespace: str, labels: str, resource_version: str
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Pod events until the server ends the watch.
+        """Pod events (BOOKMARKs included) until the server ends the watch.
 
         Raises:
             _Gone: the resourceVersion is too old.
@@ -190,19 +321,21 @@ class _Api:
             "watch": True,
             "allow_watch_bookmarks": True,
             "timeout_seconds": max(1, round(self._opts.watch_timeout_s)),
-            "_request_timeout": None,
+            # The server ends the watch; the idle timer below catches a dead connection. This
+            # bound only keeps the client's own default (5 min in all) from cutting it first.
+            "_request_timeout": self._opts.watch_timeout_s + self._opts.watch_idle_s + self._opts.request_timeout_s,
         }
         if resource_version:
             kwargs["resource_version"] = resource_version
         try:
             resp = await self._core.list_namespaced_pod_without_preload_content(namespace, **kwargs)
         except self._errors as exc:
-            raise ApiError(0, f"{type(exc).__name__}: {exc}") from None
+            raise ApiError(0, f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
         try:
             if resp.status == 410:
                 raise _Gone()
             if resp.status >= 400:
-                raise ApiError(resp.status, (await resp.text())[:300])
+                raise _error(resp.status, str(resp.reason or ""), await resp.read(), resp.headers)
             while True:
                 try:
                     line = await asyncio.wait_for(resp.content.readline(), self._opts.watch_idle_s)
@@ -220,19 +353,14 @@ class _Api:
                 if kind == "ERROR":
                     if obj.get("code") == 410:
                         raise _Gone()
-                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or "watch error"))
+                    raise ApiError(
+                        int(obj.get("code") or 0),
+                        str(obj.get("message") or "watch error"),
+                        reason=obj.get("reason", ""),
+                    )
                 yield kind, obj
         finally:
             resp.release()
-
-
-def _api_message(exc: Any) -> str:
-    """The API server's message from an ApiException (its JSON Status body when there is one)."""
-    try:
-        body = json.loads(exc.body or "{}")
-        return str(body.get("message") or exc.reason or "")
-    except (ValueError, TypeError):
-        return str(exc.reason or "")
 
 
 @dataclasses.dataclass
@@ -246,6 +374,7 @@ class _Tracked:
     zone: str
     created_at: float
     port: int
+    uid: str = ""
     has_setup: bool = False
     pod: dict[str, Any] | None = None
     status: kube_objects.PodStatus = dataclasses.field(default_factory=kube_objects.PodStatus)
@@ -285,17 +414,44 @@ class KubernetesBackend(backend.Backend):
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, list this instance's Pods and adopt them, then start the watch."""
+        """Connect, list this instance's Pods and adopt them, remove Secrets and Services whose
+        Pod is gone, then start the watch."""
         try:
             await self._api.open()
+        except ApiError as exc:
+            raise RuntimeError(f"kubernetes backend: {exc.message}") from None
+        try:
             if self._opts.create_namespace:
                 await self._api.ensure_namespace(self._ns)
-            items, version = await self._api.list_pods(self._ns, self._selector)
+            items, version = await self._api.list("pod", self._ns, self._selector)
         except ApiError as exc:
-            raise RuntimeError(f"kubernetes backend: cannot list Pods in namespace {self._ns}: {exc.message}") from None
+            raise RuntimeError(
+                f"kubernetes backend: cannot list Pods in namespace {self._ns}: {describe(exc)}"
+            ) from None
         self._apply_list(items)
         log.info("kubernetes backend: namespace %s, %d replica Pods found", self._ns, len(self._tracked))
+        await self._remove_orphans({str((p.get("metadata") or {}).get("name", "")) for p in items})
         self._watcher = asyncio.get_running_loop().create_task(self._watch(version))
+
+    async def _remove_orphans(self, pods: set[str]) -> None:
+        """Delete our Secrets and Services whose Pod does not exist: a crash between creating a
+        Secret and its Pod leaves one that no ownerReference covers. Best effort."""
+        for kind in ("secret", "service"):
+            try:
+                items, _ = await self._api.list(kind, self._ns, self._selector)
+            except ApiError as exc:
+                log.warning("could not look for %ss left without a Pod: %s", kind, describe(exc))
+                continue
+            for item in items:
+                meta = item.get("metadata") or {}
+                name = str(meta.get("name", ""))
+                if name in pods or not kube_objects.matches(item, self._labels):
+                    continue
+                try:
+                    await self._api.delete(kind, name, self._ns, uid=str(meta.get("uid", "")))
+                    log.info("deleted %s %s/%s: its Pod is gone", kind, self._ns, name)
+                except ApiError as exc:
+                    log.warning("could not delete %s %s/%s left without a Pod: %s", kind, self._ns, name, describe(exc))
 
     async def close(self) -> None:
         """Stop watching; the Pods keep running and are re-adopted on the next start()."""
@@ -317,7 +473,10 @@ class KubernetesBackend(backend.Backend):
         except kube_objects.ManifestError as exc:
             raise backend.LaunchError(str(exc), permanent=True) from None
         if launch.name in self._tracked:
-            await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            try:
+                await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            except backend.TeardownError as exc:
+                raise backend.LaunchError(f"the earlier attempt's objects could not be removed: {exc}") from None
         obj = pod["metadata"]["name"]
         tracked = _Tracked(
             name=launch.name,
@@ -336,11 +495,16 @@ class KubernetesBackend(backend.Backend):
         image = pod["spec"]["containers"][0]["image"]
         try:
             if launch.spec.secrets:
-                await self._create("secret", kube_objects.secret_manifest(launch, self._cfg))
+                await self._create("secret", kube_objects.secret_manifest(launch, self._cfg, token=token), token)
             _note(request.launch_log, f"creating Pod {self._ns}/{obj} (image {image})")
-            await self._create("pod", pod)
+            created = await self._create("pod", pod, token)
+            tracked.uid = str((created.get("metadata") or {}).get("uid") or "")
+            owner = kube_objects.owner_reference(created)
+            if launch.spec.secrets and owner:
+                await self._own("secret", obj, owner, request.launch_log)
             if self._cfg.service_type:
-                await self._create("service", kube_objects.service_manifest(launch, self._cfg))
+                service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
+                await self._create("service", service, token)
             result = await self._await_start(tracked, request.launch_log, image)
         except asyncio.CancelledError:
             tracked.deleting = True
@@ -352,12 +516,45 @@ class KubernetesBackend(backend.Backend):
         self._report(tracked)  # an app that exited before we looked
         return result
 
-    async def _create(self, kind: str, body: dict[str, Any]) -> None:
+    async def _create(self, kind: str, body: dict[str, Any], token: str) -> dict[str, Any]:
+        """Create one object of this launch attempt and return it as stored.
+
+        A 409 is looked at: our own object (this token: a retried create whose first answer was
+        lost) is taken; a Secret or Service of ours from an earlier incarnation is replaced; a
+        Pod of ours or anything not ours is a conflict.
+        """
         name = body["metadata"]["name"]
         try:
-            await self._api.create(kind, body)
+            return await self._api.create(kind, body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise _launch_error(kind, name, self._ns, exc) from None
+            conflict = exc
+        try:
+            existing = await self._api.get(kind, name, self._ns)
+            if existing is not None and _token(existing) == token:
+                return existing
+            if existing is None or (kind != "pod" and kube_objects.matches(existing, self._labels)):
+                if existing is not None:
+                    uid = str(existing["metadata"].get("uid", ""))
+                    await self._api.delete(kind, name, self._ns, uid=uid)
+                    log.info("replaced %s %s/%s left by an earlier launch", kind, self._ns, name)
+                return await self._api.create(kind, body)
         except ApiError as exc:
             raise _launch_error(kind, name, self._ns, exc) from None
+        if kube_objects.matches(existing, self._labels):
+            note = "an earlier Pod of this replica is still there, terminating?"
+        else:
+            note = "the object of that name is not this provisioner's"
+        raise backend.LaunchError(f"could not create {kind} {self._ns}/{name}: {describe(conflict)} ({note})")
+
+    async def _own(self, kind: str, name: str, owner: dict[str, str], launch_log: str) -> None:
+        """Make the Pod own an object created before it (best effort: teardown deletes it anyway)."""
+        try:
+            await self._api.patch(kind, name, self._ns, {"metadata": {"ownerReferences": [owner]}})
+        except ApiError as exc:
+            log.warning("could not make Pod %s own %s %s/%s: %s", owner["name"], kind, self._ns, name, describe(exc))
+            _note(launch_log, f"{kind} {name} is not owned by its Pod ({describe(exc)}); teardown deletes it")
 
     async def _await_start(self, tracked: _Tracked, launch_log: str, image: str) -> backend.BackendReplica:
         start = time.monotonic()
@@ -410,14 +607,18 @@ class KubernetesBackend(backend.Backend):
             try:
                 await asyncio.wait_for(changed.wait(), 2.0)
             except TimeoutError:
-                await self._refresh(tracked)  # the watch may be reconnecting: look directly
+                try:
+                    await self._refresh(tracked)  # the watch may be reconnecting: look directly
+                except ApiError as exc:
+                    if exc.status not in (401, 403):
+                        log.debug("could not read Pod %s: %s", tracked.obj, describe(exc))
+                    else:
+                        raise backend.LaunchError(
+                            f"could not read Pod {self._ns}/{tracked.obj}: {describe(exc)}", permanent=True
+                        ) from None
 
     async def _refresh(self, tracked: _Tracked) -> None:
-        try:
-            pod = await self._api.get_pod(tracked.obj, self._ns)
-        except ApiError as exc:
-            log.debug("could not read Pod %s: %s", tracked.obj, exc.message)
-            return
+        pod = await self._api.get("pod", tracked.obj, self._ns)
         if pod is None:
             if tracked.pod is not None:  # seen before, gone now
                 self._on_pod("DELETED", tracked.pod)
@@ -426,24 +627,25 @@ class KubernetesBackend(backend.Backend):
 
     async def delete(self, name: str, *, grace_s: float) -> None:
         """Delete the Pod with `grace_s` as its grace period (and its Service and Secret), then
-        wait until the Pod is gone. A Pod that is still terminating after the grace period
-        plus `delete_timeout_s` fails the attempt (TeardownError): it is reported, not forgotten.
+        wait until the Pod is gone. Objects of that name that are not this instance's are left
+        alone. A Pod that is still terminating after the grace period plus `delete_timeout_s`
+        fails the attempt (TeardownError): it is reported, not forgotten.
         """
         tracked = self._tracked.get(name)
         obj = tracked.obj if tracked else kube_objects.object_name(name)
         if tracked is not None:
             tracked.deleting = True
         try:
-            await self._delete_objects(obj, grace_s=grace_s)
-        except ApiError as exc:
-            raise backend.TeardownError(f"could not delete Pod {self._ns}/{obj}: {exc.message}") from None
+            uid = await self._delete_objects(obj, grace_s=grace_s)
+        except _DeleteFailed as exc:
+            raise backend.TeardownError(str(exc)) from None
         deadline = time.monotonic() + grace_s + self._opts.delete_timeout_s
-        while True:
+        while uid:
             try:
-                pod = await self._api.get_pod(obj, self._ns)
+                pod = await self._api.get("pod", obj, self._ns)
             except ApiError as exc:
-                raise backend.TeardownError(f"could not read Pod {self._ns}/{obj}: {exc.message}") from None
-            if pod is None:
+                raise backend.TeardownError(f"could not read Pod {self._ns}/{obj}: {describe(exc)}") from None
+            if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
                 break
             if time.monotonic() >= deadline:
                 meta = pod.get("metadata") or {}
@@ -463,10 +665,31 @@ class KubernetesBackend(backend.Backend):
             if self._tracked.get(name) is tracked:
                 del self._tracked[name]
 
-    async def _delete_objects(self, obj: str, *, grace_s: float) -> None:
-        await self._api.delete("pod", obj, self._ns, grace_s=grace_s)
+    async def _delete_objects(self, obj: str, *, grace_s: float) -> str:
+        """Delete our Pod, Service and Secret named `obj`; returns the deleted Pod's uid ("" if none).
+
+        Raises:
+            _DeleteFailed: an API call failed (the message says which and why).
+        """
+        uid = await self._delete_ours("pod", obj, grace_s=grace_s)
         for kind in ("service", "secret"):
-            await self._api.delete(kind, obj, self._ns)
+            await self._delete_ours(kind, obj)
+        return uid
+
+    async def _delete_ours(self, kind: str, name: str, *, grace_s: float | None = None) -> str:
+        """Delete one object if it is this instance's; returns its uid ("" when there was none)."""
+        what = f"{kind.capitalize() if kind == 'pod' else kind} {self._ns}/{name}"
+        try:
+            existing = await self._api.get(kind, name, self._ns)
+            if existing is None:
+                return ""
+            if not kube_objects.matches(existing, self._labels):
+                log.warning("not deleting %s: it is not this provisioner's", what)
+                return ""
+            uid = str((existing.get("metadata") or {}).get("uid") or "")
+            return uid if await self._api.delete(kind, name, self._ns, grace_s=grace_s, uid=uid) else ""
+        except ApiError as exc:
+            raise _DeleteFailed(f"could not delete {what}: {describe(exc)}") from None
 
     def get(self, name: str) -> backend.BackendReplica | None:
         """The replica `name`, if one of this instance's Pods runs it."""
@@ -490,46 +713,43 @@ class KubernetesBackend(backend.Backend):
         tracked.reported = True  # the caller reports PREEMPTED itself
         tracked.app_state = model.AppState.PREEMPTED
         try:
-            await self._api.delete("pod", tracked.obj, self._ns, grace_s=0)
+            await self._api.delete("pod", tracked.obj, self._ns, grace_s=0, uid=tracked.uid)
         except ApiError as exc:
-            log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, exc.message)
+            log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, describe(exc))
 
     # ---- the watch -------------------------------------------------------------------------
 
     async def _watch(self, version: str) -> None:
+        """Watch from `version` forever: resume after every end, relist only when it expired."""
         delay = 0.0
-        relist = False
         while True:
+            opened, seen = time.monotonic(), False
             try:
-                if relist:
-                    items, version = await self._api.list_pods(self._ns, self._selector)
+                if not version:
+                    items, version = await self._api.list("pod", self._ns, self._selector, retry=False)
                     self._apply_list(items)
-                    relist = False
-                # Emulators without resourceVersions answer "..."; resuming from that is meaningless.
-                resume = version if version and version != "..." else ""
-                async for kind, obj in self._api.watch_pods(self._ns, self._selector, resume):
-                    delay = 0.0
-                    meta = obj.get("metadata") or {}
-                    if meta.get("resourceVersion"):
-                        version = str(meta["resourceVersion"])
+                async for kind, obj in self._api.watch_pods(self._ns, self._selector, version):
+                    seen, delay = True, 0.0
+                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                     if kind != "BOOKMARK":
                         self._on_pod(kind, obj)
-                relist = not resume  # without a resume point, a new watch replays everything anyway
+                if not seen and time.monotonic() - opened < 1.0:
+                    # A server (or proxy) that ends watches at once must not make this a busy loop.
+                    delay = min(5.0, max(0.2, delay * 2))
+                    await asyncio.sleep(delay)
             except _Gone:
-                log.info("pod watch: resourceVersion expired (410); relisting")
-                relist = True
+                log.info("pod watch: resourceVersion %s is too old (410); listing again", version)
+                version = ""
             except TimeoutError:
-                log.debug("pod watch idle for %.0f s; relisting", self._opts.watch_idle_s)
-                relist = True
+                log.info("pod watch silent for %.0f s; reopening it from version %s", self._opts.watch_idle_s, version)
             except ApiError as exc:
                 delay = min(5.0, max(0.2, delay * 2))
-                log.warning("pod watch failed (%s); retrying in %.1f s", exc.message, delay)
-                relist = True
+                log.warning("pod watch failed: %s; retrying in %.1f s", describe(exc), delay)
                 await asyncio.sleep(delay)
-            except Exception:  # a bug must not end the only watch: log it, relist
+            except Exception:  # a bug must not end the only watch: log it, start over from a list
                 delay = min(5.0, max(0.2, delay * 2))
-                log.exception("pod watch broke unexpectedly; relisting in %.1f s", delay)
-                relist = True
+                log.exception("pod watch broke unexpectedly; listing again in %.1f s", delay)
+                version = ""
                 await asyncio.sleep(delay)
 
     def _apply_list(self, items: builtins.list[dict[str, Any]]) -> None:
@@ -560,6 +780,7 @@ class KubernetesBackend(backend.Backend):
         elif tracked.token != token:
             return ""  # an older incarnation's Pod (its last events)
         tracked.pod = pod
+        tracked.uid = str((pod.get("metadata") or {}).get("uid") or tracked.uid)
         tracked.status = kube_objects.read_status(pod)
         if kind == "DELETED":
             tracked.gone = True
@@ -661,18 +882,11 @@ def _token(pod: dict[str, Any]) -> str:
 def _launch_error(kind: str, name: str, namespace: str, exc: ApiError) -> backend.LaunchError:
     """A create failure as a launch error: permanent unless waiting could help."""
     what = f"could not create {kind} {namespace}/{name}"
-    text = exc.message or f"HTTP {exc.status}"
-    if exc.status == 403 and "quota" in text.lower():
-        return backend.LaunchError(f"{what}: quota exceeded: {text}", capacity_unavailable=True)
-    if exc.status in (401, 403):
-        return backend.LaunchError(f"{what}: no access: {text}", permanent=True)
+    if exc.status == 403 and "quota" in exc.message.lower():
+        return backend.LaunchError(f"{what}: quota exceeded: {describe(exc)}", capacity_unavailable=True)
     if exc.status == 404:
-        return backend.LaunchError(f"{what}: namespace {namespace} not found: {text}", permanent=True)
-    if exc.status in (400, 422):
-        return backend.LaunchError(f"{what}: rejected by the API server: {text}", permanent=True)
-    if exc.status == 409:
-        return backend.LaunchError(f"{what}: an object of that name still exists (terminating?): {text}")
-    return backend.LaunchError(f"{what}: {text}")
+        return backend.LaunchError(f"{what}: namespace {namespace} not found: {describe(exc)}", permanent=True)
+    return backend.LaunchError(f"{what}: {describe(exc)}", permanent=exc.status in (400, 401, 403, 422))
 
 
 def _note(path: str, text: str) -> None:

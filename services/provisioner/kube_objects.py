@@ -399,19 +399,35 @@ def pod_manifest(
     return pod, notes
 
 
-def service_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, Any]:
-    """The Service in front of a replica's Pod (same name), selecting exactly that Pod."""
+def owner_reference(pod: dict[str, Any]) -> dict[str, str] | None:
+    """An ownerReference to `pod` as the API server returned it (None without a uid).
+
+    Objects carrying it are deleted by the cluster's garbage collector once the Pod is gone.
+    """
+    meta = pod.get("metadata") or {}
+    if not meta.get("uid") or not meta.get("name"):
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": str(meta["name"]), "uid": str(meta["uid"])}
+
+
+def service_manifest(
+    launch: model.LaunchRequest, cfg: PodConfig, *, token: str, owner: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The Service in front of a replica's Pod (same name), selecting exactly that Pod and owned by it."""
     obj = object_name(launch.name)
     port = serving_port(launch.spec)
+    metadata: dict[str, Any] = {
+        "name": obj,
+        "namespace": cfg.namespace,
+        "labels": replica_labels(launch, cfg, obj),
+        "annotations": {**cfg.annotations, ANNOTATION_REPLICA: launch.name, ANNOTATION_TOKEN: token},
+    }
+    if owner:
+        metadata["ownerReferences"] = [owner]
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": obj,
-            "namespace": cfg.namespace,
-            "labels": replica_labels(launch, cfg, obj),
-            "annotations": {**cfg.annotations, ANNOTATION_REPLICA: launch.name},
-        },
+        "metadata": metadata,
         "spec": {
             "type": cfg.service_type,
             "selector": {**selector(cfg.instance), LABEL_POD: obj},
@@ -423,8 +439,12 @@ def service_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, A
     }
 
 
-def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, Any]:
-    """The Secret holding a replica's secret environment (same name as the Pod)."""
+def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig, *, token: str) -> dict[str, Any]:
+    """The Secret holding a replica's secret environment (same name as the Pod).
+
+    It is created before the Pod, so it cannot name the Pod as its owner yet; the backend adds
+    that ownerReference once the Pod exists.
+    """
     import base64  # only replicas with secrets need it
 
     obj = object_name(launch.name)
@@ -436,7 +456,7 @@ def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, An
             "name": obj,
             "namespace": cfg.namespace,
             "labels": replica_labels(launch, cfg, obj),
-            "annotations": {ANNOTATION_REPLICA: launch.name},
+            "annotations": {ANNOTATION_REPLICA: launch.name, ANNOTATION_TOKEN: token},
         },
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in launch.spec.secrets.items()},
     }

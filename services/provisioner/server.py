@@ -115,7 +115,14 @@ class Settings:
     kubernetes_watch_timeout_s: float = 300.0
     """Server-side timeout of one Pod watch; it is then resumed from the last resourceVersion."""
     kubernetes_watch_idle_s: float = 330.0
-    """A watch silent this long is treated as broken: relist and watch again."""
+    """A watch silent this long is treated as broken and reopened from the last resourceVersion."""
+    kubernetes_api_attempts: int = 5
+    """Tries of one Kubernetes API call that fails transiently (no answer, 429, 5xx); 1: no retry."""
+    kubernetes_api_backoff_s: float = 0.5
+    """First wait between tries of a failed API call; doubled each time, jittered, unless the
+    server sent Retry-After."""
+    kubernetes_api_backoff_max_s: float = 10.0
+    """Longest wait between tries of a failed API call (a longer Retry-After is cut to it)."""
     kubernetes_port_annotation: str = ""
     """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
     tls_cert_file: str = ""
@@ -234,9 +241,12 @@ def kube_options(settings: Settings) -> kube.Options:
     for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
         if getattr(settings, f"kubernetes_{name}") < 0:
             violations.append(errors.FieldViolation(field(name), "must not be negative"))
-    for name in ("watch_timeout_s", "watch_idle_s"):
+    for name in ("watch_timeout_s", "watch_idle_s", "api_attempts"):
         if getattr(settings, f"kubernetes_{name}") < 1:
             violations.append(errors.FieldViolation(field(name), "must be at least 1"))
+    for name in ("api_backoff_s", "api_backoff_max_s"):
+        if getattr(settings, f"kubernetes_{name}") < 0:
+            violations.append(errors.FieldViolation(field(name), "must not be negative"))
     errors.require(violations, subject="provisioner settings")
     return kube.Options(
         pods=kube_objects.PodConfig(
@@ -264,6 +274,9 @@ def kube_options(settings: Settings) -> kube.Options:
         delete_timeout_s=settings.kubernetes_delete_timeout_s,
         watch_timeout_s=settings.kubernetes_watch_timeout_s,
         watch_idle_s=settings.kubernetes_watch_idle_s,
+        api_attempts=settings.kubernetes_api_attempts,
+        api_backoff_s=settings.kubernetes_api_backoff_s,
+        api_backoff_max_s=settings.kubernetes_api_backoff_max_s,
     )
 
 

@@ -39,6 +39,22 @@ def test_no_service_imports_another_service(service: str) -> None:
         assert not bad, f"{path} imports {bad}"
 
 
+def test_spec_package_parts_are_small() -> None:
+    # The spec parser is split by concern; each part should stay readable in one sitting.
+    assert not os.path.exists(os.path.join(REPO, "services/common/spec.py")), "spec.py became the spec/ package"
+    files = python_files("services/common/spec")
+    assert files, "services/common/spec/ is missing"
+    for path in files:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        lines = len(text.splitlines())
+        assert lines <= 400, f"{path} has {lines} lines (limit ~400)"
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                assert size <= 250, f"{path}: class {node.name} has {size} lines (limit ~250)"
+
+
 def test_common_imports_no_service() -> None:
     for path in python_files("services/common"):
         bad = sorted(n for n in imports_of(path) if any(n.startswith(f"services.{s}") for s in SERVICES))

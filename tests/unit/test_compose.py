@@ -30,7 +30,8 @@ def compose_binary() -> str:
     return path
 
 
-def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+def run_compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
     return subprocess.run(
         [compose_binary(), "-f", COMPOSE_FILE, *args],
         capture_output=True,
@@ -38,6 +39,7 @@ def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
         cwd=REPO,
+        env={**environ, **(env or {})},
     )
 
 
@@ -119,6 +121,50 @@ def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() ->
     assert not services["provisioner"].get("ports")
     waits = services["loadbalancer"]["depends_on"]
     assert {k: v["condition"] for k, v in waits.items()} == {"controller": "service_healthy"}
+
+
+def test_compose_builds_on_the_base_image_the_environment_names_or_python_slim() -> None:
+    for env, base in [({}, "python:3.11-slim"), ({"REPLICAPLANE_BASE_IMAGE": "replicaplane-base:bookworm"}, None)]:
+        result = run_compose("config", "--format", "json", env=env)
+        assert result.returncode == 0, result.stderr
+        for name, svc in json.loads(result.stdout)["services"].items():
+            assert svc["build"]["args"] == {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"]}, name
+    with open(os.path.join(REPO, "Dockerfile")) as fh:
+        lines = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+    # The ARG comes before FROM (so FROM can use it) and keeps the image users elsewhere get.
+    assert lines[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE}"]
+
+
+def test_compose_gives_the_build_ca_bundle_to_the_build_as_a_secret_only() -> None:
+    result = run_compose("config", "--format", "json", env={"REPLICAPLANE_BUILD_CA_FILE": "/etc/some-ca.pem"})
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert resolved["secrets"]["build_ca"]["file"] == "/etc/some-ca.pem"
+    for name, svc in resolved["services"].items():
+        assert [s["source"] for s in svc["build"]["secrets"]] == ["build_ca"], name
+        assert "build_ca" not in json.dumps(svc["build"].get("args", {})), name
+        assert not svc.get("secrets"), "not a runtime secret of any container"
+    assert compose_config()["secrets"]["build_ca"]["file"] == "/dev/null", "no bundle unless one is named"
+    with open(os.path.join(REPO, "Dockerfile")) as fh:
+        dockerfile = fh.read()
+    # Mounted for the pip step only; never copied, added, or kept in the environment.
+    assert dockerfile.count("--mount=type=secret,id=build_ca,required=false") == 1
+    assert not re.search(r"^(COPY|ADD|ENV|ARG)\b.*(build_ca|CERT)", dockerfile, re.MULTILINE)
+
+
+def test_documented_compose_run_commands_leave_the_other_services_alone() -> None:
+    # `docker compose run` without --no-deps brings the dependencies back to their default
+    # scale, stopping the extra probers of `--scale prober=3`.
+    docs = [os.path.join(REPO, "README.md")] + [
+        os.path.join(REPO, "docs", name) for name in sorted(os.listdir(os.path.join(REPO, "docs")))
+    ]
+    commands = []
+    for path in docs:
+        with open(path) as fh:
+            commands += [(path, m) for m in re.findall(r"docker compose(?: -\S+ \S+)* run [^\n`]*", fh.read())]
+    assert commands, "the docs show how to create the example in compose"
+    for path, command in commands:
+        assert "--no-deps" in command.split(), (path, command)
 
 
 # --- the local stack's plan ---------------------------------------------------------------
