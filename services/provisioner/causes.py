@@ -109,7 +109,8 @@ class Kube(enum.Enum):
 
 # Statuses that mean the request itself was wrong: the API server refused the object the spec
 # produced (an invalid image name, resource quantity, label). Every other refusal (no answer,
-# 401/403 access, 404 namespace, 409 conflict, 429, 5xx) is the cluster's or its operator's.
+# 401/403 access or quota, 404 namespace, 409 conflict, 429, 5xx) is the cluster's or its
+# operator's, and may pass once they fix it.
 _USER_STATUSES = frozenset({400, 422})
 
 # A pull error whose message says the registry was unreachable or throttled, rather than
@@ -156,8 +157,8 @@ def kubernetes(failure: Kube, *, status: int = 0, message: str = "") -> model.Fa
     """
     text = message.lower()
     if failure == Kube.API_ERROR:
-        if status == 403 and "quota" in text:
-            return INFRASTRUCTURE
+        if status == 403 and "usage per" in text and ("maximum" in text or "minimum" in text):
+            return USER  # a LimitRange refuses what the spec asks for: it cannot run here
         return USER if status in _USER_STATUSES else INFRASTRUCTURE
     if failure == Kube.IMAGE_PULL:
         return INFRASTRUCTURE if any(hint in text for hint in _REGISTRY_TROUBLE) else USER

@@ -1,10 +1,11 @@
-"""Failure causes over gRPC with the local backend: the user's fault vs the infrastructure's."""
+"""Failure causes over gRPC, local and kubernetes backends: the user's fault vs the infrastructure's."""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -13,8 +14,9 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2
 from services.provisioner import procs, server
+from tests.helpers import kube_emulator, provisioner_procs
+from tests.helpers import kube_provisioner as kp
 from tests.helpers import provisioner_client as client
-from tests.helpers import provisioner_procs
 
 L, R = client.L, client.R
 USER = resources_pb2.FAILURE_CAUSE_USER
@@ -134,6 +136,68 @@ async def test_app_ends_on_the_watch_say_whose_fault_they_were(prov: Provisioner
 
     await client.collect(prov.stub.Launch(client.launch_request(3, spec_=client.spec("sleep 30"))))
     await prov.stub.PreemptReplica(pb.PreemptReplicaRequest(name="svc-3"))
+    preempted = await client.next_event(watch, R.REPLICA_EVENT_TYPE_PREEMPTED)
+    assert (preempted.replica.name, preempted.cause) == ("svc-3", INFRA)
+    watch.cancel()
+
+
+# ---- the kubernetes backend, against the test API server ------------------------------------
+
+
+@pytest.fixture
+def emulator(tmp_path) -> Iterator[kube_emulator.Emulator]:
+    emu = kube_emulator.Emulator(str(tmp_path / "emu")).start()
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+@pytest.fixture
+async def kube(tmp_path, emulator) -> AsyncIterator[kp.Running]:
+    running = await kp.start(kp.settings(str(tmp_path), emulator, f"t-{uuid.uuid4().hex[:8]}"))
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+async def test_a_503_from_the_api_server_is_the_infrastructures_fault_never_permanent(kube, emulator) -> None:
+    emulator.run(emulator.api.fail, "create", "pods", 503, times=10_000, message="etcdserver: request timed out")
+    events = await client.collect(kube.stub.Launch(client.launch_request(1)))
+    assert events[-1].type == L.LAUNCH_EVENT_TYPE_FAILED and not events[-1].permanent
+    assert [e.cause for e in _failures(events)] == [INFRA] * 4  # three attempts, then the end
+    assert "503 ServiceUnavailable" in events[-1].message
+
+
+async def test_kubernetes_user_failures_are_the_users(kube, emulator) -> None:
+    broken = client.spec(setup="exit 1")
+    events = await client.collect(kube.stub.Launch(client.launch_request(1, spec_=broken)))
+    assert (events[-1].message, events[-1].cause) == ("setup exited with code 1", USER)
+
+    missing = client.spec()
+    missing.resources.image_id = f"docker:{kube_emulator.BAD_IMAGE_PREFIX}nope:1"
+    events = await client.collect(kube.stub.Launch(client.launch_request(2, spec_=missing)))
+    assert "could not be pulled" in events[-1].message and events[-1].cause == USER
+
+    emulator.run(emulator.api.fail, "create", "pods", 422, times=1, message='Pod "svc-3" is invalid')
+    events = await client.collect(kube.stub.Launch(client.launch_request(3)))
+    assert client.types(events) == ["QUEUED", "PROVISIONING", "ATTEMPT_FAILED", "FAILED"]
+    assert events[-1].cause == USER and events[-1].permanent
+
+
+async def test_kubernetes_app_ends_say_whose_fault_they_were(kube, emulator) -> None:
+    watch = kube.stub.WatchReplicas(pb.WatchReplicasRequest())
+    await client.next_event(watch, R.REPLICA_EVENT_TYPE_SNAPSHOT_END)
+    await client.collect(kube.stub.Launch(client.launch_request(1, spec_=client.spec("sleep 0.3; exit 3"))))
+    exited = await client.next_event(watch, R.REPLICA_EVENT_TYPE_APP_EXITED)
+    assert (exited.replica.exit_code, exited.cause) == (3, USER)
+    await client.collect(kube.stub.Launch(client.launch_request(2)))
+    await emulator.call(emulator.kubelet.delete_pod("svc-2"))
+    vanished = await client.next_event(watch, R.REPLICA_EVENT_TYPE_VANISHED)
+    assert (vanished.replica.name, vanished.cause) == ("svc-2", INFRA)
+    await client.collect(kube.stub.Launch(client.launch_request(3, use_spot=True)))
+    await emulator.call(emulator.kubelet.evict("svc-3"))
     preempted = await client.next_event(watch, R.REPLICA_EVENT_TYPE_PREEMPTED)
     assert (preempted.replica.name, preempted.cause) == ("svc-3", INFRA)
     watch.cancel()

@@ -72,6 +72,9 @@ def test_every_local_failure_has_a_cause() -> None:
         (Kube.API_ERROR, 408, "", INFRA),
         (Kube.API_ERROR, 403, 'pods "svc-1" is forbidden: exceeded quota: compute, requested: cpu=2', INFRA),
         (Kube.API_ERROR, 403, 'pods is forbidden: User "system:serviceaccount:x" cannot create', INFRA),
+        # A LimitRange refusing what the spec asks for: the spec cannot run in this namespace.
+        (Kube.API_ERROR, 403, 'pods "svc-1" is forbidden: maximum cpu usage per Container is 2, but limit is 4', USER),
+        (Kube.API_ERROR, 403, 'pods "svc-1" is forbidden: minimum memory usage per Container is 64Mi', USER),
         (Kube.API_ERROR, 401, "Unauthorized", INFRA),
         (Kube.API_ERROR, 404, 'namespaces "replicas" not found', INFRA),
         (Kube.API_ERROR, 422, 'Pod "svc-1" is invalid: spec.containers[0].resources.limits: Invalid value', USER),
