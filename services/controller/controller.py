@@ -179,9 +179,19 @@ class Controller:
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
         await self._check_runnable(parsed)
-        self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
-        rec = self._new_reconciler(name)
-        rec.start()
+        # The row and the first writes of its reconciler commit together: a create answered
+        # UNAVAILABLE ("nothing was changed") must not leave a service behind.
+        rec: reconciler.ServiceReconciler | None = None
+        try:
+            with self._db.transaction():
+                self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
+                rec = self._new_reconciler(name)
+                rec.start()
+        except BaseException:
+            if rec is not None:
+                self._forget(name)
+                await rec.stop()
+            raise
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:

@@ -38,27 +38,35 @@ async def _until_no_replica_runs(c: cl.Cluster, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _write_until_the_disk_fails(c: cl.Cluster, state_dir: str) -> tuple[list[str], list[str]]:
-    """Create services one by one; the disk starts failing after the first 20. Returns the
-    acknowledged creates and the refused ones (UNAVAILABLE: nothing was changed)."""
-    acked: list[str] = []
-    refused: list[str] = []
-    for i in range(MAX_WRITES):
-        if i == 20:
-            # No controller file may grow past 16 KiB more than the largest is now.
-            _limit_file_size(c.controller.proc.pid, _largest_file(state_dir, c.controller.log_path) + 16384)
-        name = f"w-{i}"
-        try:
-            await c.stub.CreateService(api.CreateServiceRequest(yaml=EMPTY.format(name=name)), timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            err = grpc_errors.RpcError(exc)
-            assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), err
-            refused.append(name)
-            if len(refused) >= 5:
-                break
-            continue
-        acked.append(name)
-    return acked, refused
+class Writer:
+    """Creates services one after another until stopped: the acknowledged creates, the refused
+    ones (UNAVAILABLE, STORE_UNAVAILABLE: nothing was changed), and the one in flight at a
+    kill (its outcome unknown)."""
+
+    def __init__(self, c: cl.Cluster) -> None:
+        self.c = c
+        self.acked: list[str] = []
+        self.refused: list[str] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        for i in range(MAX_WRITES):
+            name = f"w-{i}"
+            try:
+                await self.c.stub.CreateService(api.CreateServiceRequest(yaml=EMPTY.format(name=name)), timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                err = grpc_errors.RpcError(exc)
+                if err.reason != "STORE_UNAVAILABLE":
+                    return  # the controller was killed under this call: its outcome is unknown
+                self.refused.append(name)
+                continue
+            self.acked.append(name)
+
+    async def until(self, acked: int, refused: int) -> None:
+        async with asyncio.timeout(60):
+            while len(self.acked) < acked or len(self.refused) < refused:
+                assert not self.task.done(), (self.acked, self.refused)
+                await asyncio.sleep(0.01)
 
 
 async def test_kill_9_on_a_failing_disk_keeps_acknowledged_writes_and_a_lost_store_leaves_no_orphan(
@@ -73,12 +81,18 @@ async def test_kill_9_on_a_failing_disk_keeps_acknowledged_writes_and_a_lost_sto
         me = (await c.stub.ListOrphans(api.ListOrphansRequest(), timeout=10)).controller_id
         assert me == identity.read_file(state_dir)
 
-        # Writes while the disk fails, then kill -9: what was acknowledged is there, what was
-        # refused is not, and the replicas kept running through it.
-        acked, refused = await _write_until_the_disk_fails(c, state_dir)
-        assert len(acked) >= 20 and refused, (len(acked), refused)
+        # Writes go on while the disk fails (no controller file may grow more than 64 KiB past
+        # the largest one now), and the controller is killed -9 in the middle of them.
+        writer = Writer(c)
+        await writer.until(acked=20, refused=0)
+        _limit_file_size(c.controller.proc.pid, _largest_file(state_dir, c.controller.log_path) + 65536)
+        await writer.until(acked=20, refused=5)
         with _file_size_signal_ignored():
             await c.restart_controller(kill=True)
+        await writer.task
+        acked, refused = writer.acked, writer.refused
+        # What was acknowledged is there, what was refused is not, and the replicas kept
+        # running through it.
         for name in acked:
             await c.stub.GetService(api.GetServiceRequest(service_name=name), timeout=10)
         for name in refused:
