@@ -375,8 +375,11 @@ class Store:
                 try:
                     yield self
                 except BaseException:
-                    self._db.execute(f"ROLLBACK TO {name}")
-                    self._db.execute(f"RELEASE {name}")
+                    # An I/O error can end the whole transaction (and its savepoints) at once;
+                    # the original error is the one to report, not "no such savepoint".
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute(f"ROLLBACK TO {name}")
+                        self._db.execute(f"RELEASE {name}")
                     raise
                 else:
                     self._db.execute(f"RELEASE {name}")
