@@ -29,7 +29,7 @@ import yaml
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import dashboard, exits, inputs, logs, render
+from services.cli import dashboard, exits, inputs, logs, orphans, render
 from services.common import config, security, specfile, watchlines
 
 OK, REFUSED, BAD_INPUT, NOT_FOUND = exits.OK, exits.REFUSED, exits.BAD_INPUT, exits.NOT_FOUND
@@ -217,6 +217,11 @@ def parser() -> argparse.ArgumentParser:
     watch = command("watch", "print every change of a service as it happens (Ctrl-C stops)")
     watch.add_argument("name", metavar="NAME", help="the service to watch")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
+
+    orphans_cmd = command(
+        "orphans", "list replicas the provisioner runs that no record of this controller refers to; --reap them"
+    )
+    orphans.add_parser(orphans_cmd)
 
     dashboard_cmd = command("dashboard", "print (or open) the URL of the live web dashboard")
     dashboard.add_parser(dashboard_cmd, DEFAULT_STATE_DIR)
@@ -529,6 +534,7 @@ def run(
         "down": lambda: cmd_down(args, client, out, err, stdin),
         "logs": lambda: logs.cmd_logs(args, client, out, err),
         "watch": lambda: cmd_watch(args, client, out),
+        "orphans": lambda: orphans.cmd_orphans(args, client, out),
     }
     try:
         return commands[args.command]()

@@ -24,6 +24,7 @@ SERVICE_HEADERS = ("NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT"
 REPLICA_HEADERS = ("SERVICE", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS", "REASON")
 REPLICA_EXTRA_HEADERS = ("ZONE", "SPOT", "NAME")
 VERBOSE_HEADERS = ("AUTOSCALING", "LB_POLICY", "RESOURCES")
+ORPHAN_HEADERS = ("NAME", "SERVICE", "ID", "VERSION", "STATE", "AGE", "OWNER", "REASON")
 
 # A balancer in front of the replicas may give the service one URL; the first of these string
 # fields that a controller sends wins over the list of replica endpoints.
@@ -124,6 +125,27 @@ def replica_row(r: res.Replica, now: float, *, extra: bool = False) -> tuple[str
     if extra:
         row += (r.zone or "-", "yes" if r.is_spot else "no", r.replica_name or "-")
     return row
+
+
+def orphan_row(o: res.Orphan, now: float) -> tuple[str, ...]:
+    """One row of the orphans table; the owner reads `this controller` for this controller's own."""
+    age = duration(now - o.create_time.ToSeconds()) if _has(o, "create_time") else "-"
+    if o.owned_by_this_controller:
+        owner = "this controller" if o.owner else "none (this controller's)"
+    else:
+        owner = o.owner
+    row = (o.replica_name, o.service_name, str(o.replica_id), str(o.version), o.state, age, owner, o.reason)
+    return tuple(cell or "-" for cell in row)
+
+
+def orphans_text(orphans: Sequence[res.Orphan], controller_id: str, *, tty: bool, now: float | None = None) -> str:
+    """The orphans table, under a line with this controller's id."""
+    now = time.time() if now is None else now
+    head = f"controller id: {controller_id}\n"
+    if not orphans:
+        return head + "No orphans.\n"
+    rows = [orphan_row(o, now) for o in orphans]
+    return head + table("Orphans", ORPHAN_HEADERS, rows, tty=tty)
 
 
 def autoscaler_line(svc: res.Service) -> str:

@@ -97,3 +97,25 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         )
         async for chunk in logs:
             yield api.StreamReplicaLogsResponse(data=chunk)
+
+    async def ListOrphans(
+        self, request: api.ListOrphansRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListOrphansResponse:
+        orphans = self._ctl.orphans
+        page, token = await orphans.list(
+            owner=request.owner, page_size=request.page_size, page_token=request.page_token
+        )
+        return api.ListOrphansResponse(orphans=page, next_page_token=token, controller_id=orphans.controller_id)
+
+    async def ReapOrphans(
+        self, request: api.ReapOrphansRequest, context: grpc.aio.ServicerContext
+    ) -> api.ReapOrphansResponse:
+        orphans = self._ctl.orphans
+        reaped, skipped = await orphans.reap(
+            owner=request.owner, all_owners=request.all_owners, names=list(request.replica_names)
+        )
+        return api.ReapOrphansResponse(
+            reaped=reaped,
+            skipped=[api.SkippedOrphan(replica_name=s.replica_name, reason=s.reason) for s in skipped],
+            controller_id=orphans.controller_id,
+        )

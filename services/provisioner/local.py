@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from services.provisioner import addresses, backend, model, ports, procs, zones
+from services.provisioner import addresses, backend, causes, model, ports, procs, zones
 
 log = logging.getLogger(__name__)
 
@@ -155,28 +155,26 @@ class LocalBackend(backend.Backend):
         launch = request.launch
         spec = launch.spec
         if spec.num_nodes > 1:
-            raise backend.LaunchError(
-                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas", permanent=True
+            raise _failure(
+                causes.Local.UNRUNNABLE_SPEC,
+                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas",
+                permanent=True,
             )
         try:
             zone = self._zones.pick(launch.zone, self._clock())
         except zones.UnknownZoneError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise _failure(causes.Local.UNRUNNABLE_SPEC, str(exc), permanent=True) from None
         except zones.NoCapacityError as exc:
-            raise backend.LaunchError(str(exc), permanent=True, capacity_unavailable=True) from None
+            raise _failure(causes.Local.NO_CAPACITY, str(exc), capacity_unavailable=True) from None
         if launch.name in self._handles:
             # Leftovers of an earlier attempt that could not be removed then.
             await self.delete(launch.name, grace_s=0)
 
         declared = ports.declared(spec.ports, spec.serving_port)
-        address = ""
-        if self._network == "address":
-            address = self._addresses.allocate(declared)  # a few bind() calls: fast
-            port_map = {p: p for p in declared}
-            port = declared[0] if declared else ports.PortAllocator(address).allocate()
-        else:
-            port_map = {p: self._ports.allocate() for p in declared}
-            port = port_map[declared[0]] if declared else self._ports.allocate()
+        try:
+            address, port_map, port = self._allocate(declared)
+        except OSError as exc:
+            raise _failure(causes.Local.NO_ADDRESS, f"could not place the replica: {exc}") from None
         handle = _Handle(
             name=launch.name,
             token=uuid.uuid4().hex,
@@ -213,7 +211,7 @@ class LocalBackend(backend.Backend):
                 self._children.pop(setup.pid, None)
                 self._ensure_current(handle)
                 if code != 0:
-                    raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
+                    raise _failure(causes.Local.SETUP_EXITED, f"setup exited with code {_describe_code(code)}")
                 _note(request.launch_log, "setup succeeded")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, _EXIT_FILE))
@@ -236,7 +234,7 @@ class LocalBackend(backend.Backend):
             await self._kill_processes(handle, grace_s=0)
             raise
         except OSError as exc:
-            raise backend.LaunchError(f"could not start the replica: {exc}") from exc
+            raise _failure(causes.Local.START_FAILED, f"could not start the replica: {exc}") from exc
 
     async def delete(self, name: str, *, grace_s: float) -> None:
         """Stop the replica's process groups (SIGTERM, grace, SIGKILL) and remove its files."""
@@ -300,10 +298,32 @@ class LocalBackend(backend.Backend):
     def copies_local_paths(self) -> bool:
         return True
 
+    def _allocate(self, declared: builtins.list[int]) -> tuple[str, dict[int, int], int]:
+        """(address or "", declared port -> port, serving port) of a new replica.
+
+        Raises:
+            OSError: no free address or port.
+        """
+        if self._network == "address":
+            address = self._addresses.allocate(declared)  # a few bind() calls: fast
+            port = declared[0] if declared else ports.PortAllocator(address).allocate()
+            return address, {p: p for p in declared}, port
+        taken: builtins.list[int] = []
+        try:
+            for _ in range(len(declared) or 1):
+                taken.append(self._ports.allocate())
+        except OSError:
+            for port in taken:
+                self._ports.release(port)
+            raise
+        port_map = dict(zip(declared, taken, strict=False))
+        return "", port_map, taken[0]
+
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
-            raise backend.LaunchError("the replica was deleted during its launch", permanent=True)
+            # Not retried: the manager never retries a launch whose replica is being torn down.
+            raise _failure(causes.Local.DELETED_DURING_LAUNCH, "the replica was deleted during its launch")
 
     def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str) -> None:
         if os.path.exists(root):
@@ -313,8 +333,8 @@ class LocalBackend(backend.Backend):
         if spec.workdir:
             source = os.path.expanduser(spec.workdir)
             if not os.path.isdir(source):
-                raise backend.LaunchError(f"workdir {spec.workdir} is not a directory", permanent=True)
-            shutil.copytree(source, work, symlinks=True)
+                raise _failure(causes.Local.MISSING_FILES, f"workdir {spec.workdir} is not a directory", permanent=True)
+            _copy(f"workdir {spec.workdir}", source, work)
         os.makedirs(work, mode=0o700, exist_ok=True)
         for destination, source in sorted(spec.file_mounts.items()):
             if "://" in source:
@@ -322,15 +342,13 @@ class LocalBackend(backend.Backend):
                 continue
             local = os.path.expanduser(source)
             if not os.path.exists(local):
-                raise backend.LaunchError(f"file mount source {source} does not exist", permanent=True)
+                raise _failure(causes.Local.MISSING_FILES, f"file mount source {source} does not exist", permanent=True)
             target = os.path.normpath(os.path.join(work, destination.removeprefix("~/").lstrip("/")))
             if os.path.commonpath([work, target]) != work:
-                raise backend.LaunchError(f"file mount {destination} is outside the working directory", permanent=True)
+                outside = f"file mount {destination} is outside the working directory"
+                raise _failure(causes.Local.MISSING_FILES, outside, permanent=True)
             os.makedirs(os.path.dirname(target) or work, exist_ok=True)
-            if os.path.isdir(local):
-                shutil.copytree(local, target, symlinks=True, dirs_exist_ok=True)
-            else:
-                shutil.copy2(local, target)
+            _copy(f"file mount {destination}", local, target)
 
     def _environment(
         self,
@@ -403,10 +421,12 @@ class LocalBackend(backend.Backend):
         if code is None:
             handle.app_state = model.AppState.VANISHED.value
             message = "the replica's process group vanished without a teardown"
+            cause = causes.local(causes.Local.VANISHED)
         else:
             handle.app_state = model.AppState.EXITED.value
             handle.exit_code = code
             message = f"app exited with code {code}"
+            cause = causes.local(causes.Local.APP_EXITED)
         self._save_handle(handle)
         self._events.put_nowait(
             backend.BackendEvent(
@@ -416,6 +436,7 @@ class LocalBackend(backend.Backend):
                 exit_code=handle.exit_code,
                 time=self._clock(),
                 message=message,
+                cause=cause,
             )
         )
 
@@ -471,6 +492,32 @@ class LocalBackend(backend.Backend):
         except (OSError, ValueError, TypeError):
             log.warning("ignoring unreadable replica handle %s", path)
             return None
+
+
+def _failure(
+    failure: causes.Local, message: str, *, permanent: bool = False, capacity_unavailable: bool = False
+) -> backend.LaunchError:
+    """A launch error with its cause."""
+    return backend.LaunchError(
+        message,
+        cause=causes.local(failure),
+        permanent=permanent,
+        capacity_unavailable=capacity_unavailable,
+    )
+
+
+def _copy(what: str, source: str, target: str) -> None:
+    """Copy the user's file or directory (merged into `target`); an error says whose fault it
+    was by its errno."""
+    try:
+        if os.path.isdir(source):
+            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, target)
+    except OSError as exc:
+        # shutil.Error gathers per-file errors without an errno: counted as this host's.
+        cause = causes.local(causes.Local.COPY_FAILED, errno=exc.errno)
+        raise backend.LaunchError(f"could not copy {what}: {str(exc)[:300]}", cause=cause) from None
 
 
 def _describe_code(code: int) -> str:

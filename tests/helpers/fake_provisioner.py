@@ -56,7 +56,12 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             self.launches[request.name] += 1
             failed = res.ProvisionedReplica(name=request.name, state=res.REPLICA_STATE_FAILED)
             yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, failed))
-            refusal = {"message": "no capacity", "permanent": True, "capacity_unavailable": True}
+            # As the real one: capacity is the infrastructure's fault, never permanent.
+            refusal = {
+                "message": "no capacity",
+                "capacity_unavailable": True,
+                "cause": res.FAILURE_CAUSE_INFRASTRUCTURE,
+            }
             yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_FAILED, failed, **refusal))
             return
         if replica is None:
@@ -71,6 +76,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 endpoint="http://127.0.0.1:9" if self.dead_endpoint else self.endpoint,
                 zone="zone-a",
                 create_time=pbtime.timestamp(time.time()),
+                owner=request.owner,
             )
             self.running[request.name] = replica
         yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, replica))
@@ -100,6 +106,12 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
         )
+
+    async def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListReplicasResponse:
+        names = sorted(n for n, r in self.running.items() if not request.service or r.service == request.service)
+        return pb.ListReplicasResponse(replicas=[self.running[n] for n in names])
 
     async def WatchReplicas(
         self, request: pb.WatchReplicasRequest, context: grpc.aio.ServicerContext
