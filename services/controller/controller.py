@@ -17,7 +17,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, reconciler, store
+from services.controller import convert, orphans, reconciler, store
 from services.controller.domain import load, placer
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Controller:
         provisioner: prov_grpc.ProvisionerServiceStub,
         probes: reconciler.ProbeSink,
         tuning: reconciler.Tuning,
+        controller_id: str = "",
     ) -> None:
         self._db = db
         self._prov = provisioner
@@ -110,8 +111,10 @@ class Controller:
         self._watch_generation = 0
         self._zones: list[tuple[str, float]] = []
         # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
-        self.controller_id = db.controller_id()
+        # Kept outside the store (identity.py), so a lost store still knows its replicas.
+        self.controller_id = controller_id or db.controller_id()
         self._foreign_logged: set[str] = set()
+        self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
@@ -129,6 +132,11 @@ class Controller:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
+        await self.orphans.close()
+
+    def _records(self) -> orphans.Records:
+        """Every replica record: service name -> replica id -> replica name."""
+        return {name: {i: r.replica_name for i, r in rec.replicas.items()} for name, rec in self._services.items()}
 
     def _new_reconciler(self, name: str) -> reconciler.ServiceReconciler:
         rec = reconciler.ServiceReconciler(
@@ -171,9 +179,19 @@ class Controller:
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
         await self._check_runnable(parsed)
-        self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
-        rec = self._new_reconciler(name)
-        rec.start()
+        # The row and the first writes of its reconciler commit together: a create answered
+        # UNAVAILABLE ("nothing was changed") must not leave a service behind.
+        rec: reconciler.ServiceReconciler | None = None
+        try:
+            with self._db.transaction():
+                self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
+                rec = self._new_reconciler(name)
+                rec.start()
+        except BaseException:
+            if rec is not None:
+                self._forget(name)
+                await rec.stop()
+            raise
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from services.common import errors, localpaths
-from services.provisioner import addresses, backend, capability, copies, model, ports, procs, pyenvs, zones
+from services.provisioner import addresses, backend, capability, causes, copies, model, ports, procs, pyenvs, zones
 
 log = logging.getLogger(__name__)
 
@@ -173,28 +173,26 @@ class LocalBackend(backend.Backend):
         launch = request.launch
         spec = launch.spec
         if spec.num_nodes > 1:
-            raise backend.LaunchError(
-                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas", permanent=True
+            raise _failure(
+                causes.Local.UNRUNNABLE_SPEC,
+                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas",
+                permanent=True,
             )
         try:
             zone = self._zones.pick(launch.zone, self._clock())
         except zones.UnknownZoneError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise _failure(causes.Local.UNRUNNABLE_SPEC, str(exc), permanent=True) from None
         except zones.NoCapacityError as exc:
-            raise backend.LaunchError(str(exc), permanent=True, capacity_unavailable=True) from None
+            raise _failure(causes.Local.NO_CAPACITY, str(exc), capacity_unavailable=True) from None
         if launch.name in self._handles:
             # Leftovers of an earlier attempt that could not be removed then.
             await self.delete(launch.name, grace_s=0)
 
         declared = ports.declared(spec.ports, spec.serving_port)
-        address = ""
-        if self._network == "address":
-            address = self._addresses.allocate(declared)  # a few bind() calls: fast
-            port_map = {p: p for p in declared}
-            port = declared[0] if declared else ports.PortAllocator(address).allocate()
-        else:
-            port_map = {p: self._ports.allocate() for p in declared}
-            port = port_map[declared[0]] if declared else self._ports.allocate()
+        try:
+            address, port_map, port = self._allocate(declared)
+        except OSError as exc:
+            raise _failure(causes.Local.NO_ADDRESS, f"could not place the replica: {exc}") from None
         handle = _Handle(
             name=launch.name,
             token=uuid.uuid4().hex,
@@ -250,7 +248,7 @@ class LocalBackend(backend.Backend):
             await self._kill_processes(handle, grace_s=0)
             raise
         except OSError as exc:
-            raise backend.LaunchError(f"could not start the replica: {exc}") from exc
+            raise _failure(causes.Local.START_FAILED, f"could not start the replica: {exc}") from exc
 
     async def _python_env(self, launch: model.LaunchRequest, handle: _Handle, launch_log: str) -> pyenvs.Env | None:
         """The version's venv (made by its first replica), or None when venvs are off."""
@@ -259,8 +257,8 @@ class LocalBackend(backend.Backend):
         key = pyenvs.PythonEnvs.key(launch)
         try:
             python_env = await self._envs.acquire(key, functools.partial(_note, launch_log))
-        except pyenvs.EnvError as exc:
-            raise backend.LaunchError(str(exc)) from None
+        except (pyenvs.EnvError, OSError) as exc:
+            raise _failure(causes.Local.START_FAILED, str(exc)) from None
         handle.env_key = key  # released with the replica, in delete()
         self._save_handle(handle)
         self._ensure_current(handle)
@@ -283,7 +281,7 @@ class LocalBackend(backend.Backend):
         self._children.pop(setup.pid, None)
         self._ensure_current(handle)
         if code != 0:
-            raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
+            raise _failure(causes.Local.SETUP_EXITED, f"setup exited with code {_describe_code(code)}")
         _note(launch_log, "setup succeeded")
 
     async def delete(self, name: str, *, grace_s: float) -> None:
@@ -359,10 +357,32 @@ class LocalBackend(backend.Backend):
         )
         return await copies.in_thread(check, cancel)
 
+    def _allocate(self, declared: builtins.list[int]) -> tuple[str, dict[int, int], int]:
+        """(address or "", declared port -> port, serving port) of a new replica.
+
+        Raises:
+            OSError: no free address or port.
+        """
+        if self._network == "address":
+            address = self._addresses.allocate(declared)  # a few bind() calls: fast
+            port = declared[0] if declared else ports.PortAllocator(address).allocate()
+            return address, {p: p for p in declared}, port
+        taken: builtins.list[int] = []
+        try:
+            for _ in range(len(declared) or 1):
+                taken.append(self._ports.allocate())
+        except OSError:
+            for port in taken:
+                self._ports.release(port)
+            raise
+        port_map = dict(zip(declared, taken, strict=False))
+        return "", port_map, taken[0]
+
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
-            raise backend.LaunchError("the replica was deleted during its launch", permanent=True)
+            # Not retried: the manager never retries a launch whose replica is being torn down.
+            raise _failure(causes.Local.DELETED_DURING_LAUNCH, "the replica was deleted during its launch")
 
     def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str, budget: copies.Budget) -> None:
         """Make the replica's working directory: the workdir and file mounts copied in (in a thread)."""
@@ -381,9 +401,13 @@ class LocalBackend(backend.Backend):
                 for skipped in copies.copy(label, source, target, budget):
                     _note(launch_log, f"{label}: skipped {os.path.relpath(skipped, source)} (not a file)")
         except copies.TooLargeError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise _failure(causes.Local.UNRUNNABLE_SPEC, str(exc), permanent=True) from None
         except copies.CancelledCopyError:
-            raise backend.LaunchError("the copy was cancelled") from None
+            raise _failure(causes.Local.DELETED_DURING_LAUNCH, "the copy was cancelled") from None
+        except OSError as exc:
+            # Whose fault a failed read or write was, its errno says (a file we may not read: the user's).
+            cause = causes.local(causes.Local.COPY_FAILED, errno=exc.errno)
+            raise backend.LaunchError(f"could not copy into the replica: {str(exc)[:300]}", cause=cause) from None
         if sources:
             _note(launch_log, f"copied {budget.bytes} bytes in {budget.entries} files and directories")
 
@@ -398,20 +422,20 @@ class LocalBackend(backend.Backend):
                 continue
             target = os.path.normpath(os.path.join(work, destination.removeprefix("~/").lstrip("/")))
             if os.path.commonpath([work, target]) != work:
-                raise backend.LaunchError(f"file mount {destination} is outside the working directory", permanent=True)
+                outside = f"file mount {destination} is outside the working directory"
+                raise _failure(causes.Local.MISSING_FILES, outside, permanent=True)
             wanted.append((f"file mount {destination} (source {source})", source, target))
         out = []
         for label, source, target in wanted:
             if localpaths.is_relative(source):
-                raise backend.LaunchError(
-                    f"{label}: a relative path; the provisioner needs an absolute one", permanent=True
-                )
+                relative = f"{label}: a relative path; the provisioner needs an absolute one"
+                raise _failure(causes.Local.MISSING_FILES, relative, permanent=True)
             local = os.path.expanduser(source)
             if not os.path.exists(local) or (target == work and not os.path.isdir(local)):
                 kind = "directory" if target == work else "path"
-                raise backend.LaunchError(f"{label}: no such {kind} on this host", permanent=True)
+                raise _failure(causes.Local.MISSING_FILES, f"{label}: no such {kind} on this host", permanent=True)
             if why := copies.overlap(local, self._state_dir):
-                raise backend.LaunchError(f"{label} {why}", permanent=True)
+                raise _failure(causes.Local.UNRUNNABLE_SPEC, f"{label} {why}", permanent=True)
             out.append((label, local, target))
         return out
 
@@ -486,10 +510,12 @@ class LocalBackend(backend.Backend):
         if code is None:
             handle.app_state = model.AppState.VANISHED.value
             message = "the replica's process group vanished without a teardown"
+            cause = causes.local(causes.Local.VANISHED)
         else:
             handle.app_state = model.AppState.EXITED.value
             handle.exit_code = code
             message = f"app exited with code {code}"
+            cause = causes.local(causes.Local.APP_EXITED)
         self._save_handle(handle)
         self._events.put_nowait(
             backend.BackendEvent(
@@ -499,6 +525,7 @@ class LocalBackend(backend.Backend):
                 exit_code=handle.exit_code,
                 time=self._clock(),
                 message=message,
+                cause=cause,
             )
         )
 
@@ -554,6 +581,18 @@ class LocalBackend(backend.Backend):
         except (OSError, ValueError, TypeError):
             log.warning("ignoring unreadable replica handle %s", path)
             return None
+
+
+def _failure(
+    failure: causes.Local, message: str, *, permanent: bool = False, capacity_unavailable: bool = False
+) -> backend.LaunchError:
+    """A launch error with its cause."""
+    return backend.LaunchError(
+        message,
+        cause=causes.local(failure),
+        permanent=permanent,
+        capacity_unavailable=capacity_unavailable,
+    )
 
 
 def _describe_code(code: int) -> str:

@@ -38,6 +38,8 @@ def stack_env() -> dict[str, str]:
         "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
 
 
@@ -112,7 +114,12 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     state = json.loads((state_dir / "stack.json").read_text())
     assert state["services"] == ["hello"]
     pids = {p["name"]: p["pid"] for p in state["processes"]}
-    assert sorted(pids) == ["controller", "loadbalancer", "prober-1", "provisioner"]
+    assert sorted(pids) == ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
+    # The operator finds the page without reading docs: `up --detach` prints its URL.
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in up.stdout, up.stdout
+    with urllib.request.urlopen(f"{dashboard}/", timeout=10) as resp:
+        assert b"Replicaplane" in resp.read()
 
     endpoints: dict[int, str] = {}
     with grpc.insecure_channel(state["controller"]) as channel:
@@ -137,7 +144,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     # One URL for the service: the stack's balancer reaches both replicas.
     url = balancer_url(state)
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-    assert len({p["addr"] for p in state["processes"]}) == 4 and all(
+    assert len({p["addr"] for p in state["processes"]}) == 5 and all(
         not p["addr"].endswith(":0") for p in state["processes"]
     )
     seen = set()
@@ -191,6 +198,7 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             "prober-2",
             "controller",
             "loadbalancer",
+            "dashboard",
         ]
         # The container health check command, against a live and a dead address.
         service = "replicaplane.controller.v1.ControllerService"
@@ -205,6 +213,8 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             proc.communicate()
     assert proc.returncode == 0, out
     assert "stack stopped" in out
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in out, out
     assert not [p for p in state["processes"] if alive(p["pid"])]
     assert processes_touching(str(tmp_path), []) == []
     assert not (state_dir / "stack.json").exists()

@@ -8,7 +8,7 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SERVICES = ("controller", "provisioner", "prober", "loadbalancer", "stack", "cli")
+SERVICES = ("controller", "provisioner", "prober", "loadbalancer", "dashboard", "stack", "cli")
 
 
 def imports_of(path: str) -> set[str]:
