@@ -126,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
     up = command("up", "create a service from a task YAML")
     up.add_argument(
-        "spec", metavar="SPEC.yaml", help="SkyPilot task YAML; a relative workdir is taken from the current directory, as sky does"
+        "spec", metavar="SPEC.yaml", help="SkyPilot task YAML; a relative workdir is taken from the current directory"
     )
     up.add_argument(
         "-n",

@@ -38,6 +38,7 @@ class Fixture:
     Attributes:
         path: relative to the fixtures root, which is the current directory of the command.
         name: `-n` as the YAML's usage comment gives it, else one like SkyPilot's smoke tests pass.
+        flags: more flags its comments ask for (`--secret KEY` for an empty secret).
         expect: READY, NO_REPLICA (accepted, scaled to zero) or REFUSED (exit code 2).
         says: for REFUSED, what the one-line error must contain: the field, and how to run it here.
         why: why this is the fair expectation on the local backend.
@@ -48,6 +49,7 @@ class Fixture:
     expect: str
     says: tuple[str, ...] = ()
     why: str = ""
+    flags: tuple[str, ...] = ()
 
 
 FIXTURE_TABLE = [
@@ -118,6 +120,14 @@ FIXTURE_TABLE = [
     Fixture("tests/skyserve/streaming/streaming.yaml", "streaming", READY, why="pip setup; runs `python`, not python3"),
     Fixture("tests/skyserve/failures/probing.yaml", "probing", READY, why="serves 20 requests, then exits"),
     Fixture(
+        "tests/skyserve/llm/service.yaml",
+        "llm",
+        REFUSED,
+        says=("resources.accelerators", "REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS=L4:1"),
+        why="its empty secret is filled with --secret as its comment says; then it needs an L4 and vllm",
+        flags=("--secret", "AUTH_TOKEN"),
+    ),
+    Fixture(
         "tests/skyserve/spot/dynamic_ondemand_fallback.yaml",
         "spot-dynamic",
         REFUSED,
@@ -134,6 +144,7 @@ def replicactl(addr: str, *args: str) -> list[str]:
 async def run_in_fixtures(argv: list[str]) -> tuple[int, str, str]:
     """Run a command from the fixtures root, as `sky serve up examples/...` is run from SkyPilot's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
+    env["AUTH_TOKEN"] = "a-random-test-token"  # what `--secret AUTH_TOKEN` reads
     env["PYTHONPATH"] = os.pathsep.join([procs.REPO, os.path.join(procs.REPO, "gen", "python")])
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=FIXTURES, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
@@ -172,7 +183,7 @@ async def test_skypilot_serve_yamls_run_unchanged_or_say_how_to_run_them_here(tm
     try:
         addr = c.controller.addr
         results = await asyncio.gather(
-            *(run_in_fixtures(replicactl(addr, "up", "-n", f.name, f.path)) for f in FIXTURE_TABLE)
+            *(run_in_fixtures(replicactl(addr, "up", "-n", f.name, *f.flags, f.path)) for f in FIXTURE_TABLE)
         )
         wanted = {}
         for fixture, (code, out, err) in zip(FIXTURE_TABLE, results, strict=True):
