@@ -126,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
     up = command("up", "create a service from a task YAML")
     up.add_argument(
-        "spec", metavar="SPEC.yaml", help="SkyPilot task YAML; a relative workdir is resolved against its folder"
+        "spec", metavar="SPEC.yaml", help="SkyPilot task YAML; a relative workdir is taken from the current directory"
     )
     up.add_argument(
         "-n",
@@ -244,13 +244,18 @@ def parser() -> argparse.ArgumentParser:
 
 def _read_spec(path: str) -> str:
     try:
-        return specfile.read_spec(path)
+        resolved = specfile.load(path)
+    except specfile.PathError as exc:
+        raise CliError(f"error: {exc}", BAD_INPUT) from None
     except FileNotFoundError:
         raise CliError(f"error: no such file: {path}", BAD_INPUT) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"error: cannot read {path}: {exc}", BAD_INPUT) from None
     except Exception as exc:  # YAML syntax: the controller names the field, here the file
         raise CliError(f"error: yaml: {path} is not valid YAML: {str(exc).splitlines()[0]}", BAD_INPUT) from None
+    for note in resolved.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return resolved.text
 
 
 def _overrides(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:

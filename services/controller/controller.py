@@ -16,7 +16,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, pagetoken, pbtime, spec
+from services.common import errors, localpaths, pagetoken, pbtime, spec
 from services.controller import convert, orphans, reconciler, store
 from services.controller.domain import load, placer
 
@@ -200,7 +200,14 @@ class Controller:
         An unreachable provisioner does not block the API: the launch reports the problem then.
         A zone or region no zone of the provisioner matches is refused too (when its zones are
         known: backends that list none, such as kubernetes, place by the zone label instead).
+        A relative workdir or file mount source is refused whatever the provisioner says.
         """
+        relative = localpaths.relative_problems(parsed.workdir, parsed.file_mounts)
+        hidden = spec.secret_values(parsed)  # a mount destination may hold a substituted secret
+        errors.require(
+            [errors.FieldViolation(spec.mask_secrets(v.field, hidden), v.description) for v in relative],
+            subject="service spec",
+        )
         try:
             answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -208,7 +215,6 @@ class Controller:
             return
         if not self._zones:
             await self._load_zones()
-        hidden = spec.secret_values(parsed)
         errors.require(
             [
                 errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from services.common import errors
-from services.provisioner import model
+from services.provisioner import capability, model
 
 
 class LaunchError(Exception):
@@ -163,9 +163,13 @@ class Backend(abc.ABC):
         """Accelerator name (lowercase) -> how many a replica may ask for; None places no limit."""
         return None
 
-    def copies_local_paths(self) -> bool:
-        """Whether launches copy the spec's workdir and file mounts from this host."""
-        return False
+    def accelerator_hint(self, wanted: str) -> str:
+        """How to run a spec asking for accelerator `wanted` ("A100:1") here anyway; "" if there is no way."""
+        return ""
+
+    async def path_problems(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+        """What of the spec's local paths (workdir, file mounts) launches could not copy; none by default."""
+        return []
 
     def set_zone_availability(self, zone: str, refuse_for_s: float) -> model.Zone:
         """Make `zone` refuse launches for `refuse_for_s` seconds (0: accept again)."""

@@ -817,12 +817,12 @@ class Provisioner:
         async for chunk in self._logs.stream(name, kind, live=live):
             yield chunk
 
-    def check_spec(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+    async def check_spec(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
         """What of a spec this provisioner's backend cannot run; empty if it can."""
-        problems = capability.accelerator_problems(needs, self._backend.offered_accelerators())
-        if self._backend.copies_local_paths():
-            problems += capability.path_problems(needs)
-        return problems
+        backend = self._backend
+        problems = capability.accelerator_problems(needs, backend.offered_accelerators(), hint=backend.accelerator_hint)
+        problems += capability.relative_problems(needs)
+        return problems + await backend.path_problems(needs)
 
     def offered_accelerators(self) -> dict[str, float] | None:
         """The backend's accelerators; None when it places no limit."""

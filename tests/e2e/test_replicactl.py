@@ -36,7 +36,7 @@ def replicactl(addr: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 def write_bigger(v1: str, dest: pathlib.Path) -> None:
     text = pathlib.Path(v1).read_text().replace("replicas: 2", "replicas: 3")
-    dest.write_text(text.replace("../hello", EXAMPLES + "/hello"))
+    dest.write_text(text.replace("workdir: examples/hello", f"workdir: {EXAMPLES}/hello"))
 
 
 def start_cli(addr: str, *args: str) -> subprocess.Popen[str]:

@@ -285,17 +285,6 @@ def test_dial_addr_turns_wildcards_into_loopback() -> None:
 # --- example YAML and workdir resolution --------------------------------------------------
 
 
-def test_relative_workdir_is_resolved_against_the_yaml_directory_keeping_comments() -> None:
-    text = "# hello\nname: hello\nworkdir: .  # the app\nrun: python3 app.py --port 8080\n"
-    resolved = api.resolve_workdir(text, "/srv/examples/hello")
-    assert resolved == '# hello\nname: hello\nworkdir: "/srv/examples/hello"\nrun: python3 app.py --port 8080\n'
-
-
-@pytest.mark.parametrize("text", ["name: x\nrun: true\n", "name: x\nworkdir: /abs/dir\n", "name: x\nworkdir: ~/dir\n"])
-def test_absolute_or_missing_workdir_is_left_alone(text: str) -> None:
-    assert api.resolve_workdir(text, "/elsewhere") == text
-
-
 def test_example_service_yaml_points_at_the_app() -> None:
     import yaml
 
