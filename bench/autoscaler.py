@@ -56,7 +56,6 @@ run: x
 """
 
 
-
 def big_yaml(replicas: int) -> str:
     """A service held at `replicas` (min = max, within the controller's default replica cap) under
     load that alone would want half as many; the autoscaler still decides on every report."""

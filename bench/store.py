@@ -1,6 +1,6 @@
 """Micro benchmark of the controller store: replica writes per second and listing 1000 replicas.
 
-Run: .venv/bin/python bench/store.py [--puts N]
+Run: .venv/bin/python bench/store.py [--puts N] [--smoke]
 Prints `figure: <name> <value> <unit>` lines.
 """
 
@@ -19,6 +19,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "gen", "python")]
 from replicaplane.common.v1 import spec_pb2  # noqa: E402
 from replicaplane.controller.v1 import resources_pb2  # noqa: E402
 from services.controller import store as store_mod  # noqa: E402
+from tests.helpers import bench  # noqa: E402
 
 
 def _replica(service: str, replica_id: int) -> resources_pb2.Replica:
@@ -65,8 +66,10 @@ def list_ms(directory: str, count: int = 1000, runs: int = 20) -> float:
 def main() -> None:
     """Run the benchmarks in a temporary directory and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--puts", type=int, default=3000, help="replica upserts to time")
+    parser.add_argument("--puts", type=int, default=bench.pick(3000, 200), help="replica upserts to time")
+    parser.add_argument("--smoke", action="store_true", help="200 upserts, to check the bench runs (BENCH_SMOKE=1)")
     args = parser.parse_args()
+    bench.announce()
     with tempfile.TemporaryDirectory(prefix="rp-bench-store-") as directory:
         print(f"figure: store_put_replica_per_s {put_rate(directory, args.puts, 'NORMAL'):.0f} ops/s")
         full = put_rate(directory, max(args.puts // 5, 100), "FULL")
