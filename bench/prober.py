@@ -8,6 +8,7 @@ can do, so the figure is their ceiling with at most 100 probes in flight (BENCH_
 BENCH_INTERVAL and BENCH_MEASURE override). Ready detection: a starting target whose app is
 down is probed at the default 100 ms fast interval; the app then starts listening; the figure
 is the time from listening to the READY result arriving at the client, over 200 samples.
+BENCH_SMOKE=1 (or --smoke): 10 targets for 0.5 s and 10 detection samples.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from google.protobuf import duration_pb2  # noqa: E402
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb  # noqa: E402
 from services.common import probe_fleet  # noqa: E402
-from tests.helpers import ports, prober_apps, procs  # noqa: E402
+from tests.helpers import bench, ports, prober_apps, procs  # noqa: E402
 
-TARGETS = int(os.environ.get("BENCH_TARGETS", "100"))
+TARGETS = int(os.environ.get("BENCH_TARGETS", bench.pick("100", "10")))
 INTERVAL_S = float(os.environ.get("BENCH_INTERVAL", "0.005"))
-WARMUP_S = 2.0
-MEASURE_S = float(os.environ.get("BENCH_MEASURE", "5"))
-DETECT_ROUNDS = 200
-DETECT_PARALLEL = 10
+WARMUP_S = bench.pick(2.0, 0.3)
+MEASURE_S = float(os.environ.get("BENCH_MEASURE", bench.pick("5", "0.5")))
+DETECT_ROUNDS = bench.pick(200, 10)
+DETECT_PARALLEL = bench.pick(10, 5)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -131,6 +132,7 @@ def _percentile(samples: list[float], q: float) -> float:
 
 
 async def main() -> None:
+    bench.announce()
     one = await throughput(1)
     print(f"figure: probes_per_s_1 {one:.0f} probes/s", flush=True)
     two = await throughput(2)

@@ -2,7 +2,7 @@
 (the default: every commit fsynced) and NORMAL (no fsync per commit), a reconcile-pass-sized
 transaction, and listing 1000 replicas.
 
-Run: .venv/bin/python bench/store.py [--puts N] [--rounds R]
+Run: .venv/bin/python bench/store.py [--puts N] [--rounds R] [--smoke]
 Prints `figure: <name> <value> <unit>` lines. FULL and NORMAL are measured in alternating rounds
 on the same disk, and each figure is the median of its rounds, so machine load hits both alike.
 """
@@ -22,6 +22,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "gen", "python")]
 from replicaplane.common.v1 import spec_pb2  # noqa: E402
 from replicaplane.controller.v1 import resources_pb2  # noqa: E402
 from services.controller import store as store_mod  # noqa: E402
+from tests.helpers import bench  # noqa: E402
 
 
 def _replica(service: str, replica_id: int) -> resources_pb2.Replica:
@@ -74,9 +75,11 @@ def main() -> None:
     """Run the benchmarks in a temporary directory (under the working directory, so on the
     disk a controller's state dir would be on, not a tmpfs) and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--puts", type=int, default=2000, help="replica upserts per round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating FULL/NORMAL rounds")
+    parser.add_argument("--puts", type=int, default=bench.pick(2000, 200), help="replica upserts per round")
+    parser.add_argument("--rounds", type=int, default=bench.pick(3, 1), help="alternating FULL/NORMAL rounds")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs (BENCH_SMOKE=1)")
     args = parser.parse_args()
+    bench.announce()
     base = os.environ.get("REPLICAPLANE_BENCH_DIR") or os.getcwd()
     with tempfile.TemporaryDirectory(prefix="rp-bench-store-", dir=base) as directory:
         rates: dict[tuple[str, int], list[float]] = {}
