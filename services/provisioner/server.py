@@ -164,7 +164,8 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         errors.ValidationError: an unknown backend, malformed zones or kubernetes settings.
     """
     if settings.backend == "kubernetes":
-        return kube.KubernetesBackend(kube_options(settings))
+        opts = kube_options(settings)
+        return kube.KubernetesBackend(opts, log_path=logstore.LogStore(settings.state_dir).path)
     if settings.backend != "local":
         raise errors.ValidationError(
             [

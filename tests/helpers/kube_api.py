@@ -500,11 +500,13 @@ class KubeApi:
         containers = [c.get("name", "") for c in (pod.get("spec") or {}).get("containers") or []]
         container = query.get("container") or (containers[0] if len(containers) == 1 else "")
         if container not in containers:
-            raise StatusError(400, f'container {container} is not valid for pod {name}', reason="BadRequest")
+            raise StatusError(400, f"container {container} is not valid for pod {name}", reason="BadRequest")
         source = self.log_source(namespace, name) if self.log_source is not None else None
         if source is None or not os.path.exists(source.path):
             raise StatusError(
-                400, f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating', reason="BadRequest"
+                400,
+                f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating',
+                reason="BadRequest",
             )
         follow = query.get("follow") in ("true", "True", "1")
         timestamps = query.get("timestamps") in ("true", "True", "1")
