@@ -522,7 +522,7 @@ class KubeApi:
                 return None
             return line if timestamps else text
 
-        with open(source.path, "rb") as fh:
+        with open(source.path, "rb") as fh:  # noqa: ASYNC230 - a local file, tests only
             *whole, pending = fh.read().split(b"\n")
             lines = [line + b"\n" for line in whole]
             if query.get("tailLines"):
