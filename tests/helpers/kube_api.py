@@ -502,7 +502,7 @@ class KubeApi:
         if container not in containers:
             raise StatusError(400, f"container {container} is not valid for pod {name}", reason="BadRequest")
         source = self.log_source(namespace, name) if self.log_source is not None else None
-        if source is None or not os.path.exists(source.path):
+        if source is None or not os.path.exists(source.path):  # noqa: ASYNC240 - a local file, tests only
             raise StatusError(
                 400,
                 f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating',
