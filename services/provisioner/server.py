@@ -123,6 +123,9 @@ class Settings:
     server sent Retry-After."""
     kubernetes_api_backoff_max_s: float = 10.0
     """Longest wait between tries of a failed API call (a longer Retry-After is cut to it)."""
+    kubernetes_follow_logs: bool = True
+    """Copy each replica Pod's log into the provisioner's logs (StreamLogs, `replicactl logs`); one
+    log stream per running Pod (needs `get` on `pods/log`)."""
     kubernetes_port_annotation: str = ""
     """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
     tls_cert_file: str = ""
@@ -270,6 +273,7 @@ def kube_options(settings: Settings) -> kube.Options:
         endpoint=settings.kubernetes_endpoint,
         cluster_domain=settings.kubernetes_cluster_domain,
         port_annotation=settings.kubernetes_port_annotation,
+        follow_logs=settings.kubernetes_follow_logs,
         schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
         start_timeout_s=settings.kubernetes_start_timeout_s,
         delete_timeout_s=settings.kubernetes_delete_timeout_s,
