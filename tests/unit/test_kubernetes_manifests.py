@@ -28,6 +28,7 @@ from services.controller import server as controller_server
 from services.loadbalancer import server as loadbalancer_server
 from services.prober import server as prober_server
 from services.provisioner import server as provisioner_server
+from tests.helpers import kube_manifests
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -203,6 +204,11 @@ def test_configmaps_hold_only_settings_the_service_has_and_values_it_accepts(com
     unknown = set(env) - known - HA_SETTINGS - SHARED_SETTINGS
     assert not unknown, f"{component}: no such settings: {sorted(unknown)}"
     config.load(module.Settings, component, environ=env)  # every value converts
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
+def test_the_built_configmaps_are_the_env_files_the_e2e_suite_runs_with(component: str) -> None:
+    assert settings_env(build(BASE), component) == kube_manifests.service_env(component)
 
 
 def test_controller_runs_two_with_leader_election_its_store_url_from_a_secret_and_its_pod_address() -> None:
