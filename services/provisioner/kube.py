@@ -74,6 +74,8 @@ class Options:
     watch_idle_s: float = 330.0
     request_timeout_s: float = 30.0
     follow_logs: bool = True
+    node_address: str = ""
+    load_balancer_timeout_s: float = 600.0
     log_reconnect_margin_s: float = 10.0
     api_attempts: int = 5
     api_backoff_s: float = 0.5
@@ -439,6 +441,7 @@ class _Tracked:
     launch_log: str = ""
     splits_setup: bool = False
     log_task: asyncio.Task[None] | None = None
+    service: dict[str, Any] | None = None
 
     def touch(self) -> None:
         """Wake whoever waits for a change."""
@@ -498,8 +501,23 @@ class KubernetesBackend(backend.Backend):
             ) from None
         self._apply_list(items)
         log.info("kubernetes backend: namespace %s, %d replica Pods found", self._ns, len(self._tracked))
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            await self._find_services()
         await self._remove_orphans({str((p.get("metadata") or {}).get("name", "")) for p in items})
         self._watcher = asyncio.get_running_loop().create_task(self._watch(version))
+
+    async def _find_services(self) -> None:
+        """Give adopted replicas their Services (their endpoints come from them)."""
+        try:
+            items, _ = await self._api.list("service", self._ns, self._selector)
+        except ApiError as exc:
+            log.warning("could not list Services; endpoints wait for them: %s", describe(exc))
+            return
+        by_name = {str((s.get("metadata") or {}).get("name", "")): s for s in items}
+        for tracked in self._tracked.values():
+            found = by_name.get(tracked.obj)
+            if found is not None and _token(found) == tracked.token:
+                tracked.service = found
 
     async def _remove_orphans(self, pods: set[str]) -> None:
         """Delete our Secrets and Services whose Pod does not exist: a crash between creating a
@@ -580,7 +598,7 @@ class KubernetesBackend(backend.Backend):
                 await self._own("secret", obj, owner, request.launch_log)
             if self._cfg.service_type:
                 service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
-                await self._create("service", service, token)
+                tracked.service = await self._create("service", service, token)
             result = await self._await_start(tracked, request.launch_log, image)
         except asyncio.CancelledError:
             tracked.deleting = True
@@ -666,6 +684,8 @@ class KubernetesBackend(backend.Backend):
                 return self._describe(tracked)
             if st.running and st.started:
                 say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
+                if self._opts.endpoint == "load_balancer":
+                    await self._await_load_balancer(tracked, say)
                 return self._describe(tracked)
             if st.running:
                 say("setup", "container running; waiting for setup to finish")
@@ -711,6 +731,27 @@ class KubernetesBackend(backend.Backend):
                             f"could not read Pod {self._ns}/{tracked.obj}: {describe(exc)}",
                             cause=causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message),
                         ) from None
+
+    async def _await_load_balancer(self, tracked: _Tracked, say: Callable[[str, str], None]) -> None:
+        """Wait until the cloud gave the replica's LoadBalancer Service an address.
+
+        Raises:
+            backend.LaunchError: none within `load_balancer_timeout_s`.
+        """
+        deadline = time.monotonic() + self._opts.load_balancer_timeout_s
+        while not self._endpoint(tracked):
+            if time.monotonic() > deadline:
+                raise backend.LaunchError(
+                    f"Service {self._ns}/{tracked.obj} got no load-balancer address within "
+                    f"{self._opts.load_balancer_timeout_s:g} s",
+                    cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
+                )
+            say("load-balancer", f"waiting for the load-balancer address of Service {tracked.obj}")
+            await asyncio.sleep(0.2 if time.monotonic() + 5 > deadline else 1.0)
+            try:
+                tracked.service = await self._api.get("service", tracked.obj, self._ns)
+            except ApiError as exc:
+                log.debug("could not read Service %s: %s", tracked.obj, describe(exc))
 
     async def _refresh(self, tracked: _Tracked) -> None:
         pod = await self._api.get("pod", tracked.obj, self._ns)
@@ -1045,6 +1086,9 @@ class KubernetesBackend(backend.Backend):
         if self._opts.endpoint == "service":
             host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"
             return kube_objects.endpoint(host, port)
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            node_host = self._opts.node_address or tracked.status.host_ip
+            return kube_objects.service_endpoint(tracked.service, port, mode=self._opts.endpoint, node_host=node_host)
         if self._opts.port_annotation and tracked.pod is not None:
             annotations = (tracked.pod.get("metadata") or {}).get("annotations") or {}
             with contextlib.suppress(KeyError, ValueError):

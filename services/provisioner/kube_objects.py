@@ -68,7 +68,13 @@ WRAPPER = (
 IMAGE_PULL_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 CONTAINER_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 SERVICE_TYPES = ("", "ClusterIP", "NodePort", "LoadBalancer")
-ENDPOINT_MODES = ("pod", "service")
+ENDPOINT_MODES = ("pod", "service", "node_port", "load_balancer")
+# The Service types that give each endpoint mode its address.
+ENDPOINT_SERVICE_TYPES = {
+    "service": SERVICE_TYPES[1:],
+    "node_port": ("NodePort", "LoadBalancer"),
+    "load_balancer": ("LoadBalancer",),
+}
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -480,6 +486,7 @@ class PodStatus:
         running: the container is running.
         started: the container passed its startup probe (setup finished), or has none.
         pod_ip: the Pod's IP, once assigned.
+        host_ip: the IP of the node it runs on, once assigned.
         exit_code: the container's exit code once terminated, else None.
         exit_reason: the container's termination reason (Error, Completed, OOMKilled).
         termination_message: what the container wrote to its termination log (or its log tail).
@@ -495,6 +502,7 @@ class PodStatus:
     running: bool = False
     started: bool = False
     pod_ip: str = ""
+    host_ip: str = ""
     exit_code: int | None = None
     exit_reason: str = ""
     termination_message: str = ""
@@ -545,6 +553,7 @@ def read_status(pod: dict[str, Any]) -> PodStatus:
         running=running,
         started=running and bool(container.get("started", True)),
         pod_ip=status.get("podIP") or "",
+        host_ip=status.get("hostIP") or "",
         exit_code=exit_code,
         exit_reason=terminated.get("reason") or "",
         termination_message=(terminated.get("message") or "").strip(),
@@ -626,6 +635,26 @@ class LogPosition:
             copied=int(data.get("copied", 0)),
             setup_done=bool(data.get("setup_done", False)),
         )
+
+
+def service_endpoint(service: dict[str, Any] | None, port: int, *, mode: str, node_host: str) -> str:
+    """The endpoint a replica's Service gives it from outside the cluster ("" while it has none).
+
+    `node_port`: `node_host` and the node port of the serving `port`. `load_balancer`: the
+    first ingress address the cloud published (IP or host name) and `port`.
+    """
+    if service is None:
+        return ""
+    if mode == "node_port":
+        node_port = next(
+            (p.get("nodePort") for p in (service.get("spec") or {}).get("ports") or [] if p.get("port") == port), None
+        )
+        return endpoint(node_host, int(node_port)) if node_host and node_port else ""
+    if mode == "load_balancer":
+        ingress = (((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or [{}])[0]
+        host = ingress.get("ip") or ingress.get("hostname") or ""
+        return endpoint(host, port) if host else ""
+    return ""
 
 
 def endpoint(host: str, port: int) -> str:

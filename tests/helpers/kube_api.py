@@ -24,6 +24,8 @@ real server's protocol where a client can get it wrong:
 - `pods/{name}/log` serves a container's output as the kubelet keeps it (`LogSource`, set by
   the fake kubelet): 400 while the container has not started, `timestamps`, `sinceSeconds`,
   `tailLines`, and `follow`, which streams until the container's output ends. Gone with the Pod.
+- Services of type NodePort and LoadBalancer get a `nodePort` per port; a LoadBalancer's
+  `status.loadBalancer.ingress` gets `load_balancer_ip` after `load_balancer_delay_s`.
 - PATCH takes JSON merge patches. The `status` subresource changes only `status`; the object
   itself everything else. `pods/{name}/binding` binds a Pod to a node (the scheduler's call).
 
@@ -280,6 +282,11 @@ class KubeApi:
         # Where a Pod's container log is read (the kubelet's side); None: no logs anywhere.
         self.log_source: Callable[[str, str], LogSource | None] | None = None
         self.log_poll_s = 0.05
+        # NodePort and LoadBalancer Services: node ports from 30000, the ingress address a
+        # cloud's controller would publish after a while.
+        self._node_ports = itertools.count()
+        self.load_balancer_ip = "127.0.0.1"
+        self.load_balancer_delay_s = 0.05
         self.add_namespace("default")
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -688,6 +695,9 @@ class KubeApi:
         self._record(resource, namespace, "ADDED", obj, None)
         if meta.get("ownerReferences"):
             self._collect_soon(namespace)
+        if resource == "services" and obj["spec"]["type"] == "LoadBalancer":
+            where = (namespace, obj["metadata"]["name"], obj["metadata"]["uid"])
+            asyncio.get_running_loop().call_later(self.load_balancer_delay_s, self._publish_load_balancer, *where)
         return obj
 
     def _default(self, resource: str, obj: dict[str, Any]) -> None:
@@ -708,8 +718,22 @@ class KubeApi:
             if not spec.get("type"):
                 spec["type"] = "ClusterIP"
             spec.setdefault("clusterIP", f"10.96.{self.rv // 250 % 250}.{self.rv % 250 + 1}")
+            if spec["type"] in ("NodePort", "LoadBalancer"):
+                for port in spec.get("ports") or []:
+                    port.setdefault("nodePort", 30000 + next(self._node_ports) % 2768)
+            obj["status"] = {"loadBalancer": {}}
         elif resource == "namespaces":
             obj["status"] = {"phase": "Active"}
+
+    def _publish_load_balancer(self, namespace: str, name: str, uid: str) -> None:
+        """What a cloud's load-balancer controller does: write the ingress address to the status."""
+        svc = self.objects.get(("services", namespace, name))
+        if svc is None or svc["metadata"]["uid"] != uid:
+            return
+        old = copy.deepcopy(svc)
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": self.load_balancer_ip}]}}
+        svc["metadata"]["resourceVersion"] = self._next_rv()
+        self._record("services", namespace, "MODIFIED", svc, old)
 
     def _bind(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         node = ((body.get("target") or {}).get("name")) or ""
