@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,9 @@ from services.provisioner import backend, causes, kube_objects, model, retries
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+LOG_SETTLE_S = 5.0
+"""How long an app's end (or a teardown) waits for the last lines of its Pod log."""
+POSITION_FILE = "kube-log-position.json"
 TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})
 """HTTP statuses worth another try of the same call (0: no answer at all)."""
 
@@ -69,6 +73,10 @@ class Options:
     watch_timeout_s: float = 300.0
     watch_idle_s: float = 330.0
     request_timeout_s: float = 30.0
+    follow_logs: bool = True
+    node_address: str = ""
+    load_balancer_timeout_s: float = 600.0
+    log_reconnect_margin_s: float = 10.0
     api_attempts: int = 5
     api_backoff_s: float = 0.5
     api_backoff_max_s: float = 10.0
@@ -306,6 +314,50 @@ class _Api:
             with contextlib.suppress(ApiError):  # a racing creator is fine
                 await self._call("create_namespace", body)
 
+    async def pod_log(self, namespace: str, name: str, *, since_s: int | None) -> AsyncIterator[bytes]:
+        """The replica container's log lines, each `<time> <text>`, followed until the container
+        ends or `watch_timeout_s` passes (then the caller reads again from where it was).
+
+        Raises:
+            ApiError: the log could not be opened or the stream broke (400 while the container
+                has not started, 404 once the Pod is gone).
+            TimeoutError: the stream's time was up.
+        """
+        kwargs: dict[str, Any] = {
+            "container": kube_objects.CONTAINER,
+            "follow": True,
+            "timestamps": True,
+            "_request_timeout": self._opts.watch_timeout_s,
+        }
+        if since_s is not None:
+            kwargs["since_seconds"] = max(1, since_s)
+        try:
+            resp = await self._core.read_namespaced_pod_log_without_preload_content(name, namespace, **kwargs)
+        except self._errors as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise ApiError(int(getattr(exc, "status", 0) or 0), f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        try:
+            if resp.status >= 400:
+                raise _error(resp.status, str(resp.reason or ""), await resp.read(), resp.headers)
+            pending = b""
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except self._errors as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    raise ApiError(0, f"log stream broke: {type(exc).__name__}") from None
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    yield line + b"\n"
+            if pending:
+                yield pending
+        finally:
+            resp.release()
+
     async def watch_pods(
         self, namespace: str, labels: str, resource_version: str
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -385,6 +437,11 @@ class _Tracked:
     app_state: model.AppState = model.AppState.RUNNING
     exit_code: int = 0
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    app_log: str = ""
+    launch_log: str = ""
+    splits_setup: bool = False
+    log_task: asyncio.Task[None] | None = None
+    service: dict[str, Any] | None = None
 
     def touch(self) -> None:
         """Wake whoever waits for a change."""
@@ -397,8 +454,22 @@ class KubernetesBackend(backend.Backend):
 
     name = "kubernetes"
 
-    def __init__(self, options: Options, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        options: Options,
+        *,
+        clock: Callable[[], float] = time.time,
+        log_path: Callable[[str, model.LogKind], str] | None = None,
+    ) -> None:
+        """Args:
+        options: the backend's settings.
+        clock: wall-clock time for events.
+        log_path: where replica `name`'s log of a kind lives; Pod logs of adopted replicas
+            are copied there (launched ones use the paths of their CreateRequest).
+        """
         self._opts = options
+        self._log_path = log_path
+        self._reports: set[asyncio.Task[None]] = set()
         self._cfg = options.pods
         self._ns = options.pods.namespace
         self._labels = kube_objects.selector(options.pods.instance)
@@ -430,8 +501,23 @@ class KubernetesBackend(backend.Backend):
             ) from None
         self._apply_list(items)
         log.info("kubernetes backend: namespace %s, %d replica Pods found", self._ns, len(self._tracked))
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            await self._find_services()
         await self._remove_orphans({str((p.get("metadata") or {}).get("name", "")) for p in items})
         self._watcher = asyncio.get_running_loop().create_task(self._watch(version))
+
+    async def _find_services(self) -> None:
+        """Give adopted replicas their Services (their endpoints come from them)."""
+        try:
+            items, _ = await self._api.list("service", self._ns, self._selector)
+        except ApiError as exc:
+            log.warning("could not list Services; endpoints wait for them: %s", describe(exc))
+            return
+        by_name = {str((s.get("metadata") or {}).get("name", "")): s for s in items}
+        for tracked in self._tracked.values():
+            found = by_name.get(tracked.obj)
+            if found is not None and _token(found) == tracked.token:
+                tracked.service = found
 
     async def _remove_orphans(self, pods: set[str]) -> None:
         """Delete our Secrets and Services whose Pod does not exist: a crash between creating a
@@ -455,10 +541,11 @@ class KubernetesBackend(backend.Backend):
 
     async def close(self) -> None:
         """Stop watching; the Pods keep running and are re-adopted on the next start()."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        tasks = [t for t in (self._watcher, *(x.log_task for x in self._tracked.values())) if t is not None]
+        tasks += list(self._reports)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._api.close()
 
     # ---- backend interface -----------------------------------------------------------------
@@ -491,6 +578,9 @@ class KubernetesBackend(backend.Backend):
             port=kube_objects.serving_port(launch.spec),
             has_setup=bool(launch.spec.setup.strip()),
             launching=True,
+            app_log=request.app_log,
+            launch_log=request.launch_log,
+            splits_setup=bool(launch.spec.setup.strip()),
         )
         self._tracked[launch.name] = tracked
         for note in notes:
@@ -502,12 +592,13 @@ class KubernetesBackend(backend.Backend):
             _note(request.launch_log, f"creating Pod {self._ns}/{obj} (image {image})")
             created = await self._create("pod", pod, token)
             tracked.uid = str((created.get("metadata") or {}).get("uid") or "")
+            self._follow(tracked)
             owner = kube_objects.owner_reference(created)
             if launch.spec.secrets and owner:
                 await self._own("secret", obj, owner, request.launch_log)
             if self._cfg.service_type:
                 service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
-                await self._create("service", service, token)
+                tracked.service = await self._create("service", service, token)
             result = await self._await_start(tracked, request.launch_log, image)
         except asyncio.CancelledError:
             tracked.deleting = True
@@ -579,6 +670,7 @@ class KubernetesBackend(backend.Backend):
                     f"Pod {tracked.obj} was deleted during the launch", cause=causes.kubernetes(causes.Kube.DELETED)
                 )
             if st.finished:
+                await self._logs_settled(tracked)
                 if st.disruption:
                     raise backend.LaunchError(
                         f"Pod {tracked.obj} was {st.disruption} during the launch",
@@ -592,6 +684,8 @@ class KubernetesBackend(backend.Backend):
                 return self._describe(tracked)
             if st.running and st.started:
                 say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
+                if self._opts.endpoint == "load_balancer":
+                    await self._await_load_balancer(tracked, say)
                 return self._describe(tracked)
             if st.running:
                 say("setup", "container running; waiting for setup to finish")
@@ -638,6 +732,27 @@ class KubernetesBackend(backend.Backend):
                             cause=causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message),
                         ) from None
 
+    async def _await_load_balancer(self, tracked: _Tracked, say: Callable[[str, str], None]) -> None:
+        """Wait until the cloud gave the replica's LoadBalancer Service an address.
+
+        Raises:
+            backend.LaunchError: none within `load_balancer_timeout_s`.
+        """
+        deadline = time.monotonic() + self._opts.load_balancer_timeout_s
+        while not self._endpoint(tracked):
+            if time.monotonic() > deadline:
+                raise backend.LaunchError(
+                    f"Service {self._ns}/{tracked.obj} got no load-balancer address within "
+                    f"{self._opts.load_balancer_timeout_s:g} s",
+                    cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
+                )
+            say("load-balancer", f"waiting for the load-balancer address of Service {tracked.obj}")
+            await asyncio.sleep(0.2 if time.monotonic() + 5 > deadline else 1.0)
+            try:
+                tracked.service = await self._api.get("service", tracked.obj, self._ns)
+            except ApiError as exc:
+                log.debug("could not read Service %s: %s", tracked.obj, describe(exc))
+
     async def _refresh(self, tracked: _Tracked) -> None:
         pod = await self._api.get("pod", tracked.obj, self._ns)
         if pod is None:
@@ -682,6 +797,10 @@ class KubernetesBackend(backend.Backend):
             else:
                 await asyncio.sleep(0.5)
         if tracked is not None:
+            # The container is dead: what it wrote last is on its way to the app log.
+            await self._logs_settled(tracked)
+            if tracked.log_task is not None:
+                tracked.log_task.cancel()
             self._deleted.append(tracked.token)
             if self._tracked.get(name) is tracked:
                 del self._tracked[name]
@@ -830,8 +949,15 @@ class KubernetesBackend(backend.Backend):
             created_at=created,
             port=int(port),
             has_setup="startupProbe" in container,
+            # Pods made before setup's end was marked in the log have it all as the app's.
+            splits_setup="startupProbe" in container
+            and any(kube_objects.SETUP_FINISHED_LINE in str(arg) for arg in container.get("command") or []),
         )
+        if self._log_path is not None:
+            tracked.app_log = self._log_path(name, model.LogKind.APP)
+            tracked.launch_log = self._log_path(name, model.LogKind.LAUNCH)
         self._tracked[name] = tracked
+        self._follow(tracked)
         return tracked
 
     def _report(self, tracked: _Tracked) -> None:
@@ -854,17 +980,104 @@ class KubernetesBackend(backend.Backend):
         tracked.reported = True
         tracked.app_state = state
         tracked.exit_code = code
-        self._events.put_nowait(
-            backend.BackendEvent(
-                name=tracked.name,
-                token=tracked.token,
-                app_state=state,
-                exit_code=code,
-                time=self._clock(),
-                message=message,
-                cause=cause,
-            )
+        event = backend.BackendEvent(
+            name=tracked.name,
+            token=tracked.token,
+            app_state=state,
+            exit_code=code,
+            time=self._clock(),
+            message=message,
+            cause=cause,
         )
+        if tracked.log_task is None or tracked.log_task.done():
+            self._events.put_nowait(event)
+            return
+
+        async def after_logs() -> None:
+            # Reported once the app's last lines are in its log, so a follower sees them all.
+            await self._logs_settled(tracked)
+            self._events.put_nowait(event)
+
+        task = asyncio.get_running_loop().create_task(after_logs())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    # ---- the Pod log -----------------------------------------------------------------------
+
+    def _follow(self, tracked: _Tracked) -> None:
+        """Start copying the Pod's log into the replica's logs (once per incarnation)."""
+        if not self._opts.follow_logs or not tracked.app_log or tracked.log_task is not None:
+            return
+        tracked.log_task = asyncio.get_running_loop().create_task(self._copy_log(tracked))
+
+    async def _logs_settled(self, tracked: _Tracked, timeout: float = LOG_SETTLE_S) -> None:
+        """Wait (bounded) until the log copy of a finished or deleted Pod has ended."""
+        task = tracked.log_task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout)
+
+    async def _copy_log(self, tracked: _Tracked) -> None:
+        """Copy the Pod's log (setup's part to the launch log, the rest to the app log) until the
+        container has ended and everything it wrote is copied, or the Pod is gone. Reads that
+        end early start again from the last line's time; lines already copied are skipped."""
+        position = _load_position(tracked)
+        delay = 0.2
+        while True:
+            st = tracked.status
+            if tracked.gone or self._tracked.get(tracked.name) not in (tracked, None):
+                return
+            if not (st.running or st.exit_code is not None):
+                changed = tracked.changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), 2.0)
+                continue
+            since = None
+            if position.time_ns:
+                since = int((time.time_ns() - position.time_ns) / 1e9 + self._opts.log_reconnect_margin_s)
+            position.restart()
+            try:
+                await self._copy_stream(tracked, position, since)
+            except ApiError as exc:
+                if exc.status == 404:
+                    return  # the Pod is gone, and its log with it
+                log.debug("log of Pod %s: %s; reading again in %.1f s", tracked.obj, describe(exc), delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
+            except TimeoutError:
+                continue  # the stream's time was up: read on from where it was
+            except OSError as exc:
+                log.warning("could not write the log of replica %s: %s", tracked.name, exc)
+                return
+            finally:
+                _save_position(tracked, position)
+            if tracked.status.finished or tracked.status.deleting or tracked.deleting or tracked.gone:
+                return
+            # It ended while the Pod looks alive: the container just exited, or a proxy cut it.
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+    async def _copy_stream(self, tracked: _Tracked, position: kube_objects.LogPosition, since: int | None) -> None:
+        with contextlib.ExitStack() as files:
+            app = files.enter_context(open(tracked.app_log, "ab"))  # noqa: ASYNC230 - local file, appends
+            launch = files.enter_context(open(tracked.launch_log, "ab"))  # noqa: ASYNC230
+            saved = time.monotonic()
+            async for line in self._api.pod_log(self._ns, tracked.obj, since_s=since):
+                if time.monotonic() - saved > 1.0:  # a provisioner killed mid-stream repeats little
+                    saved = time.monotonic()
+                    _save_position(tracked, position)
+                text = position.take(line)
+                if text is None:
+                    continue
+                if tracked.splits_setup and not position.setup_done:
+                    if text.rstrip(b"\n") == kube_objects.SETUP_FINISHED_LINE.encode():
+                        position.setup_done = True
+                        continue
+                    launch.write(text)
+                    launch.flush()
+                else:
+                    app.write(text)
+                    app.flush()
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -873,6 +1086,9 @@ class KubernetesBackend(backend.Backend):
         if self._opts.endpoint == "service":
             host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"
             return kube_objects.endpoint(host, port)
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            node_host = self._opts.node_address or tracked.status.host_ip
+            return kube_objects.service_endpoint(tracked.service, port, mode=self._opts.endpoint, node_host=node_host)
         if self._opts.port_annotation and tracked.pod is not None:
             annotations = (tracked.pod.get("metadata") or {}).get("annotations") or {}
             with contextlib.suppress(KeyError, ValueError):
@@ -897,6 +1113,28 @@ def _app_started(status: kube_objects.PodStatus) -> bool:
     """A container that ended after setup (the setup marker exists only inside it): the exit
     is the app's when the termination message is not setup's own."""
     return status.exit_code is not None and not status.termination_message.startswith(kube_objects.SETUP_FAILED_PREFIX)
+
+
+def _position_file(tracked: _Tracked) -> str:
+    return os.path.join(os.path.dirname(tracked.app_log), POSITION_FILE)
+
+
+def _load_position(tracked: _Tracked) -> kube_objects.LogPosition:
+    """Where an earlier provisioner left off copying this incarnation's log, if it did."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        with open(_position_file(tracked), encoding="utf-8") as fh:
+            found = kube_objects.LogPosition.from_dict(json.load(fh))
+        if found.token == tracked.token:
+            return found
+    return kube_objects.LogPosition(token=tracked.token)
+
+
+def _save_position(tracked: _Tracked, position: kube_objects.LogPosition) -> None:
+    path = _position_file(tracked)
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(position.to_dict(), fh)
+        os.replace(path + ".tmp", path)
 
 
 def _token(pod: dict[str, Any]) -> str:

@@ -146,6 +146,13 @@ class Settings:
     server sent Retry-After."""
     kubernetes_api_backoff_max_s: float = 10.0
     """Longest wait between tries of a failed API call (a longer Retry-After is cut to it)."""
+    kubernetes_node_address: str = ""
+    """Host of `node_port` endpoints; empty: the IP of the node the replica's Pod runs on."""
+    kubernetes_load_balancer_timeout_s: float = 600.0
+    """A LoadBalancer Service with no address this long after its Pod started fails the attempt."""
+    kubernetes_follow_logs: bool = True
+    """Copy each replica Pod's log into the provisioner's logs (StreamLogs, `replicactl logs`); one
+    log stream per running Pod (needs `get` on `pods/log`)."""
     kubernetes_port_annotation: str = ""
     """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
     tls_cert_file: str = ""
@@ -187,7 +194,8 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         errors.ValidationError: an unknown backend, malformed zones or kubernetes settings.
     """
     if settings.backend == "kubernetes":
-        return kube.KubernetesBackend(kube_options(settings))
+        opts = kube_options(settings)
+        return kube.KubernetesBackend(opts, log_path=logstore.LogStore(settings.state_dir).path)
     if settings.backend != "local":
         raise errors.ValidationError(
             [
@@ -268,8 +276,16 @@ def kube_options(settings: Settings) -> kube.Options:
         )
     if settings.kubernetes_endpoint not in kube_objects.ENDPOINT_MODES:
         violations.append(errors.FieldViolation(field("endpoint"), "must be pod or service"))
-    elif settings.kubernetes_endpoint == "service" and not settings.kubernetes_service_type:
-        violations.append(errors.FieldViolation(field("endpoint"), "service endpoints need kubernetes_service_type"))
+    elif (
+        settings.kubernetes_endpoint in kube_objects.ENDPOINT_SERVICE_TYPES
+        and settings.kubernetes_service_type not in kube_objects.ENDPOINT_SERVICE_TYPES[settings.kubernetes_endpoint]
+    ):
+        types = " or ".join(kube_objects.ENDPOINT_SERVICE_TYPES[settings.kubernetes_endpoint])
+        violations.append(
+            errors.FieldViolation(
+                field("endpoint"), f"{settings.kubernetes_endpoint} endpoints need kubernetes_service_type {types}"
+            )
+        )
     if not settings.kubernetes_image:
         violations.append(errors.FieldViolation(field("image"), "must not be empty"))
     for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
@@ -303,6 +319,9 @@ def kube_options(settings: Settings) -> kube.Options:
         endpoint=settings.kubernetes_endpoint,
         cluster_domain=settings.kubernetes_cluster_domain,
         port_annotation=settings.kubernetes_port_annotation,
+        follow_logs=settings.kubernetes_follow_logs,
+        node_address=settings.kubernetes_node_address,
+        load_balancer_timeout_s=settings.kubernetes_load_balancer_timeout_s,
         schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
         start_timeout_s=settings.kubernetes_start_timeout_s,
         delete_timeout_s=settings.kubernetes_delete_timeout_s,

@@ -21,6 +21,11 @@ real server's protocol where a client can get it wrong:
 - Errors are Status objects: 404 NotFound (also for a namespace that does not exist), 409
   AlreadyExists, 409 Conflict (a stale resourceVersion or uid precondition), 422 Invalid (a
   name that is not DNS-1123, a changed Pod spec), 415 for patch types not served here.
+- `pods/{name}/log` serves a container's output as the kubelet keeps it (`LogSource`, set by
+  the fake kubelet): 400 while the container has not started, `timestamps`, `sinceSeconds`,
+  `tailLines`, and `follow`, which streams until the container's output ends. Gone with the Pod.
+- Services of type NodePort and LoadBalancer get a `nodePort` per port; a LoadBalancer's
+  `status.loadBalancer.ingress` gets `load_balancer_ip` after `load_balancer_delay_s`.
 - PATCH takes JSON merge patches. The `status` subresource changes only `status`; the object
   itself everything else. `pods/{name}/binding` binds a Pod to a node (the scheduler's call).
 
@@ -46,9 +51,11 @@ import dataclasses
 import datetime
 import itertools
 import json
+import os
 import re
 import secrets
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -85,6 +92,15 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclasses.dataclass(frozen=True)
+class LogSource:
+    """A container's log as the kubelet keeps it: lines `<RFC 3339 time> <text>` in `path`;
+    `done()` once nothing more will be written."""
+
+    path: str
+    done: Callable[[], bool]
+
+
 class StatusError(Exception):
     """An error answer: a Status object with `code`."""
 
@@ -110,6 +126,13 @@ class StatusError(Exception):
 
 def _not_found(resource: str, name: str) -> StatusError:
     return StatusError(404, f'{resource} "{name}" not found')
+
+
+def log_time_ns(text: str) -> int:
+    """An RFC 3339 time (fractional seconds optional) in nanoseconds since the epoch."""
+    whole, _, frac = text.rstrip("Z").partition(".")
+    seconds = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.UTC).timestamp()
+    return int(seconds) * 1_000_000_000 + int((frac + "000000000")[:9])
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -256,6 +279,14 @@ class KubeApi:
         self._watchers: set[_Watcher] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
+        # Where a Pod's container log is read (the kubelet's side); None: no logs anywhere.
+        self.log_source: Callable[[str, str], LogSource | None] | None = None
+        self.log_poll_s = 0.05
+        # NodePort and LoadBalancer Services: node ports from 30000, the ingress address a
+        # cloud's controller would publish after a while.
+        self._node_ports = itertools.count()
+        self.load_balancer_ip = "127.0.0.1"
+        self.load_balancer_delay_s = 0.05
         self.add_namespace("default")
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -389,9 +420,13 @@ class KubeApi:
                 body = json.loads(raw) if raw else None
             except ValueError:
                 raise StatusError(400, "the request body is not JSON") from None
+        if sub == "log" and resource == "pods" and method == "GET":
+            verb = "log"
         fault = self._fault(verb, resource, name or str((body or {}).get("metadata", {}).get("name", "")), request)
         if fault is not None and not fault.after_commit:
             raise self._fault_error(fault, resource, name)
+        if verb == "log":
+            return await self._pod_log(request, namespace, name, query)
         if verb == "watch":
             return await self._watch(request, resource, namespace, query)
         result, status = self._apply(verb, resource, namespace, name, sub, query, body, request.content_type)
@@ -461,6 +496,64 @@ class KubeApi:
         return self._delete(resource, namespace, name, grace, options.get("preconditions") or {}), 200
 
     # ---- reads -----------------------------------------------------------------------------
+
+    async def _pod_log(
+        self, request: web.Request, namespace: str, name: str, query: dict[str, str]
+    ) -> web.StreamResponse:
+        """A Pod's container log, as the API server relays it from the kubelet."""
+        pod = self.objects.get(("pods", namespace, name))
+        if pod is None:
+            raise _not_found("pods", name)
+        containers = [c.get("name", "") for c in (pod.get("spec") or {}).get("containers") or []]
+        container = query.get("container") or (containers[0] if len(containers) == 1 else "")
+        if container not in containers:
+            raise StatusError(400, f"container {container} is not valid for pod {name}", reason="BadRequest")
+        source = self.log_source(namespace, name) if self.log_source is not None else None
+        if source is None or not os.path.exists(source.path):  # noqa: ASYNC240 - a local file, tests only
+            raise StatusError(
+                400,
+                f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating',
+                reason="BadRequest",
+            )
+        follow = query.get("follow") in ("true", "True", "1")
+        timestamps = query.get("timestamps") in ("true", "True", "1")
+        since_ns = 0
+        if query.get("sinceSeconds"):
+            since_ns = (datetime.datetime.now(datetime.UTC).timestamp() - int(query["sinceSeconds"])) * 1e9
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+
+        def render(line: bytes) -> bytes | None:
+            stamp, _, text = line.partition(b" ")
+            if since_ns and log_time_ns(stamp.decode(errors="replace")) < since_ns:
+                return None
+            return line if timestamps else text
+
+        with open(source.path, "rb") as fh:  # noqa: ASYNC230 - a local file, tests only
+            *whole, pending = fh.read().split(b"\n")
+            lines = [line + b"\n" for line in whole]
+            if query.get("tailLines"):
+                lines = lines[-int(query["tailLines"]) :] if int(query["tailLines"]) > 0 else []
+            out = [r for r in (render(line) for line in lines) if r is not None]
+            if out:
+                await response.write(b"".join(out))
+            while follow:
+                done = source.done()  # read before the last look, so nothing written is missed
+                chunk = fh.read()
+                if chunk:
+                    pending += chunk
+                    *whole, pending = pending.split(b"\n")
+                    out = [r for r in (render(line + b"\n") for line in whole) if r is not None]
+                    if out:
+                        await response.write(b"".join(out))
+                    continue
+                if done or ("pods", namespace, name) not in self.objects:
+                    break
+                await asyncio.sleep(self.log_poll_s)
+            if pending and (rest := render(pending)) is not None:
+                await response.write(rest)
+        await response.write_eof()
+        return response
 
     def _list(self, resource: str, namespace: str, query: dict[str, str]) -> dict[str, Any]:
         if query.get("fieldSelector"):
@@ -602,6 +695,9 @@ class KubeApi:
         self._record(resource, namespace, "ADDED", obj, None)
         if meta.get("ownerReferences"):
             self._collect_soon(namespace)
+        if resource == "services" and obj["spec"]["type"] == "LoadBalancer":
+            where = (namespace, obj["metadata"]["name"], obj["metadata"]["uid"])
+            asyncio.get_running_loop().call_later(self.load_balancer_delay_s, self._publish_load_balancer, *where)
         return obj
 
     def _default(self, resource: str, obj: dict[str, Any]) -> None:
@@ -622,8 +718,22 @@ class KubeApi:
             if not spec.get("type"):
                 spec["type"] = "ClusterIP"
             spec.setdefault("clusterIP", f"10.96.{self.rv // 250 % 250}.{self.rv % 250 + 1}")
+            if spec["type"] in ("NodePort", "LoadBalancer"):
+                for port in spec.get("ports") or []:
+                    port.setdefault("nodePort", 30000 + next(self._node_ports) % 2768)
+            obj["status"] = {"loadBalancer": {}}
         elif resource == "namespaces":
             obj["status"] = {"phase": "Active"}
+
+    def _publish_load_balancer(self, namespace: str, name: str, uid: str) -> None:
+        """What a cloud's load-balancer controller does: write the ingress address to the status."""
+        svc = self.objects.get(("services", namespace, name))
+        if svc is None or svc["metadata"]["uid"] != uid:
+            return
+        old = copy.deepcopy(svc)
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": self.load_balancer_ip}]}}
+        svc["metadata"]["resourceVersion"] = self._next_rv()
+        self._record("services", namespace, "MODIFIED", svc, old)
 
     def _bind(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         node = ((body.get("target") or {}).get("name")) or ""

@@ -60,6 +60,7 @@ from tests.helpers import kube_api
 T = TypeVar("T")
 
 PORT_ANNOTATION = "fake-kubelet.test/port"
+LOG_FILE = "container.log"
 HOLD_FINALIZER = "fake-kubelet.test/hold"
 KUBELET_AGENT = "fake-kubelet"
 NODE = "fake-node"
@@ -88,18 +89,38 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(command: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
-    """Start a container's command as its own process group, output to container.log."""
-    with open(os.path.join(cwd, "container.log"), "ab") as log:
-        return subprocess.Popen(
-            command,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def _spawn(command: list[str], env: dict[str, str], cwd: str) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """Start a container's command as its own process group; a thread writes its output to
+    container.log, each line stamped with the time it was read (as the kubelet's CRI logs are)."""
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    pump = threading.Thread(
+        target=_pump, args=(proc.stdout, os.path.join(cwd, LOG_FILE)), name="fake-kubelet-log", daemon=True
+    )
+    pump.start()
+    return proc, pump
+
+
+def stamp(ns: int | None = None) -> str:
+    """An RFC 3339 time with nanoseconds, as the kubelet stamps log lines."""
+    ns = time.time_ns() if ns is None else ns
+    whole = datetime.datetime.fromtimestamp(ns // 1_000_000_000, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{whole}.{ns % 1_000_000_000:09d}Z"
+
+
+def _pump(stream: Any, path: str) -> None:
+    """Copy a container's output to its log file, line by line, each with its time."""
+    with stream, open(path, "ab") as out:
+        for line in iter(stream.readline, b""):
+            out.write(stamp().encode() + b" " + line)
+            out.flush()
 
 
 def _read(path: str) -> str:
@@ -114,6 +135,7 @@ class _FakePod:
     dir: str
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    pump: threading.Thread | None = None
     port: int = 0
     task: asyncio.Task[None] | None = None
     deleted: bool = False
@@ -312,7 +334,7 @@ class FakeKubelet:
                 containerStatuses=[{**base, "ready": False, "started": False, "state": {"waiting": waiting}}],
             )
             return
-        fake.proc = _spawn(command, env, fake.dir)
+        fake.proc, fake.pump = _spawn(command, env, fake.dir)
         await self._patch(fake, {"metadata": {"annotations": {PORT_ANNOTATION: str(fake.port)}}})
         probe = container.get("startupProbe")
         started = probe is None
@@ -468,6 +490,16 @@ class FakeKubelet:
             "patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": left or None}}, **MERGE
         )
 
+    def log_source(self, namespace: str, name: str) -> kube_api.LogSource | None:
+        """Where the API server reads Pod `name`'s log: None until its container started."""
+        fake = self.pods.get(name)
+        if namespace != self.namespace or fake is None or fake.proc is None:
+            return None
+        pump = fake.pump
+        return kube_api.LogSource(
+            path=os.path.join(fake.dir, LOG_FILE), done=lambda: pump is None or not pump.is_alive()
+        )
+
     def alive(self) -> list[str]:
         """Names of Pods whose process runs."""
         return sorted(n for n, f in self.pods.items() if f.proc is not None and f.proc.poll() is None)
@@ -514,6 +546,7 @@ class Emulator:
         self.api.add_namespace(self.namespace)
         self.url = await self.api.start()
         self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"))
+        self.api.log_source = self.kubelet.log_source
         kubelet = asyncio.get_running_loop().create_task(self.kubelet.run())
         self._ready.set()
         try:

@@ -303,3 +303,42 @@ async def test_a_restarted_provisioner_adopts_its_replicas_and_reports_what_ende
         )
     assert await backend.left_running() == []
     assert not (await backend.stub.ListReplicas(pb.ListReplicasRequest())).replicas
+
+
+async def test_app_log_follows_the_app_and_is_kept_after_it_failed(backend: Backend) -> None:
+    run = 'echo "app says hello"; echo "to stderr" >&2; sleep 0.5; echo "last words"; exit 3'
+    request = client.launch_request(1, spec_=client.spec(run, setup="echo preparing the app"))
+    assert client.types(await _launch(backend, request))[-1] == "RUNNING"
+    # Followed while the app runs; the stream ends once its exit is known, with every line.
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="svc-1", follow=True)), timeout=15)
+    followed = b"".join(c.data for c in chunks).decode()
+    assert [line for line in followed.splitlines() if line] == ["app says hello", "to stderr", "last words"]
+    await _until_app_state(backend, "svc-1", EXITED)
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="svc-1", keep_logs=True)))
+    assert await backend.left_running() == []
+    # Kept after the teardown, once each; setup's output is in the launch log, not the app's.
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="svc-1")))
+    assert b"".join(c.data for c in chunks).decode() == followed
+    kind = resources_pb2.LOG_KIND_LAUNCH
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="svc-1", kind=kind)))
+    assert "preparing the app" in b"".join(c.data for c in chunks).decode()
+
+
+async def test_app_log_of_a_replica_adopted_after_a_restart_goes_on_without_repeats(backend: Backend) -> None:
+    run = 'echo "before the restart"; sleep 1.5; echo "after the restart"; sleep 30'
+    await _launch(backend, client.launch_request(1, spec_=client.spec(run)))
+    await _until_log(backend, "svc-1", "before the restart")
+    await backend.restart()
+    await _until_log(backend, "svc-1", "after the restart")
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="svc-1")))
+    assert b"".join(c.data for c in chunks).decode().splitlines() == ["before the restart", "after the restart"]
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="svc-1")))
+
+
+async def _until_log(b: Backend, name: str, text: str, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            chunks = await client.collect(b.stub.StreamLogs(pb.StreamLogsRequest(name=name)))
+            if text in b"".join(c.data for c in chunks).decode():
+                return
+            await asyncio.sleep(0.05)

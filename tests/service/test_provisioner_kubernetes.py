@@ -11,6 +11,7 @@ process, so replicas really serve; its chaos hooks play whoever else deletes or 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -208,3 +209,62 @@ async def test_bad_kubernetes_settings_are_reported_by_field(tmp_path, emulator,
         "provisioner.kubernetes_spot_tolerations",
         "provisioner.kubernetes_service_type",
     }
+
+
+async def test_node_port_endpoints_are_the_node_and_its_node_port(tmp_path, emulator, instance) -> None:
+    values = kp.settings(
+        str(tmp_path), emulator, instance, kubernetes_service_type="NodePort", kubernetes_endpoint="node_port"
+    )
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(1))
+        assert client.types(events)[-1] == "RUNNING"
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-1")
+        (port,) = service["spec"]["ports"]
+        assert 30000 <= port["nodePort"] <= 32767
+        pod = await emulator.pod("svc-1")
+        assert events[-1].endpoint == f"http://{pod['status']['hostIP']}:{port['nodePort']}"
+    finally:
+        await running.stop()
+    # A fixed node address (a DNS name for the nodes, an external load balancer in front of them).
+    values = dataclasses.replace(values, kubernetes_node_address="nodes.example.test")
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(2))
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-2")
+        assert events[-1].endpoint == f"http://nodes.example.test:{service['spec']['ports'][0]['nodePort']}"
+        for name in ("svc-1", "svc-2"):
+            await client.collect(running.stub.Terminate(pb.TerminateRequest(name=name)))
+    finally:
+        await running.stop()
+
+
+async def test_load_balancer_endpoints_wait_for_the_ingress_address(tmp_path, emulator, instance) -> None:
+    emulator.run(setattr, emulator.api, "load_balancer_delay_s", 0.5)  # a cloud takes a while
+    values = kp.settings(
+        str(tmp_path), emulator, instance, kubernetes_service_type="LoadBalancer", kubernetes_endpoint="load_balancer"
+    )
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(1))
+        assert client.types(events)[-1] == "RUNNING"
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-1")
+        (ingress,) = service["status"]["loadBalancer"]["ingress"]
+        assert events[-1].endpoint == f"http://{ingress['ip']}:8080"
+        await running.stop()
+        running = await kp.start(values)
+        replica = (await running.stub.GetReplica(pb.GetReplicaRequest(name="svc-1"))).replica
+        assert replica.endpoint == events[-1].endpoint  # re-found after a restart
+        await client.collect(running.stub.Terminate(pb.TerminateRequest(name="svc-1")))
+    finally:
+        await running.stop()
+
+
+async def test_external_endpoints_need_a_service_type_that_has_them(tmp_path, emulator, instance) -> None:
+    for endpoint, service_type in [("node_port", "ClusterIP"), ("load_balancer", "NodePort"), ("node_port", "")]:
+        settings = kp.settings(
+            str(tmp_path), emulator, instance, kubernetes_service_type=service_type, kubernetes_endpoint=endpoint
+        )
+        with pytest.raises(Exception) as caught:
+            await server.build_server(settings)
+        assert {v.field for v in caught.value.violations} == {"provisioner.kubernetes_endpoint"}  # type: ignore[attr-defined]

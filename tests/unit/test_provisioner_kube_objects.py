@@ -205,3 +205,25 @@ def test_pod_carries_its_owner_in_an_annotation() -> None:
     launch = dataclasses.replace(_launch(), owner="ctl-a")
     pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
     assert pod["metadata"]["annotations"][ko.ANNOTATION_OWNER] == "ctl-a"
+
+
+def test_log_times_are_read_to_the_nanosecond_whatever_their_precision() -> None:
+    assert ko.log_time_ns("2026-01-02T03:04:05.000000007Z") == 1767323045_000000007
+    assert ko.log_time_ns("2026-01-02T03:04:05.1Z") == 1767323045_100000000
+    assert ko.log_time_ns("2026-01-02T03:04:05Z") == 1767323045_000000000
+    assert ko.log_time_ns("not a time") is None
+
+
+def test_log_position_copies_each_line_once_across_reads_even_lines_sharing_a_time() -> None:
+    t1, t2 = "2026-01-02T03:04:05.1Z", "2026-01-02T03:04:05.2Z"
+    lines = [f"{t1} a\n".encode(), f"{t2} b\n".encode(), f"{t2} c\n".encode()]
+    position = ko.LogPosition(token="x")
+    assert [position.take(line) for line in lines[:2]] == [b"a\n", b"b\n"]
+    # The stream was cut after b; the next read starts earlier and sees a, b again, then c.
+    position.restart()
+    assert [position.take(line) for line in lines] == [None, None, b"c\n"]
+    # Kept across a provisioner restart.
+    again = ko.LogPosition.from_dict(position.to_dict())
+    again.restart()
+    assert [again.take(line) for line in [*lines, f"{t2} d\n".encode()]] == [None, None, None, b"d\n"]
+    assert again.take(b"unstamped\n") == b"unstamped\n"  # never dropped
