@@ -2,9 +2,9 @@
 weight, and reporting each version's outcomes once.
 
 The controller cannot set weights yet (that comes with the rollout work), so a test-only stand-in
-serves GetService, WatchEndpoints with weights and ReportLoad (with the real controller's
-exactly-once rule); everything else is real: replicas are HTTP apps on port 0 and every request
-goes through the balancer's HTTP port.
+(tests/helpers/weighted_controller.py) serves GetService, WatchEndpoints with weights and
+ReportLoad (with the real controller's exactly-once rule); everything else is real: replicas are
+HTTP apps on port 0 and every request goes through the balancer's HTTP port.
 """
 
 from __future__ import annotations
@@ -17,118 +17,36 @@ from collections.abc import AsyncIterator
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
-from replicaplane.controller.v1 import controller_service_pb2 as api
-from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2 as lb_api
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2_grpc as lb_grpc
 from services.common import latency
 from services.loadbalancer import server as lb_server
 from tests.helpers import ports
+from tests.helpers import weighted_controller as wc
 
 SERVICE = "web"
 
 
-class StubController(api_grpc.ControllerServiceServicer):
-    """Serves one service's endpoints with weights, and takes load reports once per sequence."""
-
-    def __init__(self) -> None:
-        self.endpoints = api.WatchEndpointsResponse(version=1)
-        self.changed = asyncio.Event()
-        self.ledger: dict[str, int] = {}
-        self.applied: list[api.ReportLoadRequest] = []
-        self.duplicates: list[api.ReportLoadRequest] = []
-        self.lose_next_answer = False
-        """Apply the next report carrying stats, then fail the call, as if the answer was lost."""
-
-    def publish(self, endpoints: list[res.Endpoint], weights: dict[int, int]) -> None:
-        self.endpoints = api.WatchEndpointsResponse(
-            version=self.endpoints.version + 1,
-            endpoints=endpoints,
-            version_weights=[res.VersionWeight(version=v, weight=w) for v, w in weights.items()],
-        )
-        self.changed.set()
-
-    async def GetService(self, request: api.GetServiceRequest, context: grpc.aio.ServicerContext) -> api.GetServiceResponse:
-        svc = res.Service(name=SERVICE, latest_version=100)
-        svc.spec.service.replica_policy.min_replicas = 1
-        return api.GetServiceResponse(service=svc)
-
-    async def WatchEndpoints(
-        self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[api.WatchEndpointsResponse]:
-        sent = 0
-        while True:
-            if self.endpoints.version != sent:
-                sent = self.endpoints.version
-                yield self.endpoints
-            self.changed.clear()
-            await self.changed.wait()
-
-    async def ReportLoad(self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext) -> api.ReportLoadResponse:
-        if request.sequence <= self.ledger.get(request.balancer_id, 0):
-            self.duplicates.append(request)
-            return api.ReportLoadResponse(already_applied=True)
-        self.ledger[request.balancer_id] = request.sequence
-        self.applied.append(request)
-        if self.lose_next_answer and request.version_stats:
-            self.lose_next_answer = False
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the answer was lost")
-        return api.ReportLoadResponse(counted_requests=len(request.request_ages))
-
-    def totals(self) -> dict[int, tuple[int, int, int, int]]:
-        """Version -> (requests, 5xx, transport errors, latencies) over the applied reports."""
-        out: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
-        for report in self.applied:
-            for s in report.version_stats:
-                t = out[s.version]
-                t[0] += s.requests
-                t[1] += s.server_errors
-                t[2] += s.transport_errors
-                t[3] += sum(s.latency_buckets.values())
-        return {v: (t[0], t[1], t[2], t[3]) for v, t in out.items()}
-
-
-def version_app(version: int, status: int) -> web.Application:
-    async def handle(request: web.Request) -> web.Response:
-        return web.Response(status=status, text=f"version {version}\n")
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    return app
-
-
 class Env:
-    def __init__(self) -> None:
-        self.stub = StubController()
-        self.runners: list[web.AppRunner] = []
-        self.next_id = 1
+    def __init__(self, stub: wc.WeightedController, replicas: wc.Replicas) -> None:
+        self.stub = stub
+        self.addr = stub.addr
+        self._replicas = replicas
 
     async def replica(self, version: int, *, status: int = 200) -> res.Endpoint:
-        runner = web.AppRunner(version_app(version, status), access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.runners.append(runner)
-        rid, self.next_id = self.next_id, self.next_id + 1
-        return res.Endpoint(replica_id=rid, url=f"http://127.0.0.1:{runner.addresses[0][1]}", version=version)
+        return await self._replicas.start(version, status=status)
 
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    e = Env()
-    server = grpc.aio.server()
-    api_grpc.add_ControllerServiceServicer_to_server(e.stub, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    e.addr = f"127.0.0.1:{port}"  # type: ignore[attr-defined]
+    replicas = wc.Replicas()
     try:
-        yield e
+        async with wc.serving(SERVICE) as stub:
+            yield Env(stub, replicas)
     finally:
-        await server.stop(None)
-        for runner in e.runners:
-            await runner.cleanup()
+        await replicas.close()
 
 
 @contextlib.asynccontextmanager
@@ -137,7 +55,7 @@ async def balancer(env: Env, **settings: object) -> AsyncIterator[tuple[lb_serve
         "service_name": SERVICE,
         "listen_addr": "127.0.0.1:0",
         "http_addr": "127.0.0.1:0",
-        "controller_addr": env.addr,  # type: ignore[attr-defined]
+        "controller_addr": env.addr,
         "report_interval_s": 0.1,
         "retry_backoff_initial_s": 0.01,
         **settings,
