@@ -50,7 +50,9 @@ async def env() -> AsyncIterator[Env]:
 
 
 @contextlib.asynccontextmanager
-async def balancer(env: Env, **settings: object) -> AsyncIterator[tuple[lb_server.Running, lb_grpc.LoadBalancerServiceStub]]:
+async def balancer(
+    env: Env, **settings: object
+) -> AsyncIterator[tuple[lb_server.Running, lb_grpc.LoadBalancerServiceStub]]:
     values: dict[str, object] = {
         "service_name": SERVICE,
         "listen_addr": "127.0.0.1:0",
@@ -102,7 +104,9 @@ async def test_weights_are_honoured_within_3_points_over_2000_requests(
     canary = await env.replica(2)
     env.stub.publish([*stable, canary], {1: 1000 - canary_weight, 2: canary_weight})
     async with balancer(env) as (running, admin):
-        await until_view(admin, lambda v: v.split_by_version and sum(x.ready_replicas for x in v.versions) == len(stable) + 1)
+        await until_view(
+            admin, lambda v: v.split_by_version and sum(x.ready_replicas for x in v.versions) == len(stable) + 1
+        )
         seen = await send(running.url, 2000)
         assert sum(seen.values()) == 2000
         assert set(seen) <= {(200, "version 1"), (200, "version 2")}

@@ -177,9 +177,7 @@ def test_a_report_carries_its_stats_and_a_resend_carries_the_same() -> None:
     report = link.Report(sequence=7, times=[99.0], count=0, stats={2: stats})
     first = link.request_of(report, service="web", balancer_id="b", url="", now=100.0)
     again = link.request_of(report, service="web", balancer_id="b", url="", now=105.0)
-    assert [(s.version, s.requests, s.server_errors, s.transport_errors) for s in first.version_stats] == [
-        (2, 2, 1, 1)
-    ]
+    assert [(s.version, s.requests, s.server_errors, s.transport_errors) for s in first.version_stats] == [(2, 2, 1, 1)]
     assert first.version_stats == again.version_stats
     assert first.sequence == again.sequence == 7
     (entry,) = first.version_stats

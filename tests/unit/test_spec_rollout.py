@@ -80,7 +80,12 @@ def test_other_strategies(strategy: str) -> None:
         ("rollout: canary", [("service.rollout", "must be a mapping, got a string")]),
         (
             "rollout: {strategy: linear}",
-            [("service.rollout.strategy", "must be one of rolling, blue_green, canary (case-insensitive), got 'linear'")],
+            [
+                (
+                    "service.rollout.strategy",
+                    "must be one of rolling, blue_green, canary (case-insensitive), got 'linear'",
+                )
+            ],
         ),
         ("rollout: {speed: 3}", [("service.rollout.speed", "unknown key 'speed' in service.rollout")]),
         (
@@ -88,8 +93,14 @@ def test_other_strategies(strategy: str) -> None:
             [("service.rollout.steps", "steps apply to strategy: canary only")],
         ),
         ("rollout: {strategy: canary, steps: []}", [("service.rollout.steps", "a canary needs at least one step")]),
-        ("rollout: {strategy: canary, steps: {weight: 10}}", [("service.rollout.steps", "must be a list, got a mapping")]),
-        ("rollout: {strategy: canary, steps: [10]}", [("service.rollout.steps[0]", "must be a mapping, got an integer")]),
+        (
+            "rollout: {strategy: canary, steps: {weight: 10}}",
+            [("service.rollout.steps", "must be a list, got a mapping")],
+        ),
+        (
+            "rollout: {strategy: canary, steps: [10]}",
+            [("service.rollout.steps[0]", "must be a mapping, got an integer")],
+        ),
         ("rollout: {strategy: canary, steps: [{pause_seconds: 5}]}", [("service.rollout.steps[0].weight", "required")]),
         (
             "rollout: {strategy: canary, steps: [{weight: 0}, {weight: 101}]}",
@@ -101,8 +112,14 @@ def test_other_strategies(strategy: str) -> None:
         (
             "rollout: {strategy: canary, steps: [{weight: 10}, {weight: 50}, {weight: 50}, {weight: 20}]}",
             [
-                ("service.rollout.steps[2].weight", "must be above the previous step's 50 (weights strictly increase), got 50"),
-                ("service.rollout.steps[3].weight", "must be above the previous step's 50 (weights strictly increase), got 20"),
+                (
+                    "service.rollout.steps[2].weight",
+                    "must be above the previous step's 50 (weights strictly increase), got 50",
+                ),
+                (
+                    "service.rollout.steps[3].weight",
+                    "must be above the previous step's 50 (weights strictly increase), got 20",
+                ),
             ],
         ),
         (
@@ -128,7 +145,10 @@ def test_other_strategies(strategy: str) -> None:
                 ("service.rollout.analysis.max_error_rate_increase_pct", "must be at most 100, got 101"),
                 ("service.rollout.analysis.window_seconds", "must be > 0, got 0"),
                 ("service.rollout.analysis.min_requests", "must be >= 1, got 0"),
-                ("service.rollout.analysis.max_latency_p99_ratio", "must be > 1 (the new version's p99 over the stable one's), got 1"),
+                (
+                    "service.rollout.analysis.max_latency_p99_ratio",
+                    "must be > 1 (the new version's p99 over the stable one's), got 1",
+                ),
             ],
         ),
         (
@@ -155,4 +175,6 @@ def test_a_rollout_change_alone_is_an_in_place_update() -> None:
 
 def test_an_empty_rollout_section_means_the_defaults() -> None:
     assert spec.parse(doc("rollout:")).service.rollout == spec.parse(doc("rollout: {}")).service.rollout
-    assert spec.parse(doc("rollout: {}")).service.rollout == spec.parse(f"service:\n  replicas: 2\n{TAIL}").service.rollout
+    assert (
+        spec.parse(doc("rollout: {}")).service.rollout == spec.parse(f"service:\n  replicas: 2\n{TAIL}").service.rollout
+    )

@@ -46,8 +46,8 @@ def _steps(c: checks.Checker, raw: Any, out: spec_pb2.RolloutPolicy) -> None:
     canary = out.strategy == spec_pb2.ROLLOUT_STRATEGY_CANARY
     if raw is None:
         if canary:
-            for weight, pause in schema.DEFAULT_CANARY_STEPS:
-                out.steps.add(weight=weight, pause=pbtime.duration(pause))
+            for default_weight, default_pause in schema.DEFAULT_CANARY_STEPS:
+                out.steps.add(weight=default_weight, pause=pbtime.duration(default_pause))
         return
     if not isinstance(raw, list):
         c.add(path, f"must be a list, got {checks.kind(raw)}")
@@ -65,7 +65,7 @@ def _steps(c: checks.Checker, raw: Any, out: spec_pb2.RolloutPolicy) -> None:
         if step is None:
             continue
         c.keys(step, where, schema.ROLLOUT_STEP_KEYS, {})
-        weight = None
+        weight: int | None = None
         if step.get("weight") is None:
             c.add(f"{where}.weight", "required")
         else:
