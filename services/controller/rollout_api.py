@@ -16,8 +16,9 @@ from services.controller.domain import analysis
 
 MAX_VERSIONS = 64
 """Entries in one report's `version_stats`."""
-MAX_BUCKETS = 128
-"""Latency buckets in one entry (the key range holds 137; a real report fills a few)."""
+MAX_BUCKETS = latency.MAX_KEY - latency.MIN_KEY + 1
+"""Latency buckets in one entry: as many as there are keys, so a larger map has bad keys (it is
+refused with one violation instead of one per key)."""
 
 _MODES: dict[int, res.UpdateMode.ValueType] = {
     spec_pb2.ROLLOUT_STRATEGY_ROLLING: res.UPDATE_MODE_ROLLING,

@@ -233,9 +233,10 @@ class Balancer:
         return bool(self.pending_stats)
 
     def take_stats(self) -> dict[int, versions.Stats]:
-        """The outcomes per version since the last report, removed from the balancer."""
-        stats, self.pending_stats = self.pending_stats, {}
-        return stats
+        """The outcomes per version since the last report, removed from the balancer: at most
+        `versions.MAX_REPORTED` versions (the lowest), the rest wait for the next report."""
+        taken = sorted(self.pending_stats)[: versions.MAX_REPORTED]
+        return {v: self.pending_stats.pop(v) for v in taken}
 
     def versions_view(self) -> list[versions.View]:
         """Each version with a ready replica or a weight: weight, current share and totals."""

@@ -3,8 +3,9 @@
 While the controller splits traffic (a canary rollout), each request first gets a version by
 weight, whatever the number of replicas of each, then a replica of that version from the
 service's policy. The version is chosen by smooth weighted round robin (as nginx does): it is
-deterministic, and over any run of requests each version's count stays within one request of its
-exact share, so 10/90 gives 100 and 900 of 1,000 whatever the order of arrivals.
+deterministic, and after any number of requests each version's count is within about one request
+of its exact share (a simulation of random weights over 2 to 5 versions never saw more), so 10/90
+gives 100 and 900 of 1,000 whatever the order of arrivals.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Collection, Mapping
 from services.common import latency
 
 MAX_WEIGHT = 1000
+MAX_REPORTED = 64
+"""Versions in one load report (the controller refuses more)."""
 
 
 class Split:

@@ -183,3 +183,14 @@ def test_a_report_carries_its_stats_and_a_resend_carries_the_same() -> None:
     (entry,) = first.version_stats
     assert dict(entry.latency_buckets) == {latency.key_of(0.25): 1}
     assert entry.latency_sum.ToTimedelta().total_seconds() == pytest.approx(0.25)
+
+
+def test_a_report_takes_at_most_64_versions_and_the_rest_wait_for_the_next() -> None:
+    b = bal.Balancer("web", hold_timeout_s=0, hold_max=1)
+    for v in range(1, 71):
+        b.record_answer(policies.Replica(replica_id=v, url="http://x", version=v), 200, 0.01)
+    first = b.take_stats()
+    assert sorted(first) == list(range(1, 65))
+    assert b.has_stats
+    assert sorted(b.take_stats()) == list(range(65, 71))
+    assert not b.has_stats

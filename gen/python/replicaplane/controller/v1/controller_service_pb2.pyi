@@ -781,11 +781,11 @@ class ReportLoadRequest(_message.Message):
 
     @_builtins.property
     def version_stats(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.VersionStats]:
-        """Outcomes of the request attempts that ended since the last report, one entry per version
-        (at most 64 entries; at most 128 latency buckets each). A resent report carries the same
-        numbers and, like the arrivals, counts once. Empty from balancers that do not collect them.
-        A malformed entry (a version below 1, a version listed twice, a negative count, errors
-        above `requests`, a latency bucket key outside -40..96) refuses the whole report with
+        """Outcomes of the request attempts that ended since the last report, one entry per version,
+        at most 64 entries. A resent report carries the same numbers and, like the arrivals, counts
+        once. Empty from balancers that do not collect them. A malformed entry (a version below 1, a
+        version listed twice, a negative count, errors above `requests`, a latency bucket key outside
+        -40..96, more latencies than answered attempts) refuses the whole report with
         INVALID_ARGUMENT naming the field, for example `version_stats[0].server_errors`.
         """
 
