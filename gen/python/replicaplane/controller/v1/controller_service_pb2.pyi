@@ -324,7 +324,9 @@ class UpdateServiceRequest(_message.Message):
     yaml: _builtins.str
     """The new SkyPilot-style task YAML."""
     mode: _resources_pb2.UpdateMode.ValueType
-    """How replicas are replaced; default rolling."""
+    """How replicas are replaced. Unspecified: the new spec's `service.rollout.strategy` (rolling
+    when the spec does not say).
+    """
     dry_run: _builtins.bool
     """Return the plan without applying it."""
     request_id: _builtins.str
