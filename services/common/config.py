@@ -28,6 +28,11 @@ PROVISIONER_ADDR = "127.0.0.1:50052"
 PROBER_ADDR = "127.0.0.1:50053"
 LOADBALANCER_ADDR = "127.0.0.1:50054"
 LOADBALANCER_HTTP_ADDR = "127.0.0.1:30001"
+# Each service's Prometheus `/metrics` endpoint: the gRPC port's last digit after 945.
+CONTROLLER_METRICS_ADDR = "127.0.0.1:9451"
+PROVISIONER_METRICS_ADDR = "127.0.0.1:9452"
+PROBER_METRICS_ADDR = "127.0.0.1:9453"
+LOADBALANCER_METRICS_ADDR = "127.0.0.1:9454"
 
 
 def env_name(section: str, field: str) -> str:
