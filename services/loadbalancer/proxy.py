@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import re
 import ssl
+import time
 
 import aiohttp
 import yarl
@@ -24,7 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import bodies, connections, policies
+from services.loadbalancer import bodies, connections, metrics, policies
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,15 @@ def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body
     return headers
 
 
+@dataclasses.dataclass
+class _Answer:
+    """What the metrics say of one request: the version of the replica it went to last, and the
+    status sent (499 until one is: the client went away)."""
+
+    version: str = metrics.NO_VERSION
+    code: str = metrics.CLIENT_CLOSED
+
+
 def _text(status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None) -> web.Response:
     resp = web.Response(status=status, text=message + "\n", headers=headers)
     if close:
@@ -163,13 +173,24 @@ class Proxy:
         guard = connections.of_request(request)
         if guard is not None:
             guard.request_started()
+        stats = self.balancer.stats
+        stats.in_flight.inc()
+        start = time.perf_counter()
+        answer = _Answer()
         try:
-            return await self._handle(request)
+            resp = await self._handle(request, answer)
+            answer.code = str(resp.status)
+            return resp
+        except Exception:
+            answer.code = "500"  # aiohttp answers an unexpected error with 500
+            raise
         finally:
+            stats.in_flight.dec()
+            stats.request_finished(answer.version, answer.code, time.perf_counter() - start)
             if guard is not None:
                 guard.request_finished()
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest, answer: _Answer) -> web.StreamResponse:
         target = split_target(request.raw_path)
         if target is None:
             return _text(
@@ -201,12 +222,12 @@ class Proxy:
                 await body.prepare()
             except bodies.BodyError as exc:
                 return _text(exc.status, exc.message, close=True)
-            return await self._attempts(request, *target, body)
+            return await self._attempts(request, *target, body, answer)
         finally:
             body.release()
 
     async def _attempts(
-        self, request: web.BaseRequest, path: str, authority: str, body: bodies.Body
+        self, request: web.BaseRequest, path: str, authority: str, body: bodies.Body, answer: _Answer
     ) -> web.StreamResponse:
         assert self.session is not None, "start() first"
         headers = _forward_headers(request, authority, body)
@@ -217,7 +238,9 @@ class Proxy:
             try:
                 replica = await self.balancer.pick(frozenset(tried))
             except bal.NoReplicaError as exc:
+                self.balancer.stats.no_ready_replica(exc.reason)
                 return _text(503, str(exc), headers={"Retry-After": "1"})
+            answer.version = str(replica.version)
             failure: Exception
             try:
                 upstream = await self.session.request(
@@ -266,6 +289,7 @@ class Proxy:
                     "so it could not be sent again",
                 )
             if attempt < self.settings.attempts:
+                self.balancer.stats.retried("connection_broken" if reached else "not_reached")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.backoff_max_s)
         return _text(
