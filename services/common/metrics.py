@@ -74,6 +74,9 @@ class Metrics:
     """
 
     def __init__(self, component: str) -> None:
+        # `*_created` series (one per counter and histogram child) double what is stored and
+        # say nothing a counter reset does not; a process-wide switch, the same for every registry.
+        prometheus_client.disable_created_metrics()
         self.component = component
         self.registry = prometheus_client.CollectorRegistry()
         prometheus_client.ProcessCollector(registry=self.registry)

@@ -2,8 +2,8 @@
 
 Labels are bounded. `service` is the one service this balancer serves; `version` is the service
 version of the replica that answered (`none` when the balancer answered itself), so it grows by
-one per update; `code` is the HTTP status sent (`499`: the client went away first, as nginx
-counts it). Request paths and replica URLs are never labels. Replica ids label only the two
+one per update; `code` is the HTTP status sent (`499`, as nginx counts it: the client went away
+before the answer's headers went out). Request paths and replica URLs are never labels. Replica ids label only the two
 per-replica families, which hold the ready replicas and the ones still finishing requests (at
 most the service's replica cap plus the draining ones) and drop a replica when it is gone, so
 their series come and go with replicas and never pile up.

@@ -117,7 +117,7 @@ def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body
 @dataclasses.dataclass
 class _Answer:
     """What the metrics say of one request: the version of the replica it went to last, and the
-    status sent (499 until one is: the client went away)."""
+    status sent (499 while none is: the client went away before an answer started)."""
 
     version: str = metrics.NO_VERSION
     code: str = metrics.CLIENT_CLOSED
@@ -263,7 +263,7 @@ class Proxy:
                 raise
             else:
                 body.release()  # an answer has started: no attempt will need the body again
-                return await self._relay(request, replica, upstream)
+                return await self._relay(request, replica, upstream, answer)
             self.balancer.release(replica)
             tried.add(replica.replica_id)
             if body.error is not None:
@@ -299,7 +299,7 @@ class Proxy:
         )
 
     async def _relay(
-        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse, answer: _Answer
     ) -> web.StreamResponse:
         """Stream the replica's response back; always release the replica and the connection."""
         finished = False
@@ -309,6 +309,9 @@ class Proxy:
             if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
                 resp.content_length = upstream.content_length
             await resp.prepare(request)
+            # The status went out with the headers, whatever happens to the body (a client that
+            # closes once it has the whole body may even cancel this handler in its last write).
+            answer.code = str(resp.status)
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)

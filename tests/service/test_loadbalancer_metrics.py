@@ -150,16 +150,29 @@ async def test_retries_are_counted_by_reason(front: Front, replicas: Replicas) -
     assert scrape.value("replicaplane_loadbalancer_requests_total", **WEB, version="1", code="502") == 1
 
 
-async def test_a_client_that_goes_away_is_counted_as_499(front: Front, replicas: Replicas) -> None:
+async def test_a_client_that_goes_away_before_the_answer_is_counted_as_499(front: Front, replicas: Replicas) -> None:
     front.balancer.set_endpoints([await replicas.start(1, version=3)], version=1)
-    resp = await front.client.get(f"{front.url}/stream?words=100&delay=0.05")
-    await resp.content.readexactly(6)
-    resp.close()
+    slow = asyncio.create_task(_get(front, "/slow?s=5"))
+    await metrics.until(front.metrics_url, lambda s: s.value("replicaplane_loadbalancer_in_flight_requests") == 1)
+    slow.cancel()  # the client goes away while the replica works
     scrape = await metrics.until(
         front.metrics_url, lambda s: s.value("replicaplane_loadbalancer_requests_total", **WEB, code="499") == 1
     )
     assert scrape.value("replicaplane_loadbalancer_requests_total", **WEB, version="3", code="499") == 1
     assert scrape.value("replicaplane_loadbalancer_in_flight_requests", **WEB) == 0
+
+
+async def test_a_stream_the_client_leaves_midway_counts_the_status_it_was_sent(
+    front: Front, replicas: Replicas
+) -> None:
+    front.balancer.set_endpoints([await replicas.start(1, version=3)], version=1)
+    resp = await front.client.get(f"{front.url}/stream?words=100&delay=0.05")
+    await resp.content.readexactly(6)
+    resp.close()
+    scrape = await metrics.until(
+        front.metrics_url, lambda s: s.value("replicaplane_loadbalancer_in_flight_requests", **WEB) == 0
+    )
+    assert scrape.value("replicaplane_loadbalancer_requests_total", **WEB, version="3", code="200") == 1
 
 
 async def test_held_requests_during_scale_from_zero(zero_front: Front, replicas: Replicas) -> None:
