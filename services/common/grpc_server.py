@@ -105,9 +105,7 @@ def finish(
         port = server.add_secure_port(listen_addr, credentials)
     if port == 0:
         raise RuntimeError(f"could not bind {listen_addr}")
-    return Built(
-        server=server, port=port, health=health_servicer, service_names=tuple(service_names), metrics=metrics
-    )
+    return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names), metrics=metrics)
 
 
 def write_port_file(path: str, port: int) -> None:

@@ -110,7 +110,9 @@ class BalancerMetrics:
             registry=registry,
         )
         self.in_flight = prometheus_client.Gauge(
-            "replicaplane_loadbalancer_in_flight_requests", "Client requests being handled now.", ["service"],
+            "replicaplane_loadbalancer_in_flight_requests",
+            "Client requests being handled now.",
+            ["service"],
             registry=registry,
         ).labels(service)
         retries = prometheus_client.Counter(

@@ -67,7 +67,9 @@ class ProberMetrics:
         )
         # Children resolved once: the prober records thousands of probes a second.
         self._probes = {o: probes.labels(o.value) for o in probing.Outcome}
-        self._latency = {o: latency.labels(o.value) for o in probing.Outcome if o is not probing.Outcome.INVALID_TARGET}
+        self._latency: dict[probing.Outcome, prometheus_client.Histogram] = {
+            o: latency.labels(o.value) for o in probing.Outcome if o is not probing.Outcome.INVALID_TARGET
+        }
         self._failures = {k: failures.labels(k.value) for k in probing.FailureKind}
 
     def watch(self, *, streams: Callable[[], int], targets: Callable[[], int]) -> None:

@@ -305,7 +305,13 @@ class HttpProber:
         if code == 200:
             return Result(target.target_id, Outcome.READY, code, latency, "", probe_time)
         return Result(
-            target.target_id, Outcome.REPLICA_FAILURE, code, latency, f"HTTP {code}", probe_time, FailureKind.HTTP_STATUS
+            target.target_id,
+            Outcome.REPLICA_FAILURE,
+            code,
+            latency,
+            f"HTTP {code}",
+            probe_time,
+            FailureKind.HTTP_STATUS,
         )
 
     async def _request(self, target: Target, timeout: aiohttp.ClientTimeout) -> int:

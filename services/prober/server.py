@@ -126,9 +126,7 @@ async def build_server(settings: Settings) -> Built:
     prober_service_pb2_grpc.add_ProberServiceServicer_to_server(
         servicer.ProberServicer(engine, prober_id(settings), heartbeat_s=settings.heartbeat_s), server
     )
-    built = grpc_server.finish(
-        server, settings.listen_addr, [SERVICE_NAME], credentials=credentials, metrics=registry
-    )
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials, metrics=registry)
     return Built(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)}, engine=engine)
 
 

@@ -11,8 +11,8 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_ser
 from services.common import config, errors, grpc_server, logs, security
 from services.common import metrics as metrics_mod
 from services.provisioner import addresses, capability, kube, kube_objects, local, logstore, manager, servicer, store
-from services.provisioner import metrics as provisioner_metrics
 from services.provisioner import backend as backend_mod
+from services.provisioner import metrics as provisioner_metrics
 from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name

@@ -98,8 +98,10 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
     assert provisioner.value("grpc_server_started_total", **launch) == 2
     prober = await metrics.until(
         urls["prober-1"],
-        lambda s: s.value("replicaplane_prober_assigned_replicas") == 2
-        and s.value("replicaplane_prober_probes_total", outcome="ready") >= 2,
+        lambda s: (
+            s.value("replicaplane_prober_assigned_replicas") == 2
+            and s.value("replicaplane_prober_probes_total", outcome="ready") >= 2
+        ),
         what="two probed replicas",
     )
     probe = {"grpc_service": "replicaplane.prober.v1.ProberService", "grpc_method": "Probe"}

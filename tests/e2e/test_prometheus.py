@@ -140,7 +140,7 @@ def test_prometheus_scrapes_the_stack_and_runs_every_rule_and_dashboard_query(pr
     for expr in exprs:
         query = expr.replace("$__rate_interval", "1m").replace("$service", ".*")
         results[expr] = _api(prometheus, "query", query=query)["result"]  # a bad query is a 400 here
-    assert results['sum by (instance) (replicaplane_prober_assigned_replicas)'] != []
+    assert results["sum by (instance) (replicaplane_prober_assigned_replicas)"] != []
     build = _api(prometheus, "query", query="count by (job) (replicaplane_build_info)")["result"]
     assert {r["metric"]["job"]: r["value"][1] for r in build} == {
         "controller": "1",

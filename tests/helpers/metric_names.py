@@ -10,8 +10,8 @@ from prometheus_client import Metric
 
 from services.common import grpc_metrics
 from services.common import metrics as metrics_mod
-from services.loadbalancer import metrics as lb_metrics
 from services.loadbalancer import connections, policies
+from services.loadbalancer import metrics as lb_metrics
 from services.prober import metrics as prober_metrics
 from services.provisioner import metrics as provisioner_metrics
 

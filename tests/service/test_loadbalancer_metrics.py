@@ -55,14 +55,19 @@ async def replicas() -> AsyncIterator[Replicas]:
         await r.stop(rid)
 
 
-async def _front(config: bal.Config, hold_timeout_s: float = 10.0) -> tuple[Front, metrics_mod.Endpoint, web.BaseRunner]:
+async def _front(
+    config: bal.Config, hold_timeout_s: float = 10.0
+) -> tuple[Front, metrics_mod.Endpoint, web.BaseRunner]:
     registry = metrics_mod.Metrics("loadbalancer")
     stats = lb_metrics.BalancerMetrics(registry.registry, "web")
     b = bal.Balancer("web", hold_timeout_s=hold_timeout_s, hold_max=5, stats=stats)
     b.configure(config)
     px = proxy.Proxy(b, proxy.ProxySettings(backoff_initial_s=0.01))
     stats.watch(
-        in_flight=lambda: b.in_flight, ready=lambda: len(b.policy.replicas), held=lambda: b.held, tracker=lambda: px.connections
+        in_flight=lambda: b.in_flight,
+        ready=lambda: len(b.policy.replicas),
+        held=lambda: b.held,
+        tracker=lambda: px.connections,
     )
     runner, port = await proxy.start_http(px, "127.0.0.1", 0, ssl_context=None)
     endpoint = await metrics_mod.serve(registry, "127.0.0.1:0")

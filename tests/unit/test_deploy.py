@@ -77,7 +77,7 @@ def test_panels_fit_the_grid_without_overlapping(dashboard: dict) -> None:
     cells: dict[tuple[int, int], str] = {}
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
-        assert pos["w"] > 0 and pos["h"] > 0 and 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        assert pos["w"] > 0 and pos["h"] > 0 and pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
@@ -102,7 +102,11 @@ def test_every_metric_in_the_dashboard_and_rules_exists() -> None:
     known = metric_names.known_series()
     with open(DASHBOARD, encoding="utf-8") as fh:
         exprs = [(p["title"], t["expr"]) for p in panels(json.load(fh)) for t in p["targets"]]
-    exprs += [(r["alert"], r["expr"]) for g in load_yaml("prometheus", "rules", "replicaplane.yml")["groups"] for r in g["rules"]]
+    exprs += [
+        (r["alert"], r["expr"])
+        for g in load_yaml("prometheus", "rules", "replicaplane.yml")["groups"]
+        for r in g["rules"]
+    ]
     assert len(exprs) > 40
     for where, expr in exprs:
         used = metric_names.promql_metrics(expr)
@@ -130,7 +134,9 @@ def test_rules_cover_the_alerts_operators_need_and_each_has_a_unit_test() -> Non
 def test_compose_scrape_config_reaches_every_service_on_its_metrics_port() -> None:
     cfg = load_yaml("prometheus", "prometheus.yml")
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    static = {name: jobs[name]["static_configs"][0]["targets"] for name in ("controller", "provisioner", "loadbalancer")}
+    static = {
+        name: jobs[name]["static_configs"][0]["targets"] for name in ("controller", "provisioner", "loadbalancer")
+    }
     assert static == {
         "controller": [f"controller:{config.CONTROLLER_METRICS_ADDR.rpartition(':')[2]}"],
         "provisioner": [f"provisioner:{config.PROVISIONER_METRICS_ADDR.rpartition(':')[2]}"],

@@ -23,7 +23,9 @@ def _id(item: tuple[str, object]) -> str:
 
 
 def test_every_component_registers_its_own_metrics() -> None:
-    prefixes = {c: {f.name.split("_")[1] for _, f in OURS if _ == c and f.name.startswith("replicaplane_")} for c, _ in OURS}
+    prefixes = {
+        c: {f.name.split("_")[1] for _, f in OURS if _ == c and f.name.startswith("replicaplane_")} for c, _ in OURS
+    }
     assert prefixes["prober"] >= {"prober", "build"}
     assert prefixes["provisioner"] >= {"provisioner", "build"}
     assert prefixes["loadbalancer"] >= {"loadbalancer", "build"}
@@ -65,7 +67,9 @@ def test_no_family_name_is_used_twice_in_one_process() -> None:
 
 
 def test_the_controllers_promised_metrics_keep_their_types_once_registered() -> None:
-    registered = {f.name if f.type != "counter" else f"{f.name}_total": f.type for c, f in FAMILIES if c == "controller"}
+    registered = {
+        f.name if f.type != "counter" else f"{f.name}_total": f.type for c, f in FAMILIES if c == "controller"
+    }
     for name, kind in metric_names.CONTROLLER_METRICS.items():
         if name in registered:
             assert registered[name] == kind, name
