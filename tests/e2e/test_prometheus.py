@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,14 +38,6 @@ def _stack(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _free_port(host: str) -> int:
-    # Prometheus cannot report a port it picked; on this process's own loopback address, no
-    # other process takes the port in the moment between this probe and Prometheus binding it.
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _api(base: str, path: str, **params: str) -> dict:
     url = f"{base}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -72,8 +63,9 @@ def prometheus(tmp_path) -> Iterator[str]:
         cfg["rule_files"] = [os.path.join(PROMETHEUS_DIR, f) for f in cfg["rule_files"]]
         cfg["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(state / "prometheus" / "targets.json")]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-        host = ports.private_host()
-        listen = f"{host}:{_free_port(host)}"
+        # Prometheus cannot report a port it picked: it gets its usual port on this test
+        # process's own loopback address, which no other process listens on.
+        listen = f"{ports.private_host()}:9090"
         log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - the child writes it
         proc = subprocess.Popen(
             [
