@@ -50,9 +50,17 @@ async def launch_started_ms(prov: prov_grpc.ProvisionerServiceStub, name: str, t
 
 
 def read_time(path: str) -> float:
-    """The time an app wrote to its ready file."""
-    with open(path, encoding="utf-8") as fh:
-        return float(fh.read())
+    """The time an app wrote to its ready file. The app answers from another thread before it
+    writes the file, so on a busy machine READY can be seen first: wait for it (bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return float(fh.read())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 async def api_figures(c: cl.Cluster) -> dict[str, float]:
