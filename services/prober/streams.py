@@ -196,10 +196,10 @@ class Engine:
         self._prober = prober
         self._defaults = defaults
         self._settings = settings
-        self._stats = stats or metrics.ProberMetrics(prometheus_client.CollectorRegistry())
-        self._stats.watch(streams=lambda: len(self._streams), targets=self.target_count)
         self._streams: set[ProbeStream] = set()
         self._closing = False
+        self._stats = stats or metrics.ProberMetrics(prometheus_client.CollectorRegistry())
+        self._stats.watch(streams=lambda: len(self._streams), targets=self.target_count)
 
     def target_count(self) -> int:
         """Targets held over every stream."""
