@@ -12,9 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import errors, grpc_server
+from replicaplane.prober.v1 import prober_service_pb2_grpc
+from services.common import errors, grpc_server, security
 from services.common import metrics as metrics_mod
-from services.prober import server
+from services.prober import probing, server, servicer, streams
 from tests.helpers import metrics
 from tests.helpers.prober_stream import ProbeSession
 
@@ -132,3 +133,32 @@ async def test_a_bad_metrics_address_stops_the_service_naming_the_setting() -> N
         await taken.stop()
     finally:
         await built.stop(None)
+
+
+async def test_calls_refused_by_the_token_check_are_counted() -> None:
+    # The metrics interceptor is outermost: a call the token check refuses still counts.
+    registry = metrics_mod.Metrics("prober")
+    server_ = grpc_server.new_server(
+        domain="test", interceptors=[security.TokenInterceptor({"s3cret-token": "ops"})], metrics=registry
+    )
+    engine = streams.Engine(probing.HttpProber(), probing.Defaults(), streams.StreamSettings())
+    prober_service_pb2_grpc.add_ProberServiceServicer_to_server(servicer.ProberServicer(engine, "p"), server_)
+    built = grpc_server.finish(server_, "127.0.0.1:0", [PROBER], metrics=registry)
+    endpoint = await grpc_server.serve_metrics(built, "127.0.0.1:0")
+    assert endpoint is not None
+    await built.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{built.port}") as channel:
+            call = prober_service_pb2_grpc.ProberServiceStub(channel).Probe(timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        probe = {"grpc_service": PROBER, "grpc_method": "Probe", "grpc_type": "bidi_stream"}
+        scrape = await metrics.until(
+            endpoint.url, lambda s: s.value("grpc_server_handled_total", **probe, grpc_code="UNAUTHENTICATED") == 1
+        )
+        assert "s3cret-token" not in scrape.text
+    finally:
+        await built.stop(None)
+        await endpoint.stop()
+        await engine.close()

@@ -128,7 +128,8 @@ def test_compose_builds_on_the_base_image_the_environment_names_or_python_slim()
         result = run_compose("config", "--format", "json", env=env)
         assert result.returncode == 0, result.stderr
         for name, svc in json.loads(result.stdout)["services"].items():
-            assert svc["build"]["args"] == {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"], "GIT_COMMIT": ""}, name
+            expected = {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"], "GIT_COMMIT": ""}
+            assert svc["build"]["args"] == expected, name
     with open(os.path.join(REPO, "Dockerfile")) as fh:
         lines = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
     # The ARG comes before FROM (so FROM can use it) and keeps the image users elsewhere get.
