@@ -58,6 +58,8 @@ def run(state_dir: str) -> int:
         "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
     _step(f"starting the local stack on free ports (state in {state_dir})")
     if _stack(["up", "--detach", "--state-dir", state_dir], env, timeout=180) != 0:

@@ -16,8 +16,8 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, pagetoken, pbtime, spec
-from services.controller import convert, reconciler, store
+from services.common import errors, localpaths, pagetoken, pbtime, spec
+from services.controller import convert, orphans, reconciler, store
 from services.controller.domain import load, placer
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Controller:
         provisioner: prov_grpc.ProvisionerServiceStub,
         probes: reconciler.ProbeSink,
         tuning: reconciler.Tuning,
+        controller_id: str = "",
     ) -> None:
         self._db = db
         self._prov = provisioner
@@ -110,8 +111,10 @@ class Controller:
         self._watch_generation = 0
         self._zones: list[tuple[str, float]] = []
         # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
-        self.controller_id = db.controller_id()
+        # Kept outside the store (identity.py), so a lost store still knows its replicas.
+        self.controller_id = controller_id or db.controller_id()
         self._foreign_logged: set[str] = set()
+        self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
@@ -129,6 +132,11 @@ class Controller:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
+        await self.orphans.close()
+
+    def _records(self) -> orphans.Records:
+        """Every replica record: service name -> replica id -> replica name."""
+        return {name: {i: r.replica_name for i, r in rec.replicas.items()} for name, rec in self._services.items()}
 
     def _new_reconciler(self, name: str) -> reconciler.ServiceReconciler:
         rec = reconciler.ServiceReconciler(
@@ -171,9 +179,19 @@ class Controller:
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
         await self._check_runnable(parsed)
-        self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
-        rec = self._new_reconciler(name)
-        rec.start()
+        # The row and the first writes of its reconciler commit together: a create answered
+        # UNAVAILABLE ("nothing was changed") must not leave a service behind.
+        rec: reconciler.ServiceReconciler | None = None
+        try:
+            with self._db.transaction():
+                self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
+                rec = self._new_reconciler(name)
+                rec.start()
+        except BaseException:
+            if rec is not None:
+                self._forget(name)
+                await rec.stop()
+            raise
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
@@ -182,7 +200,14 @@ class Controller:
         An unreachable provisioner does not block the API: the launch reports the problem then.
         A zone or region no zone of the provisioner matches is refused too (when its zones are
         known: backends that list none, such as kubernetes, place by the zone label instead).
+        A relative workdir or file mount source is refused whatever the provisioner says.
         """
+        relative = localpaths.relative_problems(parsed.workdir, parsed.file_mounts)
+        hidden = spec.secret_values(parsed)  # a mount destination may hold a substituted secret
+        errors.require(
+            [errors.FieldViolation(spec.mask_secrets(v.field, hidden), v.description) for v in relative],
+            subject="service spec",
+        )
         try:
             answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -190,7 +215,6 @@ class Controller:
             return
         if not self._zones:
             await self._load_zones()
-        hidden = spec.secret_values(parsed)
         errors.require(
             [
                 errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))

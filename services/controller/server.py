@@ -10,15 +10,15 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, grpc_server, logs, metrics, probe_fleet, security
-from services.controller import controller, reconciler, servicer, store
+from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
+from services.controller import controller, identity, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
-    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas")
+    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
 )
 
 
@@ -51,6 +51,12 @@ class Settings:
     should be in motion and is not, and checks that the store takes writes."""
     store_busy_timeout_s: float = 5.0
     """How long a store write waits for another process's lock before it counts as failed."""
+    store_synchronous: str = "FULL"
+    """SQLite `synchronous` of the store: FULL fsyncs every commit, so an acknowledged change
+    survives power loss and a failing disk; NORMAL survives process crashes only (faster)."""
+    controller_id: str = ""
+    """This controller's id (the owner of the replicas it launches), at most 128 printable
+    characters. Empty: the id kept in the state directory (created on first start)."""
     max_replicas_per_service: int = 1000
     """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
     autoscaler_interval_s: float = 20.0
@@ -122,6 +128,32 @@ def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor],
     return chain, sink
 
 
+def check(settings: Settings) -> None:
+    """Refuse settings the controller cannot start with.
+
+    Raises:
+        errors.ValidationError: each bad setting, named.
+    """
+    violations = []
+    if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
+        violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
+    if settings.controller_id and (problem := identity.problem(settings.controller_id)):
+        violations.append(errors.FieldViolation("controller.controller_id", problem))
+    errors.require(violations, subject="controller settings")
+
+
+def _identity(settings: Settings, db: store.Store) -> str:
+    """The controller id (see identity.py), kept in the store too."""
+    stored = db.stored_controller_id()
+    chosen = identity.resolve(settings.state_dir, setting=settings.controller_id, stored=stored)
+    if stored != chosen:
+        try:
+            db.set_controller_id(chosen)
+        except errors.UnavailableError:
+            pass  # the id file holds it; the store's copy is written on a later start
+    return chosen
+
+
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
     interceptors, audit_file = _interceptors(settings)
@@ -131,7 +163,11 @@ async def start(settings: Settings) -> Running:
     def make_channel(addr: str) -> grpc.aio.Channel:
         return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
 
-    db = store.Store.in_state_dir(settings.state_dir, busy_timeout_s=settings.store_busy_timeout_s)
+    check(settings)
+    db = store.Store.in_state_dir(
+        settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
+    )
+    controller_id = _identity(settings, db)
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
         drain_s=settings.drain_s,
@@ -155,6 +191,7 @@ async def start(settings: Settings) -> Running:
         provisioner=provisioner_service_pb2_grpc.ProvisionerServiceStub(channel),
         probes=fleet,
         tuning=tuning,
+        controller_id=controller_id,
     )
     holder.append(ctl)
     registry = metrics.for_address("controller", settings.metrics_addr)

@@ -199,13 +199,15 @@ class Store:
     silently joining someone else's transaction.
     """
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
         """Open (creating if needed) the database at `path` and migrate it.
 
         Args:
             path: the database file; its directory is created (mode 0700).
-            synchronous: SQLite `synchronous` setting: NORMAL survives process crashes,
-                FULL also survives power loss at the cost of an fsync per commit.
+            synchronous: SQLite `synchronous` setting: FULL (the default) fsyncs every commit,
+                so an acknowledged write survives power loss and a failing disk is reported
+                before the write is acknowledged; NORMAL survives process crashes only, and
+                is several times faster (docs/store.md has the figures).
             busy_timeout_s: how long a write waits for another process's lock.
 
         Raises:
@@ -239,7 +241,7 @@ class Store:
             raise
 
     @classmethod
-    def in_state_dir(cls, state_dir: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> Store:
+    def in_state_dir(cls, state_dir: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> Store:
         """Open `state.db` under `state_dir` (`~` expanded).
 
         Args:
@@ -308,6 +310,17 @@ class Store:
                 row = self._db.execute(query).fetchone()
         return str(row[0])
 
+    def stored_controller_id(self) -> str:
+        """The controller id kept in `meta`, or "" when there is none (nothing is written)."""
+        with self._read() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+        return "" if row is None else str(row[0])
+
+    def set_controller_id(self, controller_id: str) -> None:
+        """Keep `controller_id` in `meta` (a second copy: identity.py's file is the first)."""
+        with self.transaction():
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('controller_id', ?)", (controller_id,))
+
     def schema_version(self) -> int:
         """The schema version of the open database."""
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
@@ -362,8 +375,11 @@ class Store:
                 try:
                     yield self
                 except BaseException:
-                    self._db.execute(f"ROLLBACK TO {name}")
-                    self._db.execute(f"RELEASE {name}")
+                    # An I/O error can end the whole transaction (and its savepoints) at once;
+                    # the original error is the one to report, not "no such savepoint".
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute(f"ROLLBACK TO {name}")
+                        self._db.execute(f"RELEASE {name}")
                     raise
                 else:
                     self._db.execute(f"RELEASE {name}")

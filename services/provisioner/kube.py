@@ -42,7 +42,7 @@ from typing import Any
 import tenacity
 from tenacity import wait as tenacity_wait
 
-from services.provisioner import backend, kube_objects, model, retries
+from services.provisioner import backend, causes, kube_objects, model, retries
 
 log = logging.getLogger(__name__)
 
@@ -479,12 +479,15 @@ class KubernetesBackend(backend.Backend):
         try:
             pod, notes = kube_objects.pod_manifest(launch, self._cfg, token=token, created_at=created_at)
         except kube_objects.ManifestError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise backend.LaunchError(
+                str(exc), cause=causes.kubernetes(causes.Kube.UNRUNNABLE_SPEC), permanent=True
+            ) from None
         if launch.name in self._tracked:
             try:
                 await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
             except backend.TeardownError as exc:
-                raise backend.LaunchError(f"the earlier attempt's objects could not be removed: {exc}") from None
+                message = f"the earlier attempt's objects could not be removed: {exc}"
+                raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.API_ERROR)) from None
         obj = pod["metadata"]["name"]
         tracked = _Tracked(
             name=launch.name,
@@ -554,7 +557,10 @@ class KubernetesBackend(backend.Backend):
             note = "an earlier Pod of this replica is still there, terminating?"
         else:
             note = "the object of that name is not this provisioner's"
-        raise backend.LaunchError(f"could not create {kind} {self._ns}/{name}: {describe(conflict)} ({note})")
+        raise backend.LaunchError(
+            f"could not create {kind} {self._ns}/{name}: {describe(conflict)} ({note})",
+            cause=causes.kubernetes(causes.Kube.API_ERROR, status=conflict.status, message=conflict.message),
+        )
 
     async def _own(self, kind: str, name: str, owner: dict[str, str], launch_log: str) -> None:
         """Make the Pod own an object created before it (best effort: teardown deletes it anyway)."""
@@ -577,15 +583,20 @@ class KubernetesBackend(backend.Backend):
             st = tracked.status
             waited = time.monotonic() - start
             if tracked.gone or st.deleting:
-                raise backend.LaunchError(f"Pod {tracked.obj} was deleted during the launch")
+                raise backend.LaunchError(
+                    f"Pod {tracked.obj} was deleted during the launch", cause=causes.kubernetes(causes.Kube.DELETED)
+                )
             if st.finished:
                 if st.disruption:
-                    raise backend.LaunchError(f"Pod {tracked.obj} was {st.disruption} during the launch")
+                    raise backend.LaunchError(
+                        f"Pod {tracked.obj} was {st.disruption} during the launch",
+                        cause=causes.kubernetes(causes.Kube.DISRUPTED),
+                    )
                 if tracked.has_setup and not st.started and not _app_started(st):
                     message = st.termination_message.splitlines()[0] if st.termination_message else ""
                     if not message.startswith(kube_objects.SETUP_FAILED_PREFIX):
                         message = f"the container exited with code {st.exit_code} before setup finished"
-                    raise backend.LaunchError(message)
+                    raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.SETUP_EXITED))
                 return self._describe(tracked)
             if st.running and st.started:
                 say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
@@ -593,24 +604,33 @@ class KubernetesBackend(backend.Backend):
             if st.running:
                 say("setup", "container running; waiting for setup to finish")
             if st.waiting_reason in kube_objects.IMAGE_PULL_ERRORS:
+                cause = causes.kubernetes(causes.Kube.IMAGE_PULL, message=st.waiting_message)
                 raise backend.LaunchError(
                     f"image {image} could not be pulled ({st.waiting_reason}): {st.waiting_message}".rstrip(": "),
-                    permanent=st.waiting_reason == "InvalidImageName",
+                    cause=cause,
+                    permanent=st.waiting_reason == "InvalidImageName" and cause == model.FailureCause.USER,
                 )
             if st.waiting_reason in kube_objects.CONTAINER_ERRORS:
-                raise backend.LaunchError(f"{st.waiting_reason}: {st.waiting_message}".rstrip(": "))
+                raise backend.LaunchError(
+                    f"{st.waiting_reason}: {st.waiting_message}".rstrip(": "),
+                    cause=causes.kubernetes(causes.Kube.CONTAINER_ERROR),
+                )
             if st.unschedulable:
                 say("unschedulable", f"Pod cannot be scheduled yet: {st.unschedulable}")
                 if waited > self._opts.schedule_timeout_s:
                     raise backend.LaunchError(
                         f"Pod could not be scheduled within {self._opts.schedule_timeout_s:g} s: {st.unschedulable}",
+                        cause=causes.kubernetes(causes.Kube.UNSCHEDULABLE),
                         capacity_unavailable=True,
                     )
             elif st.node:
                 say("scheduled", f"Pod scheduled to node {st.node}")
             if not st.running and waited > self._opts.start_timeout_s:
                 reason = st.waiting_reason or st.phase or "no status"
-                raise backend.LaunchError(f"Pod did not start within {self._opts.start_timeout_s:g} s ({reason})")
+                raise backend.LaunchError(
+                    f"Pod did not start within {self._opts.start_timeout_s:g} s ({reason})",
+                    cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
+                )
             changed = tracked.changed
             try:
                 await asyncio.wait_for(changed.wait(), 2.0)
@@ -622,7 +642,8 @@ class KubernetesBackend(backend.Backend):
                         log.debug("could not read Pod %s: %s", tracked.obj, describe(exc))
                     else:
                         raise backend.LaunchError(
-                            f"could not read Pod {self._ns}/{tracked.obj}: {describe(exc)}", permanent=True
+                            f"could not read Pod {self._ns}/{tracked.obj}: {describe(exc)}",
+                            cause=causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message),
                         ) from None
 
     async def _refresh(self, tracked: _Tracked) -> None:
@@ -838,8 +859,10 @@ class KubernetesBackend(backend.Backend):
             how = st.disruption or "deleted by someone else"
             message = f"Pod {tracked.obj} was {how}"
             code = 0
+            cause = causes.kubernetes(causes.Kube.DISRUPTED if st.disruption else causes.Kube.DELETED)
         elif st.finished:
             state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_objects.exit_message(st)
+            cause = causes.kubernetes(causes.Kube.APP_EXITED)
         else:
             return
         tracked.reported = True
@@ -853,6 +876,7 @@ class KubernetesBackend(backend.Backend):
                 exit_code=code,
                 time=self._clock(),
                 message=message,
+                cause=cause,
             )
         )
 
@@ -894,13 +918,16 @@ def _token(pod: dict[str, Any]) -> str:
 
 
 def _launch_error(kind: str, name: str, namespace: str, exc: ApiError) -> backend.LaunchError:
-    """A create failure as a launch error: permanent unless waiting could help."""
+    """A create failure as a launch error, with whose fault it was: permanent when the API server
+    refused what the spec asks for, retried when the cluster (or its operator) may fix it."""
     what = f"could not create {kind} {namespace}/{name}"
+    cause = causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message)
     if exc.status == 403 and "quota" in exc.message.lower():
-        return backend.LaunchError(f"{what}: quota exceeded: {describe(exc)}", capacity_unavailable=True)
+        text = f"{what}: quota exceeded: {describe(exc)}"
+        return backend.LaunchError(text, cause=cause, capacity_unavailable=True)
     if exc.status == 404:
-        return backend.LaunchError(f"{what}: namespace {namespace} not found: {describe(exc)}", permanent=True)
-    return backend.LaunchError(f"{what}: {describe(exc)}", permanent=exc.status in (400, 401, 403, 422))
+        return backend.LaunchError(f"{what}: namespace {namespace} not found: {describe(exc)}", cause=cause)
+    return backend.LaunchError(f"{what}: {describe(exc)}", cause=cause, permanent=cause == model.FailureCause.USER)
 
 
 def _note(path: str, text: str) -> None:

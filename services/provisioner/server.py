@@ -10,7 +10,18 @@ from typing import Any
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs, security
 from services.common import metrics as metrics_mod
-from services.provisioner import addresses, capability, kube, kube_objects, local, logstore, manager, servicer, store
+from services.provisioner import (
+    addresses,
+    capability,
+    copies,
+    kube,
+    kube_objects,
+    local,
+    logstore,
+    manager,
+    servicer,
+    store,
+)
 from services.provisioner import backend as backend_mod
 from services.provisioner import metrics as provisioner_metrics
 from services.provisioner import zones as zone_config
@@ -79,6 +90,18 @@ class Settings:
     local_accelerators: str = ""
     """Accelerators the local backend pretends to have, as "A100:8,H100:8" (tests and demos);
     a spec asking for others is refused at create. Empty: none, so GPU specs are refused."""
+    local_copy_max_mb: float = local.DEFAULT_COPY_LIMITS.max_bytes / (1 << 20)
+    """The most a local replica's workdir and file mounts may hold together, in MB (2**20 bytes);
+    a spec over it is refused at create and a launch over it fails, naming this setting."""
+    local_copy_max_files: int = local.DEFAULT_COPY_LIMITS.max_entries
+    """The most files and directories a local replica's workdir and file mounts may hold together."""
+    local_venv: bool = True
+    """Give each service version's local replicas one Python venv of their own (made once, shared
+    by them, removed with the last), active in setup and run, so `pip install` never writes
+    into the host's Python. False: replicas run in the provisioner's environment."""
+    local_venv_system_site_packages: bool = True
+    """Let those venvs see the base interpreter's installed packages (nothing is installed twice).
+    False: bare venvs (pip is still lent from the provisioner's environment)."""
     kubernetes_kubeconfig: str = ""
     """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
     kubernetes_context: str = ""
@@ -189,6 +212,12 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         accelerators = capability.parse_offered(settings.local_accelerators)
     except ValueError as exc:
         raise errors.ValidationError([errors.FieldViolation("provisioner.local_accelerators", str(exc))]) from None
+    violations = [
+        errors.FieldViolation(f"provisioner.{name}", "must be positive")
+        for name in ("local_copy_max_mb", "local_copy_max_files")
+        if getattr(settings, name) <= 0
+    ]
+    errors.require(violations, subject="provisioner settings")
     if network == "auto":
         # An advertised 127.0.0.1 (the local stack sets it) is still plain loopback.
         loopback = settings.replica_host == "127.0.0.1" and settings.advertise_host in ("", "127.0.0.1")
@@ -200,6 +229,11 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         advertise_host=settings.advertise_host,
         network=network,
         accelerators=accelerators,
+        copy_limits=copies.Limits(
+            max_bytes=int(settings.local_copy_max_mb * (1 << 20)), max_entries=settings.local_copy_max_files
+        ),
+        python_envs=settings.local_venv,
+        system_site_packages=settings.local_venv_system_site_packages,
     )
 
 

@@ -22,7 +22,7 @@ class StackError(Exception):
     """A step of the stack failed; the message says which and why."""
 
 
-resolve_workdir = specfile.resolve_workdir
+resolve_paths = specfile.resolve_paths
 read_spec = specfile.read_spec
 spec_name = specfile.spec_name
 WatchPrinter = watchlines.WatchPrinter
@@ -101,7 +101,10 @@ class Controller:
         Raises:
             StackError: the controller refused the spec or could not be reached.
         """
-        text = await asyncio.to_thread(read_spec, yaml_path)
+        try:
+            text = await asyncio.to_thread(read_spec, yaml_path)
+        except specfile.PathError as exc:
+            raise StackError(f"creating {yaml_path} failed: {exc}") from None
         request = pb.CreateServiceRequest(yaml=text, request_id=str(uuid.uuid4()))
         try:
             resp = await self._stub.CreateService(request, timeout=30)

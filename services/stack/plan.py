@@ -30,13 +30,16 @@ class ProcessSpec:
     """One service process of the stack.
 
     Attributes:
-        name: unique process name: controller, provisioner, prober-1, prober-2, ..., loadbalancer.
-        component: the service package: controller, provisioner, prober or loadbalancer.
+        name: unique process name: controller, provisioner, prober-1, prober-2, ..., loadbalancer,
+            dashboard.
+        component: the service package: controller, provisioner, prober, loadbalancer or dashboard.
         argv: the command line.
         env: the REPLICAPLANE_* variables the process gets on top of the caller's environment.
         addr: host:port it listens on; port 0 lets the process pick one and report it.
-        grpc_service: full name of its gRPC service, for the health check.
-        url: the HTTP URL it serves users on, if any (the load balancer); port 0 as in `addr`.
+        grpc_service: full name of its gRPC service, for the health check ("" checks the whole
+            server: the dashboard has no gRPC API of its own).
+        url: the HTTP URL it serves users on, if any (the load balancer, the dashboard); port 0 as
+            in `addr`.
         needs: env variable -> the processes whose addresses (comma-separated) it holds. `env`
             has them for the planned ports; `resolve` puts in the ports actually bound.
         metrics_addr: host:port of its Prometheus `/metrics` endpoint ("" when metrics are off);
@@ -121,7 +124,8 @@ def plan(
     environ: Mapping[str, str] | None = None,
     balanced_service: str = DEFAULT_BALANCED_SERVICE,
 ) -> list[ProcessSpec]:
-    """The processes of a local stack, in start order (provisioner, probers, controller, load balancer).
+    """The processes of a local stack, in start order (provisioner, probers, controller, load balancer,
+    dashboard).
 
     Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
     defaults; probers listen on the prober port and the ports after it, skipping the other
@@ -148,9 +152,12 @@ def plan(
     controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
     balancer_addr = _listen(env, "loadbalancer", config.LOADBALANCER_ADDR)
     http_addr = _listen(env, "loadbalancer", config.LOADBALANCER_HTTP_ADDR, "http_addr")
+    dashboard_addr = _listen(env, "dashboard", config.DASHBOARD_ADDR)
+    dashboard_http = _listen(env, "dashboard", config.DASHBOARD_HTTP_ADDR, "http_addr")
     # Probers count up from the prober port, stepping over the other services' ports (the
     # balancer's 50054 sits right after the first prober's 50053); with port 0 each picks.
-    taken = {split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)}
+    others = (provisioner_addr, controller_addr, balancer_addr, http_addr, dashboard_addr, dashboard_http)
+    taken = {split_addr(a)[1] for a in others}
     prober_host, port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
     prober_addrs = [f"{prober_host}:0"] * probers if port == 0 else []
     while len(prober_addrs) < probers:
@@ -244,6 +251,23 @@ def plan(
             url=f"http://{dial_addr(http_addr)}",
             metrics_addr=metrics["loadbalancer"],
             needs={"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)},
+        )
+    )
+    # The web dashboard: no token of its own, it passes on each page's (docs/observability.md).
+    specs.append(
+        ProcessSpec(
+            name="dashboard",
+            component="dashboard",
+            argv=(python, "-m", "services.dashboard"),
+            env={
+                "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": dashboard_addr,
+                "REPLICAPLANE_DASHBOARD_HTTP_ADDR": dashboard_http,
+                "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": dial_addr(controller_addr),
+            },
+            addr=dashboard_addr,
+            grpc_service="",
+            url=f"http://{dial_addr(dashboard_http)}",
+            needs={"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)},
         )
     )
     return specs

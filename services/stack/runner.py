@@ -25,11 +25,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 STOP_TIMEOUT_S = 10.0
 """How long a service process gets to exit after SIGTERM before SIGKILL."""
+# The setting that names the service a load balancer process serves.
+_BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
 
 
 def say(line: str) -> None:
     """Print a progress line with the time of day."""
     print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+
+def dashboard_line(url: str) -> str:
+    """The line that tells the operator where the web dashboard is."""
+    return f"dashboard at {url}/ (services, replicas and events, live; `replicactl dashboard --open`)"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -189,9 +196,17 @@ class Stack:
             "metrics": {name: url for name in self.metrics if (url := self.metrics_url(name))},
             "controller": self.controller_addr,
             "services": self.created,
+            # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
             "processes": [
-                {"name": s.name, "pid": self.procs[s.name].pid, "addr": self.addrs[s.name]}
+                {
+                    "name": s.name,
+                    "component": s.component,
+                    "pid": self.procs[s.name].pid,
+                    "addr": self.addrs[s.name],
+                    "log": os.path.abspath(os.path.join(self.files.log_dir, f"{s.name}.log")),
+                }
                 | ({"url": self.urls[s.name]} if s.name in self.urls else {})
+                | ({"service": s.env[_BALANCED]} if _BALANCED in s.env else {})
                 for s in self.specs
                 if s.name in self.procs
             ],
@@ -314,7 +329,9 @@ class Stack:
             self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
             if metrics_url := self.metrics_url(spec.name):
                 self.out(f"{spec.name} metrics: {metrics_url}")
-            if spec.url:
+            if spec.component == "dashboard":
+                self.out(dashboard_line(self.urls[spec.name]))
+            elif spec.url:
                 service = spec.env.get("REPLICAPLANE_LOADBALANCER_SERVICE_NAME", "")
                 self.out(f"{spec.name}: {service} at {self.urls[spec.name]}")
 
@@ -344,8 +361,10 @@ class Stack:
 
     async def stop_processes(self) -> None:
         """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
-        # The balancer, then the controller, so nothing calls a stopped service; the provisioner last.
-        order = sorted(self.specs, key=lambda s: {"loadbalancer": -1, "controller": 0, "prober": 1}.get(s.component, 2))
+        # The dashboard and the balancer, then the controller, so nothing calls a stopped service;
+        # the provisioner last.
+        rank = {"dashboard": -2, "loadbalancer": -1, "controller": 0, "prober": 1}
+        order = sorted(self.specs, key=lambda s: rank.get(s.component, 2))
         pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
         await asyncio.to_thread(terminate_pids, pids, self.out)
         for proc in self.procs.values():
@@ -479,6 +498,9 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
             out(f"stack running in the background (pid {proc.pid}); controller at {state['controller']}")
             for name, url in (state.get("metrics") or {}).items():
                 out(f"{name} metrics: {url}")
+            for process in state.get("processes", []):
+                if process.get("name") == "dashboard" and process.get("url"):
+                    out(dashboard_line(process["url"]))
             out(f"output: {log_path}; stop it with `make down` (python -m services.stack down)")
             return 0
         time.sleep(0.1)

@@ -65,11 +65,15 @@ async def test_grpcurl_cookbook_commands_work_in_order(cluster: cl.Cluster) -> N
             assert json.loads(out)["plan"]["in_place"] is True
         elif method == "ReportLoad":
             reports.append(json.loads(out))
+        elif method in ("ListOrphans", "ReapOrphans"):
+            answer = json.loads(out)
+            assert answer["controller_id"] and not answer.get("orphans") and not answer.get("reaped")
         elif method == "ListServices":
             assert [s["name"] for s in json.loads(out)["services"]] == ["cookbook"]
         elif method == "DeleteService":
             assert json.loads(out)["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN"
     assert "CreateService" in seen and "WatchService" in seen and "Check" in seen and "describe" in seen
+    assert "ListOrphans" in seen and "ReapOrphans" in seen
     # The same report twice: counted once (int64 prints as a string; false and 0 are left out).
     assert [(r.get("counted_requests"), r.get("already_applied", False)) for r in reports] == [
         ("2", False),

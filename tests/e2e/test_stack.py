@@ -39,6 +39,8 @@ def stack_env() -> dict[str, str]:
         "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
 
 
@@ -113,7 +115,12 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     state = json.loads((state_dir / "stack.json").read_text())
     assert state["services"] == ["hello"]
     pids = {p["name"]: p["pid"] for p in state["processes"]}
-    assert sorted(pids) == ["controller", "loadbalancer", "prober-1", "provisioner"]
+    assert sorted(pids) == ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
+    # The operator finds the page without reading docs: `up --detach` prints its URL.
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in up.stdout, up.stdout
+    with urllib.request.urlopen(f"{dashboard}/", timeout=10) as resp:
+        assert b"Replicaplane" in resp.read()
 
     endpoints: dict[int, str] = {}
     with grpc.insecure_channel(state["controller"]) as channel:
@@ -138,7 +145,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     # One URL for the service: the stack's balancer reaches both replicas.
     url = balancer_url(state)
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-    assert len({p["addr"] for p in state["processes"]}) == 4 and all(
+    assert len({p["addr"] for p in state["processes"]}) == 5 and all(
         not p["addr"].endswith(":0") for p in state["processes"]
     )
     seen = set()
@@ -192,6 +199,7 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             "prober-2",
             "controller",
             "loadbalancer",
+            "dashboard",
         ]
         # The container health check command, against a live and a dead address.
         service = "replicaplane.controller.v1.ControllerService"
@@ -209,6 +217,8 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
     # Each process's metrics URL, with the port it picked.
     for name in ("provisioner", "prober-1", "prober-2", "controller", "loadbalancer"):
         assert re.search(rf"^\S+ {name} metrics: http://127\.0\.0\.1:[1-9]\d*/metrics$", out, re.MULTILINE), out
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in out, out
     assert not [p for p in state["processes"] if alive(p["pid"])]
     assert processes_touching(str(tmp_path), []) == []
     assert not (state_dir / "stack.json").exists()

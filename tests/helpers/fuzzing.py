@@ -247,9 +247,21 @@ requests = st.one_of(
         ints,
     ),
     st.builds(lambda n, v: ("WatchEndpoints", api.WatchEndpointsRequest(service_name=n, after_version=v)), names, ints),
+    st.builds(
+        lambda o, s, t: ("ListOrphans", api.ListOrphansRequest(owner=o, page_size=s, page_token=t)),
+        texts,
+        int32s,
+        texts,
+    ),
+    st.builds(
+        lambda n, o, a: ("ReapOrphans", api.ReapOrphansRequest(replica_names=n, owner=o, all_owners=a)),
+        st.lists(names, max_size=5),
+        texts,
+        st.booleans(),
+    ),
 )
 
-MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas"}
+MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans"}
 
 # ---- the controller under fuzz -----------------------------------------------------------
 

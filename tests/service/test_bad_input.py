@@ -38,6 +38,11 @@ BAD_SPECS = [
     ("NUL byte in a secret", PROBE + 'secrets:\n  A: "x\\0y"\n', "secrets.A"),
     ("NUL byte in run", PROBE + 'run: "echo \\0"\n', "run"),
     ("lone surrogate escape", PROBE + 'run: "\\ud800"\n', "run"),
+    (
+        "a bad port in an any_of entry",
+        PROBE.replace("ports: 8080", "any_of: [{ports: web}, {ports: 8080}]"),
+        "resources.any_of[0].ports",
+    ),
     ("replicas over the cap", PROBE.replace("replicas: 1", "replicas: 1001"), "service.replicas"),
     (
         "max_replicas over the cap",

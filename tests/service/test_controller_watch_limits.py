@@ -17,6 +17,7 @@ import pytest
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
+from services.cli import client as cli_client
 from services.cli import main as cli
 from services.common import grpc_errors
 from services.controller import hub
@@ -122,7 +123,7 @@ async def test_an_endpoint_watch_that_falls_behind_is_cut_off_with_its_version(t
 async def test_replicactl_watch_resumes_a_dropped_watch_and_misses_nothing(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(hub, "QUEUE_LIMIT", 10)
     async with started(tmp_path) as env:
-        client = cli.Client(env.addr, 10.0)
+        client = cli_client.Client(env.addr, 10.0)
         out = io.StringIO()
         args = cli.parser().parse_args(["watch", "svc", "--json"])
         watching = asyncio.ensure_future(asyncio.to_thread(cli.cmd_watch, args, client, out))

@@ -110,8 +110,14 @@ def test_compose_services_listen_on_all_interfaces_and_have_grpc_health_checks()
     }
 
 
-def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() -> None:
+def test_compose_publishes_only_the_controller_the_balancer_and_the_dashboard_on_loopback() -> None:
     services = compose_config()["services"]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in services["dashboard"]["ports"]] == [
+        ("127.0.0.1", "30080", 30080)
+    ]
+    assert {k: v["condition"] for k, v in services["dashboard"]["depends_on"].items()} == {
+        "controller": "service_healthy"
+    }
     assert [(p["host_ip"], p["published"], p["target"]) for p in services["controller"]["ports"]] == [
         ("127.0.0.1", "50051", 50051)
     ]
@@ -119,6 +125,7 @@ def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() ->
         ("127.0.0.1", "30001", 30001)
     ]
     assert not services["provisioner"].get("ports")
+    assert not services["prober"].get("ports")
     waits = services["loadbalancer"]["depends_on"]
     assert {k: v["condition"] for k, v in waits.items()} == {"controller": "service_healthy"}
 
@@ -173,7 +180,15 @@ def test_documented_compose_run_commands_leave_the_other_services_alone() -> Non
 
 def test_plan_defaults_match_the_shared_addresses() -> None:
     specs = {s.name: s for s in plan.plan(state_dir="/st", environ={})}
-    assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer"]
+    assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer", "dashboard"]
+    assert specs["dashboard"].env == {
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": config.DASHBOARD_ADDR,
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": config.DASHBOARD_HTTP_ADDR,
+        "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+    }
+    assert specs["dashboard"].url == "http://127.0.0.1:30080"
+    assert specs["dashboard"].needs == {"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)}
+    assert "REPLICAPLANE_DASHBOARD_API_TOKEN" not in specs["dashboard"].env, "it passes on each page's token"
     assert specs["loadbalancer"].env == {
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": config.LOADBALANCER_ADDR,
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": config.LOADBALANCER_HTTP_ADDR,
@@ -216,16 +231,21 @@ def test_plan_default_probers_skip_the_ports_of_the_other_services() -> None:
     assert len(ports) == len(set(ports)), ports
     probers = [s.addr for s in specs if s.component == "prober"]
     assert probers == ["127.0.0.1:50053", "127.0.0.1:50055", "127.0.0.1:50056"]
+    # Nine probers reach the dashboard's 50059 and step over it.
+    ports = [plan.split_addr(s.addr)[1] for s in plan.plan(probers=9, environ={})]
+    assert len(ports) == len(set(ports)), ports
 
 
 def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_serve() -> None:
     environ = {
         config.env_name(section, "listen_addr"): "127.0.0.1:0"
-        for section in ("controller", "provisioner", "prober", "loadbalancer")
+        for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard")
     }
     environ[config.env_name("loadbalancer", "http_addr")] = "127.0.0.1:0"
+    environ[config.env_name("dashboard", "http_addr")] = "127.0.0.1:0"
     specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
-    assert [s.addr for s in specs.values()] == ["127.0.0.1:0"] * 5
+    assert [s.addr for s in specs.values()] == ["127.0.0.1:0"] * 6
+    assert specs["dashboard"].url == "http://127.0.0.1:0"
     # Addresses of peers are filled in at start, from the ports the peers report.
     assert specs["controller"].needs == {
         "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
@@ -266,17 +286,6 @@ def test_dial_addr_turns_wildcards_into_loopback() -> None:
 
 
 # --- example YAML and workdir resolution --------------------------------------------------
-
-
-def test_relative_workdir_is_resolved_against_the_yaml_directory_keeping_comments() -> None:
-    text = "# hello\nname: hello\nworkdir: .  # the app\nrun: python3 app.py --port 8080\n"
-    resolved = api.resolve_workdir(text, "/srv/examples/hello")
-    assert resolved == '# hello\nname: hello\nworkdir: "/srv/examples/hello"\nrun: python3 app.py --port 8080\n'
-
-
-@pytest.mark.parametrize("text", ["name: x\nrun: true\n", "name: x\nworkdir: /abs/dir\n", "name: x\nworkdir: ~/dir\n"])
-def test_absolute_or_missing_workdir_is_left_alone(text: str) -> None:
-    assert api.resolve_workdir(text, "/elsewhere") == text
 
 
 def test_example_service_yaml_points_at_the_app() -> None:

@@ -515,6 +515,14 @@ BAD = {
         "resources: {ports: 80, use_spot: true}\n",
         {"service.replica_policy.dynamic_ondemand_fallback"},
     ),
+    "bad_ports_in_any_of_entry": (
+        "service: {}\nresources: {any_of: [{ports: abc}, {ports: 80}]}\n",
+        {"resources.any_of[0].ports"},
+    ),
+    "bad_port_range_in_ordered_entry": (
+        "service: {}\nresources: {ports: 80, ordered: [{ports: '90-70'}]}\n",
+        {"resources.ordered[0].ports"},
+    ),
     "mixed_spot_any_of": (
         "service: {}\nresources: {ports: 80, any_of: [{use_spot: true}, {use_spot: false}]}\n",
         {"resources.use_spot"},

@@ -644,3 +644,15 @@ def test_controller_id_is_created_once_and_kept(tmp_path) -> None:
         assert s.controller_id() == first
     with store_mod.Store.in_state_dir(str(tmp_path / "b")) as s:
         assert s.controller_id() != first
+
+
+def test_an_error_that_ended_the_whole_transaction_is_reported_as_itself(tmp_path) -> None:
+    # Some I/O errors make SQLite roll the whole transaction back, savepoints included; the
+    # nested block must then report that error, not fail on its own "no such savepoint".
+    original = sqlite3.OperationalError("disk I/O error")
+    with store_mod.Store(str(tmp_path / "state.db")) as db:
+        with pytest.raises(errors.UnavailableError) as info, db.transaction(), db.transaction():
+            db._db.execute("ROLLBACK")  # what SQLite does on such an error
+            raise original
+        assert info.value.__cause__ is original
+        assert db.check_writable()  # and the store works on

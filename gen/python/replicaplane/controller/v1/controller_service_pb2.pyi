@@ -57,25 +57,84 @@ class CreateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name. If empty, the YAML's `name:` is used."""
     yaml: _builtins.str
     """The SkyPilot-style task YAML."""
     request_id: _builtins.str
     """Optional idempotency key: a retried create with the same key returns the same service."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the YAML's `envs:` before it is validated (SkyPilot's
+        `--env`): a key the YAML lists with no value is filled, one it lists with a value is
+        replaced, a new one is added. Keys are environment variable names
+        (`[A-Za-z_][A-Za-z0-9_]*`); a bad one is INVALID_ARGUMENT on `env_overrides.KEY`.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the YAML's `secrets:` the same way (SkyPilot's `--secret`). Their
+        values are redacted wherever the spec is shown and never logged; a bad key is
+        INVALID_ARGUMENT on `secret_overrides.KEY`.
+        """
+
     def __init__(
         self,
         *,
         service_name: _builtins.str = ...,
         yaml: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_overrides", b"env_overrides", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,11 +272,53 @@ class UpdateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     yaml: _builtins.str
@@ -228,6 +329,16 @@ class UpdateServiceRequest(_message.Message):
     """Return the plan without applying it."""
     request_id: _builtins.str
     """Optional idempotency key."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the new YAML's `envs:`, as in
+        `CreateServiceRequest.env_overrides`. Overrides are not carried over from earlier versions.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the new YAML's `secrets:`, as in `CreateServiceRequest.secret_overrides`."""
+
     def __init__(
         self,
         *,
@@ -236,10 +347,12 @@ class UpdateServiceRequest(_message.Message):
         mode: _resources_pb2.UpdateMode.ValueType = ...,
         dry_run: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "mode", b"mode", "request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "env_overrides", b"env_overrides", "mode", b"mode", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -831,3 +944,167 @@ class StreamReplicaLogsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamReplicaLogsResponse: _TypeAlias = StreamReplicaLogsResponse  # noqa: Y015
+
+@_typing.final
+class ListOrphansRequest(_message.Message):
+    """ListOrphansRequest filters and pages orphans."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Only replicas of this owner (a controller id, at most 128 printable characters); empty for
+    every owner.
+    """
+    page_size: _builtins.int
+    """Maximum orphans per page; default 100, maximum 1000."""
+    page_token: _builtins.str
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOrphansRequest: _TypeAlias = ListOrphansRequest  # noqa: Y015
+
+@_typing.final
+class ListOrphansResponse(_message.Message):
+    """ListOrphansResponse is one page of orphans."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORPHANS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    CONTROLLER_ID_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    controller_id: _builtins.str
+    """This controller's id: the `owner` of every replica it launches."""
+    @_builtins.property
+    def orphans(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Orphan]:
+        """The orphans, in replica name order."""
+
+    def __init__(
+        self,
+        *,
+        orphans: _abc.Iterable[_resources_pb2.Orphan] | None = ...,
+        next_page_token: _builtins.str = ...,
+        controller_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_id", b"controller_id", "next_page_token", b"next_page_token", "orphans", b"orphans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOrphansResponse: _TypeAlias = ListOrphansResponse  # noqa: Y015
+
+@_typing.final
+class ReapOrphansRequest(_message.Message):
+    """ReapOrphansRequest says which orphans to tear down."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_NAMES_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    ALL_OWNERS_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Reap the orphans of this owner (another controller's id, at most 128 printable
+    characters) instead of this controller's own. Make sure no live controller has that id.
+    """
+    all_owners: _builtins.bool
+    """Reap the orphans of every owner. Not together with `owner`."""
+    @_builtins.property
+    def replica_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only these replicas (full names, as ListOrphans shows them), at most 1000; empty for every
+        orphan of the chosen owners. A name that is not such an orphan is reported in `skipped`.
+        """
+
+    def __init__(
+        self,
+        *,
+        replica_names: _abc.Iterable[_builtins.str] | None = ...,
+        owner: _builtins.str = ...,
+        all_owners: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_owners", b"all_owners", "owner", b"owner", "replica_names", b"replica_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapOrphansRequest: _TypeAlias = ReapOrphansRequest  # noqa: Y015
+
+@_typing.final
+class ReapOrphansResponse(_message.Message):
+    """ReapOrphansResponse says which teardowns were started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REAPED_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    CONTROLLER_ID_FIELD_NUMBER: _builtins.int
+    controller_id: _builtins.str
+    """This controller's id."""
+    @_builtins.property
+    def reaped(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Orphan]:
+        """The orphans whose teardown was started (or joined, when one was already in progress)."""
+
+    @_builtins.property
+    def skipped(self) -> _containers.RepeatedCompositeFieldContainer[Global___SkippedOrphan]:
+        """Replicas named in the request that were not reaped, and why."""
+
+    def __init__(
+        self,
+        *,
+        reaped: _abc.Iterable[_resources_pb2.Orphan] | None = ...,
+        skipped: _abc.Iterable[Global___SkippedOrphan] | None = ...,
+        controller_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_id", b"controller_id", "reaped", b"reaped", "skipped", b"skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapOrphansResponse: _TypeAlias = ReapOrphansResponse  # noqa: Y015
+
+@_typing.final
+class SkippedOrphan(_message.Message):
+    """SkippedOrphan is a replica named in a ReapOrphans request that was not reaped."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    replica_name: _builtins.str
+    """The replica name as given."""
+    reason: _builtins.str
+    """Why, for example `no such replica at the provisioner`, `a record of service "web" refers
+    to it`, or `owned by controller X: pass owner or all_owners`.
+    """
+    def __init__(
+        self,
+        *,
+        replica_name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "replica_name", b"replica_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkippedOrphan: _TypeAlias = SkippedOrphan  # noqa: Y015

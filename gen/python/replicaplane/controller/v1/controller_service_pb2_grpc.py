@@ -102,6 +102,16 @@ class ControllerServiceStub:
                 request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
                 _registered_method=True)
+        self.ListOrphans = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ListOrphans',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.FromString,
+                _registered_method=True)
+        self.ReapOrphans = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ReapOrphans',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -214,6 +224,30 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListOrphans(self, request, context):
+        """Lists the replicas the provisioner manages that no replica record of this controller refers
+        to, in replica name order: this controller's orphans (left by a lost or restored store) and
+        replicas of other owners (controllers sharing the provisioner, or this controller under an
+        earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+        UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReapOrphans(self, request, context):
+        """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+        shows them until they are gone. By default only this controller's own orphans; another
+        owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+        controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+        Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+        malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+        provisioner cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +315,16 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.StreamReplicaLogs,
                     request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.FromString,
                     response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.SerializeToString,
+            ),
+            'ListOrphans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOrphans,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.SerializeToString,
+            ),
+            'ReapOrphans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReapOrphans,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -637,6 +681,60 @@ class ControllerService:
             '/replicaplane.controller.v1.ControllerService/StreamReplicaLogs',
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOrphans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ListOrphans',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReapOrphans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ReapOrphans',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,6 +83,22 @@ class ControllerServiceStub:
     empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
     UNAVAILABLE when the provisioner cannot be reached.
     """
+    ListOrphans: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListOrphansRequest, _controller_service_pb2.ListOrphansResponse]
+    """Lists the replicas the provisioner manages that no replica record of this controller refers
+    to, in replica name order: this controller's orphans (left by a lost or restored store) and
+    replicas of other owners (controllers sharing the provisioner, or this controller under an
+    earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+    UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+    """
+    ReapOrphans: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ReapOrphansRequest, _controller_service_pb2.ReapOrphansResponse]
+    """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+    shows them until they are gone. By default only this controller's own orphans; another
+    owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+    controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+    Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+    malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+    provisioner cannot be reached.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -138,6 +154,22 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
     empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
     UNAVAILABLE when the provisioner cannot be reached.
+    """
+    ListOrphans: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListOrphansRequest, _controller_service_pb2.ListOrphansResponse]  # type: ignore[assignment]
+    """Lists the replicas the provisioner manages that no replica record of this controller refers
+    to, in replica name order: this controller's orphans (left by a lost or restored store) and
+    replicas of other owners (controllers sharing the provisioner, or this controller under an
+    earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+    UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+    """
+    ReapOrphans: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ReapOrphansRequest, _controller_service_pb2.ReapOrphansResponse]  # type: ignore[assignment]
+    """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+    shows them until they are gone. By default only this controller's own orphans; another
+    owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+    controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+    Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+    malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+    provisioner cannot be reached.
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -269,6 +301,34 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
         empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
         UNAVAILABLE when the provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def ListOrphans(
+        self,
+        request: _controller_service_pb2.ListOrphansRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListOrphansResponse, _abc.Awaitable[_controller_service_pb2.ListOrphansResponse]]:
+        """Lists the replicas the provisioner manages that no replica record of this controller refers
+        to, in replica name order: this controller's orphans (left by a lost or restored store) and
+        replicas of other owners (controllers sharing the provisioner, or this controller under an
+        earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+        UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def ReapOrphans(
+        self,
+        request: _controller_service_pb2.ReapOrphansRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ReapOrphansResponse, _abc.Awaitable[_controller_service_pb2.ReapOrphansResponse]]:
+        """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+        shows them until they are gone. By default only this controller's own orphans; another
+        owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+        controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+        Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+        malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+        provisioner cannot be reached.
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
