@@ -70,7 +70,7 @@ class Metrics:
     """The metrics registry of one service process.
 
     Args:
-        component: controller, provisioner, prober or loadbalancer (the build info's label).
+        component: controller, provisioner, prober, loadbalancer or dashboard (the build info's label).
     """
 
     def __init__(self, component: str) -> None:
