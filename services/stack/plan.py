@@ -168,6 +168,7 @@ def plan(
         "provisioner": _metrics(env, "provisioner", provisioner_addr, config.PROVISIONER_METRICS_ADDR),
         "controller": _metrics(env, "controller", controller_addr, config.CONTROLLER_METRICS_ADDR),
         "loadbalancer": _metrics(env, "loadbalancer", balancer_addr, config.LOADBALANCER_METRICS_ADDR),
+        "dashboard": _metrics(env, "dashboard", dashboard_addr, config.DASHBOARD_METRICS_ADDR),
     }
     # Probers' metrics count up the same way, stepping over the other services' metrics ports.
     first = _metrics(env, "prober", prober_addrs[0], config.PROBER_METRICS_ADDR)
@@ -263,10 +264,12 @@ def plan(
                 "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": dashboard_addr,
                 "REPLICAPLANE_DASHBOARD_HTTP_ADDR": dashboard_http,
                 "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": dial_addr(controller_addr),
+                **metrics_env("dashboard", metrics["dashboard"]),
             },
             addr=dashboard_addr,
             grpc_service="",
             url=f"http://{dial_addr(dashboard_http)}",
+            metrics_addr=metrics["dashboard"],
             needs={"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)},
         )
     )

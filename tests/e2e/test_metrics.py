@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import aiohttp
 import pytest
 
 from tests.helpers import metrics
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
-PROCESSES = ["controller", "loadbalancer", "prober-1", "provisioner"]
+PROCESSES = ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
 
 
 def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -33,6 +34,8 @@ def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
     return subprocess.run(
         [sys.executable, "-m", "services.stack", *args],
@@ -121,9 +124,26 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
     assert balancer.value("replicaplane_loadbalancer_request_duration_seconds_count", service="hello") >= 3
     await metrics.until(urls["loadbalancer"], lambda s: s.value("replicaplane_loadbalancer_ready_replicas") == 2)
 
+    # A page open on the web dashboard is counted, with the controller stream it follows hello on.
+    dashboard_url = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    async with aiohttp.ClientSession() as session, session.get(f"{dashboard_url}/api/events") as resp:
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"event: snapshot")
+        dashboard = await metrics.until(
+            urls["dashboard"],
+            lambda s: (
+                s.value("replicaplane_dashboard_pages") == 1
+                and s.value("replicaplane_dashboard_controller_streams") == 1
+            ),
+            what="one page following hello",
+        )
+    assert dashboard.value("replicaplane_dashboard_events_sent_total", kind="snapshot") == 1
+    assert dashboard.value("replicaplane_dashboard_page_connections_total", outcome="accepted") == 1
+    assert dashboard.value("replicaplane_dashboard_bridges", state="live") == 1
+
     # Prometheus finds them all through the stack's file_sd targets file.
     targets = json.loads((tmp_path / "state" / "prometheus" / "targets.json").read_text())
     assert {g["labels"]["process"]: g["targets"] for g in targets} == {
         name: [url.removeprefix("http://").removesuffix("/metrics")] for name, url in urls.items()
     }
-    assert {g["labels"]["job"] for g in targets} == {"controller", "loadbalancer", "prober", "provisioner"}
+    assert {g["labels"]["job"] for g in targets} == {"controller", "dashboard", "loadbalancer", "prober", "provisioner"}

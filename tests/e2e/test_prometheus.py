@@ -30,8 +30,12 @@ EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 
 
 def _stack(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0"}
-    for section in ("controller", "provisioner", "prober", "loadbalancer"):
+    env = {
+        **os.environ,
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
+    }
+    for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard"):
         env[f"REPLICAPLANE_{section.upper()}_LISTEN_ADDR"] = "127.0.0.1:0"
     return subprocess.run(
         [sys.executable, "-m", "services.stack", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
@@ -105,10 +109,11 @@ def test_prometheus_scrapes_the_stack_and_runs_every_rule_and_dashboard_query(pr
     def all_up() -> list[tuple[str, str]] | None:
         targets = _api(prometheus, "targets")["activeTargets"]
         found = sorted((t["labels"]["job"], t["labels"]["process"]) for t in targets)
-        return found if len(found) == 5 and all(t["health"] == "up" for t in targets) else None
+        return found if len(found) == 6 and all(t["health"] == "up" for t in targets) else None
 
     assert _until("every process scraped", all_up) == [
         ("controller", "controller"),
+        ("dashboard", "dashboard"),
         ("loadbalancer", "loadbalancer"),
         ("prober", "prober-1"),
         ("prober", "prober-2"),
@@ -136,6 +141,7 @@ def test_prometheus_scrapes_the_stack_and_runs_every_rule_and_dashboard_query(pr
     build = _api(prometheus, "query", query="count by (job) (replicaplane_build_info)")["result"]
     assert {r["metric"]["job"]: r["value"][1] for r in build} == {
         "controller": "1",
+        "dashboard": "1",
         "loadbalancer": "1",
         "prober": "2",
         "provisioner": "1",

@@ -10,6 +10,7 @@ from prometheus_client import Metric
 
 from services.common import grpc_metrics
 from services.common import metrics as metrics_mod
+from services.dashboard import metrics as dashboard_metrics
 from services.loadbalancer import connections, policies
 from services.loadbalancer import metrics as lb_metrics
 from services.prober import metrics as prober_metrics
@@ -41,7 +42,7 @@ PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 def registries() -> dict[str, prometheus_client.CollectorRegistry]:
     """One registry per component, holding everything that component registers."""
     out = {}
-    for component in ("controller", "provisioner", "prober", "loadbalancer"):
+    for component in ("controller", "provisioner", "prober", "loadbalancer", "dashboard"):
         metrics = metrics_mod.Metrics(component)
         grpc_metrics.GrpcServerMetrics(metrics.registry)
         out[component] = metrics.registry
@@ -50,6 +51,7 @@ def registries() -> dict[str, prometheus_client.CollectorRegistry]:
     lb = lb_metrics.BalancerMetrics(out["loadbalancer"], "web")
     tracker = connections.Tracker(connections.Limits(header_timeout_s=1, idle_timeout_s=1, max_connections=1))
     lb.watch(in_flight=policies.InFlight, ready=lambda: 0, held=lambda: 0, tracker=lambda: tracker)
+    dashboard_metrics.DashboardMetrics(out["dashboard"]).watch(pages=lambda: 0, bridges=dict, streams=lambda: 0)
     return out
 
 

@@ -185,7 +185,9 @@ def test_plan_defaults_match_the_shared_addresses() -> None:
         "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": config.DASHBOARD_ADDR,
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": config.DASHBOARD_HTTP_ADDR,
         "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+        "REPLICAPLANE_DASHBOARD_METRICS_ADDR": config.DASHBOARD_METRICS_ADDR,
     }
+    assert specs["dashboard"].metrics_addr == "127.0.0.1:9459"
     assert specs["dashboard"].url == "http://127.0.0.1:30080"
     assert specs["dashboard"].needs == {"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)}
     assert "REPLICAPLANE_DASHBOARD_API_TOKEN" not in specs["dashboard"].env, "it passes on each page's token"
@@ -376,18 +378,24 @@ def test_plan_gives_every_process_a_metrics_address_beside_its_grpc_port() -> No
         "prober-3": "127.0.0.1:9456",
         "controller": config.CONTROLLER_METRICS_ADDR,
         "loadbalancer": config.LOADBALANCER_METRICS_ADDR,
+        "dashboard": config.DASHBOARD_METRICS_ADDR,
     }
     for spec in specs.values():
         assert spec.env[config.env_name(spec.component, "metrics_addr")] == spec.metrics_addr
+    # Seven probers reach the dashboard's 9459 and step over it too.
+    probers = [s.metrics_addr for s in plan.plan(probers=7, environ={}) if s.component == "prober"]
+    assert [plan.split_addr(a)[1] for a in probers] == [9453, 9455, 9456, 9457, 9458, 9460, 9461]
 
 
 def test_plan_metrics_follow_port_zero_and_the_environment() -> None:
-    environ = {config.env_name(s, "listen_addr"): "127.0.0.1:0" for s in ("controller", "provisioner", "prober")}
+    environ = {
+        config.env_name(s, "listen_addr"): "127.0.0.1:0" for s in ("controller", "provisioner", "prober", "dashboard")
+    }
     environ[config.env_name("loadbalancer", "metrics_addr")] = ""  # metrics off for the balancer
     environ[config.env_name("provisioner", "metrics_addr")] = "127.0.0.1:9999"
     specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
     # A process that picks its gRPC port picks its metrics port too: stacks side by side never clash.
-    assert specs["controller"].metrics_addr == "127.0.0.1:0"
+    assert specs["controller"].metrics_addr == specs["dashboard"].metrics_addr == "127.0.0.1:0"
     assert specs["prober-1"].metrics_addr == specs["prober-2"].metrics_addr == "127.0.0.1:0"
     assert specs["provisioner"].metrics_addr == "127.0.0.1:9999"
     assert specs["loadbalancer"].metrics_addr == ""

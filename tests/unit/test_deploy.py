@@ -135,12 +135,14 @@ def test_compose_scrape_config_reaches_every_service_on_its_metrics_port() -> No
     cfg = load_yaml("prometheus", "prometheus.yml")
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     static = {
-        name: jobs[name]["static_configs"][0]["targets"] for name in ("controller", "provisioner", "loadbalancer")
+        name: jobs[name]["static_configs"][0]["targets"]
+        for name in ("controller", "provisioner", "loadbalancer", "dashboard")
     }
     assert static == {
         "controller": [f"controller:{config.CONTROLLER_METRICS_ADDR.rpartition(':')[2]}"],
         "provisioner": [f"provisioner:{config.PROVISIONER_METRICS_ADDR.rpartition(':')[2]}"],
         "loadbalancer": [f"loadbalancer:{config.LOADBALANCER_METRICS_ADDR.rpartition(':')[2]}"],
+        "dashboard": [f"dashboard:{config.DASHBOARD_METRICS_ADDR.rpartition(':')[2]}"],
     }
     (dns,) = jobs["prober"]["dns_sd_configs"]
     assert dns["names"] == ["prober"] and str(dns["port"]) == config.PROBER_METRICS_ADDR.rpartition(":")[2]

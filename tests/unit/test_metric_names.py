@@ -29,6 +29,7 @@ def test_every_component_registers_its_own_metrics() -> None:
     assert prefixes["prober"] >= {"prober", "build"}
     assert prefixes["provisioner"] >= {"provisioner", "build"}
     assert prefixes["loadbalancer"] >= {"loadbalancer", "build"}
+    assert prefixes["dashboard"] >= {"dashboard", "build"}
     # Everything but process and Python metrics is named for this project or for gRPC.
     others = {f.name for _, f in FAMILIES} - {f.name for _, f in OURS}
     assert all(name.startswith(("process_", "python_")) for name in others), others
