@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import builtins
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from services.common import errors
 from services.provisioner import capability, model
@@ -154,6 +154,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def watch(self) -> AsyncIterator[BackendEvent]:
         """App exits and disappearances, as they happen. One consumer."""
+
+    def report_api_errors(self, hook: Callable[[int], None]) -> None:  # noqa: B027 - optional hook
+        """Call `hook(status)` for each failed call to the backend's API: an HTTP status, 0 when
+        no answer came. Backends without a remote API never call it."""
 
     def zones(self) -> builtins.list[model.Zone]:
         """Zones, cheapest first; none unless the backend simulates them."""

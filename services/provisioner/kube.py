@@ -100,6 +100,7 @@ class ApiError(Exception):
         self.reason = reason
         self.retry_after = retry_after
         self.tries = 1
+        self.counted = False  # already reported to the metrics' on_error
 
     @property
     def transient(self) -> bool:
@@ -180,6 +181,8 @@ class _Api:
         self._client: Any = None
         self._core: Any = None
         self._errors: tuple[type[BaseException], ...] = ()
+        self.on_error: Callable[[int], None] = lambda status: None
+        """Called with the status of each failed try (0: no answer), for the metrics."""
         self._wait = ServerWait(retries.wait_jittered_exponential(opts.api_backoff_s, 2.0, opts.api_backoff_max_s))
 
     async def open(self) -> None:
@@ -235,7 +238,12 @@ class _Api:
             async for attempt in retrying:
                 with attempt:
                     tries += 1
-                    return await self._call_once(method, *args, **kwargs)
+                    try:
+                        return await self._call_once(method, *args, **kwargs)
+                    except ApiError as exc:
+                        self.on_error(exc.status)
+                        exc.counted = True
+                        raise
         except ApiError as exc:
             exc.tries = tries
             raise
@@ -857,6 +865,10 @@ class KubernetesBackend(backend.Backend):
         except ApiError as exc:
             log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, describe(exc))
 
+    def report_api_errors(self, hook: Callable[[int], None]) -> None:
+        """Call `hook(status)` for each failed try of an API call (0: no answer)."""
+        self._api.on_error = hook
+
     # ---- the watch -------------------------------------------------------------------------
 
     async def _watch(self, version: str) -> None:
@@ -883,6 +895,8 @@ class KubernetesBackend(backend.Backend):
             except TimeoutError:
                 log.info("pod watch silent for %.0f s; reopening it from version %s", self._opts.watch_idle_s, version)
             except ApiError as exc:
+                if not exc.counted:  # a list's failures were counted by _call
+                    self._api.on_error(exc.status)
                 delay = min(5.0, max(0.2, delay * 2))
                 log.warning("pod watch failed: %s; retrying in %.1f s", describe(exc), delay)
                 await asyncio.sleep(delay)

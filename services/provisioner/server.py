@@ -9,6 +9,7 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs, security
+from services.common import metrics as metrics_mod
 from services.provisioner import (
     addresses,
     capability,
@@ -22,6 +23,7 @@ from services.provisioner import (
     store,
 )
 from services.provisioner import backend as backend_mod
+from services.provisioner import metrics as provisioner_metrics
 from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
@@ -40,6 +42,11 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    metrics_addr: str = config.PROVISIONER_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns
+    metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     state_dir: str = "~/.replicaplane/provisioner"
     """Where records, logs and replica working directories live; replicas are re-found from it."""
     backend: str = "local"
@@ -379,11 +386,14 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
     """
     opts = options(settings)
     state_dir = _prepare_state_dir(settings.state_dir)
+    backend = backend or make_backend(settings)
+    registry = metrics_mod.for_address("provisioner", settings.metrics_addr)
     provisioner = manager.Provisioner(
-        backend=backend or make_backend(settings),
+        backend=backend,
         records=store.RecordStore(state_dir),
         logs=logstore.LogStore(state_dir),
         options=opts,
+        stats=provisioner_metrics.ProvisionerMetrics(registry.registry, backend.name) if registry else None,
     )
     await provisioner.start()
     try:
@@ -392,11 +402,13 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
             security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file),
             settings.tls_allowed_clients,
         )
-        server = grpc_server.new_server(domain="provisioner.replicaplane", interceptors=interceptors)
+        server = grpc_server.new_server(domain="provisioner.replicaplane", interceptors=interceptors, metrics=registry)
         provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
             servicer.ProvisionerServicer(provisioner), server
         )
-        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials)
+        built = grpc_server.finish(
+            server, settings.listen_addr, [SERVICE_NAME], credentials=credentials, metrics=registry
+        )
     except BaseException:
         await provisioner.close()
         raise
@@ -407,7 +419,13 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM; replicas keep running and are re-found on the next start."""
     built = await build_server(settings)
-    await grpc_server.serve_until_signal(built, grace=settings.shutdown_grace_s, port_file=settings.port_file)
+    await grpc_server.serve_until_signal(
+        built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
+    )
 
 
 def main() -> None:

@@ -42,6 +42,8 @@ class ProcessSpec:
             in `addr`.
         needs: env variable -> the processes whose addresses (comma-separated) it holds. `env`
             has them for the planned ports; `resolve` puts in the ports actually bound.
+        metrics_addr: host:port of its Prometheus `/metrics` endpoint ("" when metrics are off);
+            port 0 as in `addr`.
     """
 
     name: str
@@ -52,6 +54,12 @@ class ProcessSpec:
     grpc_service: str
     url: str = ""
     needs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    metrics_addr: str = ""
+
+    @property
+    def metrics_url(self) -> str:
+        """The URL of its metrics ("" when off); port 0 until the process reports its port."""
+        return f"http://{dial_addr(self.metrics_addr)}/metrics" if self.metrics_addr else ""
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -82,6 +90,22 @@ def _listen(environ: Mapping[str, str], section: str, default: str, field: str =
     except ValueError as exc:
         raise ValueError(f"{var}: {exc}") from None
     return addr
+
+
+def _metrics(environ: Mapping[str, str], section: str, listen: str, default: str) -> str:
+    """The metrics address of a process: the environment's (empty turns metrics off), else port 0
+    on the listen host when the process picks its gRPC port too, else `default`."""
+    var = config.env_name(section, "metrics_addr")
+    if var in environ:
+        addr = environ[var].strip()
+        if addr:
+            try:
+                split_addr(addr)
+            except ValueError as exc:
+                raise ValueError(f"{var}: {exc}") from None
+        return addr
+    host, port = split_addr(listen)
+    return f"{host}:0" if port == 0 else default
 
 
 def resolve(spec: ProcessSpec, bound: Mapping[str, str]) -> dict[str, str]:
@@ -140,6 +164,26 @@ def plan(
         if port not in taken:
             prober_addrs.append(f"{prober_host}:{port}")
         port += 1
+    metrics = {
+        "provisioner": _metrics(env, "provisioner", provisioner_addr, config.PROVISIONER_METRICS_ADDR),
+        "controller": _metrics(env, "controller", controller_addr, config.CONTROLLER_METRICS_ADDR),
+        "loadbalancer": _metrics(env, "loadbalancer", balancer_addr, config.LOADBALANCER_METRICS_ADDR),
+        "dashboard": _metrics(env, "dashboard", dashboard_addr, config.DASHBOARD_METRICS_ADDR),
+    }
+    # Probers' metrics count up the same way, stepping over the other services' metrics ports.
+    first = _metrics(env, "prober", prober_addrs[0], config.PROBER_METRICS_ADDR)
+    prober_metrics = [first] * probers
+    if first and split_addr(first)[1] != 0:
+        metrics_host, metrics_port = split_addr(first)
+        taken_metrics = {split_addr(a)[1] for a in metrics.values() if a}
+        prober_metrics = []
+        while len(prober_metrics) < probers:
+            if metrics_port not in taken_metrics:
+                prober_metrics.append(f"{metrics_host}:{metrics_port}")
+            metrics_port += 1
+
+    def metrics_env(section: str, addr: str) -> dict[str, str]:
+        return {config.env_name(section, "metrics_addr"): addr}
 
     specs = [
         ProcessSpec(
@@ -151,20 +195,23 @@ def plan(
                 "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(state_dir, "provisioner"),
                 "REPLICAPLANE_PROVISIONER_REPLICA_HOST": "127.0.0.1",
                 "REPLICAPLANE_PROVISIONER_ADVERTISE_HOST": "127.0.0.1",
+                **metrics_env("provisioner", metrics["provisioner"]),
             },
             addr=provisioner_addr,
             grpc_service=PROVISIONER_SERVICE,
+            metrics_addr=metrics["provisioner"],
         )
     ]
-    for i, addr in enumerate(prober_addrs, start=1):
+    for i, (addr, metrics_addr) in enumerate(zip(prober_addrs, prober_metrics, strict=True), start=1):
         specs.append(
             ProcessSpec(
                 name=f"prober-{i}",
                 component="prober",
                 argv=(python, "-m", "services.prober"),
-                env={"REPLICAPLANE_PROBER_LISTEN_ADDR": addr},
+                env={"REPLICAPLANE_PROBER_LISTEN_ADDR": addr, **metrics_env("prober", metrics_addr)},
                 addr=addr,
                 grpc_service=PROBER_SERVICE,
+                metrics_addr=metrics_addr,
             )
         )
     specs.append(
@@ -177,9 +224,11 @@ def plan(
                 "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(state_dir, "controller"),
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": dial_addr(provisioner_addr),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(dial_addr(a) for a in prober_addrs),
+                **metrics_env("controller", metrics["controller"]),
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
+            metrics_addr=metrics["controller"],
             needs={
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": tuple(f"prober-{i}" for i in range(1, probers + 1)),
@@ -196,10 +245,12 @@ def plan(
                 "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": http_addr,
                 "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": balanced_service,
                 "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": dial_addr(controller_addr),
+                **metrics_env("loadbalancer", metrics["loadbalancer"]),
             },
             addr=balancer_addr,
             grpc_service=LOADBALANCER_SERVICE,
             url=f"http://{dial_addr(http_addr)}",
+            metrics_addr=metrics["loadbalancer"],
             needs={"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)},
         )
     )
@@ -213,10 +264,12 @@ def plan(
                 "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": dashboard_addr,
                 "REPLICAPLANE_DASHBOARD_HTTP_ADDR": dashboard_http,
                 "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": dial_addr(controller_addr),
+                **metrics_env("dashboard", metrics["dashboard"]),
             },
             addr=dashboard_addr,
             grpc_service="",
             url=f"http://{dial_addr(dashboard_http)}",
+            metrics_addr=metrics["dashboard"],
             needs={"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)},
         )
     )

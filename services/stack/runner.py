@@ -127,6 +127,11 @@ class StateFiles:
         return os.path.join(self.state_dir, "ports")
 
     @property
+    def targets_path(self) -> str:
+        """Every process's metrics address, in Prometheus' file_sd format (see deploy/prometheus/)."""
+        return os.path.join(self.state_dir, "prometheus", "targets.json")
+
+    @property
     def result_path(self) -> str:
         """JSON the stopping stack leaves for `down`: the services it could not delete."""
         return os.path.join(self.state_dir, "stack.result.json")
@@ -156,8 +161,8 @@ class StateFiles:
             return None
 
     def remove(self) -> None:
-        """Remove the pid and state files."""
-        for path in (self.pid_path, self.state_path):
+        """Remove the pid, state and scrape target files."""
+        for path in (self.pid_path, self.state_path, self.targets_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -175,6 +180,7 @@ class Stack:
         # Where each process listens and serves HTTP; a planned port 0 becomes the bound one.
         self.addrs = {s.name: s.addr for s in self.specs}
         self.urls = {s.name: s.url for s in self.specs if s.url}
+        self.metrics = {s.name: s.metrics_addr for s in self.specs if s.metrics_addr}
         self._controller = next(s.name for s in self.specs if s.component == "controller")
 
     @property
@@ -187,6 +193,7 @@ class Stack:
         state = {
             "pid": os.getpid(),
             "ready": self.ready,
+            "metrics": {name: url for name in self.metrics if (url := self.metrics_url(name))},
             "controller": self.controller_addr,
             "services": self.created,
             # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
@@ -205,12 +212,34 @@ class Stack:
             ],
         }
         self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
+        self._write_targets()
+
+    def metrics_url(self, name: str) -> str:
+        """The metrics URL of process `name`; "" when it has none or its port is not known yet."""
+        addr = self.metrics.get(name, "")
+        return f"http://{plan.dial_addr(addr)}/metrics" if addr and plan.split_addr(addr)[1] else ""
+
+    def _write_targets(self) -> None:
+        """Tell a Prometheus that reads this file (file_sd) where to scrape, one job per component."""
+        groups = [
+            {
+                "targets": [plan.dial_addr(self.metrics[s.name])],
+                "labels": {"job": s.component, "process": s.name, "stack": "local"},
+            }
+            for s in self.specs
+            if self.metrics_url(s.name)
+        ]
+        os.makedirs(os.path.dirname(self.files.targets_path), exist_ok=True)
+        self.files.write(self.files.targets_path, json.dumps(groups, indent=2) + "\n")
 
     def _port_files(self, spec: plan.ProcessSpec) -> dict[str, str]:
         files = {config.env_name(spec.component, "port_file"): os.path.join(self.files.port_dir, f"{spec.name}.port")}
         if spec.url:
             http = os.path.join(self.files.port_dir, f"{spec.name}.http.port")
             files[config.env_name(spec.component, "http_port_file")] = http
+        if spec.metrics_addr:
+            metrics = os.path.join(self.files.port_dir, f"{spec.name}.metrics.port")
+            files[config.env_name(spec.component, "metrics_port_file")] = metrics
         return files
 
     def _launch(self, spec: plan.ProcessSpec, env: dict[str, str]) -> None:
@@ -257,7 +286,8 @@ class Stack:
         spec = next(s for s in self.specs if s.name == name)
         host, port = plan.split_addr(self.addrs[name])
         url_host, url_port = plan.split_addr(self.urls[name].removeprefix("http://")) if spec.url else ("", 1)
-        if port and url_port:
+        metrics_host, metrics_port = plan.split_addr(self.metrics[name]) if spec.metrics_addr else ("", 1)
+        if port and url_port and metrics_port:
             return
         files = self._port_files(spec)
         paths = list(files.values())
@@ -273,6 +303,8 @@ class Stack:
         self.addrs[name] = f"{host}:{ports[0]}"
         if spec.url:
             self.urls[name] = f"http://{url_host}:{ports[1]}"
+        if spec.metrics_addr:
+            self.metrics[name] = f"{metrics_host}:{ports[-1]}"
         self.save()
 
     def exited(self) -> str | None:
@@ -295,6 +327,8 @@ class Stack:
             addr = self.addrs[spec.name]
             await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
             self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            if metrics_url := self.metrics_url(spec.name):
+                self.out(f"{spec.name} metrics: {metrics_url}")
             if spec.component == "dashboard":
                 self.out(dashboard_line(self.urls[spec.name]))
             elif spec.url:
@@ -462,6 +496,8 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
         state = files.read_state()
         if state and state.get("pid") == proc.pid and state.get("ready"):
             out(f"stack running in the background (pid {proc.pid}); controller at {state['controller']}")
+            for name, url in (state.get("metrics") or {}).items():
+                out(f"{name} metrics: {url}")
             for process in state.get("processes", []):
                 if process.get("name") == "dashboard" and process.get("url"):
                     out(dashboard_line(process["url"]))
