@@ -173,7 +173,8 @@ BAD = {
     "wrapped_min_without_max": ("service:\n  pool: {min_workers: 1}\n", {"service.pool.max_workers"}),
     "wrapped_replicas_beside": ("service:\n  pool: {workers: 1}\n  replicas: 2\n", {"service.replicas"}),
     "wrapped_replica_policy_beside": (
-        "service:\n  pool: {workers: 1}\n  replica_policy: {min_replicas: 1, max_replicas: 2, target_qps_per_replica: 1}\n",
+        "service:\n  pool: {workers: 1}\n"
+        "  replica_policy: {min_replicas: 1, max_replicas: 2, target_qps_per_replica: 1}\n",
         {"service.replica_policy"},
     ),
     "wrapped_ports_beside": ("service:\n  pool: {workers: 1}\n  ports: 8080\n", {"service.ports"}),
