@@ -79,8 +79,10 @@ class Entry:
     log: events.EventLog[model.JobEvent]
     token: str
     task: asyncio.Task[None] | None = None
-    # Set when a cancel arrives while the job's start is in flight.
+    # Set once the job is cancelled (its grace), and its processes' end is a cancel.
     cancel_grace_s: float | None = None
+    # Set once its worker is known lost (why), so its processes' end is reported as that.
+    lost: str = ""
 
     def to_record(self) -> dict[str, Any]:
         return {

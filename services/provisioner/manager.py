@@ -808,6 +808,9 @@ class Provisioner:
             raise errors.FailedPreconditionError(
                 f"replica {name} is {replica.state.value.lower()}, not running", subject=name, replica=name
             )
+        job = self._jobs.get(replica.job_id)
+        if job is not None:
+            job.lost = "worker died (replica preempted)"  # its processes die with the worker's
         await self._backend.preempt(name)
         self._app_changed(
             entry,
@@ -982,6 +985,8 @@ class Provisioner:
             return  # its start reports it once the backend answered
         elif exit_code is not None:
             self._end_job(entry, model.JobState.EXITED, f"exited with code {exit_code}", exit_code=exit_code)
+        elif entry.lost:
+            self._end_job(entry, model.JobState.FAILED, entry.lost, cause=model.FailureCause.INFRASTRUCTURE)
         else:
             worker = self._entries.get(entry.request.replica)
             replica = worker.replica if worker else None
@@ -999,12 +1004,13 @@ class Provisioner:
         entry = self._jobs.get(worker.replica.job_id)
         if entry is None or entry.job.ended:
             return
+        entry.lost = entry.lost or reason
         try:
             await self._backend.cancel_job(entry.token, grace_s=grace_s)
         except Exception:
             log.exception("could not stop job %s of worker %s", entry.job.job_id, worker.replica.name)
         if not entry.job.ended:
-            self._end_job(entry, model.JobState.FAILED, reason, cause=model.FailureCause.INFRASTRUCTURE)
+            self._end_job(entry, model.JobState.FAILED, entry.lost, cause=model.FailureCause.INFRASTRUCTURE)
 
     def _end_job(
         self,
