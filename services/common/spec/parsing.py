@@ -87,16 +87,18 @@ def parse(
 
     alternatives = resources.parse(c, config.get("resources"), out.resources)
     raw_service = config.get("service")
-    raw_pool = config.get("pool")
-    wrapped = isinstance(raw_service, Mapping) and "pool" in raw_service
-    if "pool" in config or wrapped:
+    top_pool = "pool" in config
+    if top_pool or (isinstance(raw_service, Mapping) and "pool" in raw_service):
         out.kind = spec_pb2.FLEET_KIND_POOL
-        if "pool" in config and raw_service is not None:
-            c.add("pool", "pool and service are mutually exclusive: a pool runs jobs, a service serves requests")
-        elif wrapped:
+        if top_pool:
+            raw_pool, pool_path = config["pool"], "pool"
+            if raw_service is not None:
+                c.add("pool", "pool and service are mutually exclusive: a pool runs jobs, a service serves requests")
+        else:
+            assert isinstance(raw_service, Mapping)
             c.keys(raw_service, "service", frozenset({"pool"}), pool.REFUSED_BESIDE)
-            raw_pool = raw_service["pool"]
-        pool.parse(c, raw_pool, "service.pool" if wrapped else "pool", out.service.pool)
+            raw_pool, pool_path = raw_service["pool"], "service.pool"
+        pool.parse(c, raw_pool, pool_path, out.service.pool)
         pool.check_resources(c, config.get("resources"), alternatives)
         # As SkyPilot, a pool's `run` is not run: workers run setup, and each job its own command.
         out.ClearField("run")
