@@ -176,13 +176,15 @@ class BackendJob:
 
 @dataclasses.dataclass(frozen=True)
 class JobEnded:
-    """A job's processes ended: with `exit_code`, or None when they were killed without one."""
+    """A job's processes ended: with `exit_code`, or None when they were killed without one;
+    `worker_gone` when the backend knows they died with their worker."""
 
     token: str
     worker: str
     exit_code: int | None
     time: float = 0.0
     message: str = ""
+    worker_gone: bool = False
 
 
 def job_environment(job_id: str) -> dict[str, str]:

@@ -964,6 +964,8 @@ class Provisioner:
                     entry = self._jobs.get(job_id)
                     if entry is None or entry.token != ended.token:
                         continue
+                    if ended.worker_gone and not entry.lost:
+                        entry.lost = f"worker died ({ended.message})"
                     try:
                         self._job_finished(entry, ended.exit_code)
                     except Exception:
