@@ -63,6 +63,9 @@ class Options:
     kill_grace_s: float = 5.0
     watch_history: int = 10_000
     sweep_interval_s: float = 5.0
+    # How long a job killed from outside waits for news of its worker (the Pod watch may lag
+    # behind the exec session) before it is reported killed rather than "worker died".
+    job_kill_settle_s: float = 1.0
 
 
 @dataclasses.dataclass
@@ -977,7 +980,7 @@ class Provisioner:
                 log.exception("the backend's job stream failed; following it again")
                 await asyncio.sleep(1.0)
 
-    def _job_finished(self, entry: jobs.Entry, exit_code: int | None) -> None:
+    def _job_finished(self, entry: jobs.Entry, exit_code: int | None, *, settled: bool = False) -> None:
         """The job's processes ended: with `exit_code`, or killed (None)."""
         if entry.job.ended:
             return
@@ -989,6 +992,8 @@ class Provisioner:
             self._end_job(entry, model.JobState.EXITED, f"exited with code {exit_code}", exit_code=exit_code)
         elif entry.lost:
             self._end_job(entry, model.JobState.FAILED, entry.lost, cause=model.FailureCause.INFRASTRUCTURE)
+        elif not settled and self._worker_up(entry.request.replica):
+            self._in_background(self._settle_kill(entry))
         else:
             worker = self._entries.get(entry.request.replica)
             replica = worker.replica if worker else None
@@ -999,6 +1004,23 @@ class Provisioner:
             else:
                 reason = "its processes were killed without an exit code"
             self._end_job(entry, model.JobState.FAILED, reason, cause=model.FailureCause.INFRASTRUCTURE)
+
+    def _worker_up(self, name: str) -> bool:
+        worker = self._entries.get(name)
+        replica = worker.replica if worker else None
+        return (
+            replica is not None
+            and replica.state == model.ReplicaState.RUNNING
+            and replica.app_state == model.AppState.RUNNING
+        )
+
+    async def _settle_kill(self, entry: jobs.Entry) -> None:
+        """A job killed while its worker looks up: most often the worker is dying and its news is on
+        the way; wait for it (bounded), then say which it was."""
+        deadline = time.monotonic() + self._opts.job_kill_settle_s
+        while time.monotonic() < deadline and not entry.lost and self._worker_up(entry.request.replica):
+            await asyncio.sleep(0.05)
+        self._job_finished(entry, None, settled=True)
 
     async def _end_worker_job(self, worker: _Entry, reason: str, *, grace_s: float) -> None:
         """The worker's job cannot go on (the worker died or is torn down): kill what is left of

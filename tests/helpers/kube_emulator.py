@@ -519,14 +519,17 @@ class FakeKubelet:
         )
 
     def alive(self) -> list[str]:
-        """Names of Pods whose process runs, and `name (exec)` for those with other processes left."""
-        out = [n for n, f in self.pods.items() if f.proc is not None and f.proc.poll() is None]
+        """Names of Pods whose process runs, and `<pod dir> (pid N)` for each process left of a
+        Pod whose container ended (none should be: they die with it)."""
+        running = {n: f for n, f in self.pods.items() if f.proc is not None and f.proc.poll() is None}
+        out = sorted(running)
+        live_dirs = {f.dir for f in running.values()}
         root = os.path.abspath(self.workdir)
         for pid in procs.pids_with_env(POD_MARKER):
             where = procs.env_value(pid, POD_MARKER) or ""
-            if where.startswith(root + os.sep):
+            if where.startswith(root + os.sep) and where not in live_dirs:
                 out.append(f"{os.path.basename(where)} (pid {pid})")
-        return sorted(set(out))
+        return out
 
     async def exec_source(self, namespace: str, name: str, command: list[str]) -> asyncio.subprocess.Process | None:
         """Start `command` in Pod `name`'s running container (the API's pods/exec); None if it does not run."""
