@@ -806,7 +806,9 @@ class CancelJobRequest(_message.Message):
     """Job id."""
     @_builtins.property
     def grace(self) -> _duration_pb2.Duration:
-        """Time between SIGTERM and SIGKILL. Default (zero): the provisioner's kill grace."""
+        """Time between SIGTERM and SIGKILL. Unset: the provisioner's kill grace (`kill_grace_s`);
+        zero: SIGKILL at once.
+        """
 
     def __init__(
         self,
