@@ -67,6 +67,26 @@ class FailedPreconditionError(ReplicaplaneError):
         self.type_ = type_
 
 
+class ResourceExhaustedError(ReplicaplaneError):
+    """A limit of the server would be exceeded (a quota): free some of it, or raise the limit.
+
+    Attributes:
+        subject: the request field that asks for too much, such as `service.replicas`.
+        limit_name: the setting that sets the limit, such as `max_replicas_total`.
+        limit: its value.
+    """
+
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(
+        self, message: str, *, subject: str, limit_name: str, limit: int, reason: str | None = None, **metadata: object
+    ) -> None:
+        super().__init__(message, reason=reason, field=subject, limit_name=limit_name, limit=limit, **metadata)
+        self.subject = subject
+        self.limit_name = limit_name
+        self.limit = limit
+
+
 class AbortedError(ReplicaplaneError):
     """A concurrent change won; redo the read-modify-write."""
 

@@ -22,6 +22,7 @@ _CODES: list[tuple[type[errors.ReplicaplaneError], grpc.StatusCode]] = [
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AbortedError, grpc.StatusCode.ABORTED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 
@@ -72,6 +73,21 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
                     violations=[
                         error_details_pb2.PreconditionFailure.Violation(
                             type=exc.type_, subject=_clip(exc.subject), description=_clip(exc.message)
+                        )
+                    ]
+                )
+            )
+        )
+    elif isinstance(exc, errors.ResourceExhaustedError):
+        details.append(
+            _pack(
+                error_details_pb2.QuotaFailure(
+                    violations=[
+                        error_details_pb2.QuotaFailure.Violation(
+                            subject=_clip(exc.subject),
+                            description=_clip(exc.message),
+                            quota_id=exc.limit_name,
+                            quota_value=exc.limit,
                         )
                     ]
                 )

@@ -10,7 +10,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, grpc_server, logs, probe_fleet, security
+from services.common import audit, clients, config, errors, grpc_server, logs, probe_fleet, security
 from services.controller import controller, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
@@ -49,6 +49,13 @@ class Settings:
     """How long a store write waits for another process's lock before it counts as failed."""
     max_replicas_per_service: int = 1000
     """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
+    max_replicas_total: int = 5000
+    """The most replicas every service together may run. Each service holds the most its spec
+    can run (replicas, or max_replicas plus overprovision and on-demand fallback); a create or
+    update that would go over is refused with RESOURCE_EXHAUSTED."""
+    max_launches_in_flight: int = 128
+    """Launch streams to the provisioner followed at once, over every service; more launches
+    wait their turn, so a large scale-up never floods the controller or the provisioner."""
     autoscaler_interval_s: float = 20.0
     """Autoscaler decisions are made at least this often (SkyPilot: 20 s); a load report, an
     update and an elapsed up/downscale delay also decide at once."""
@@ -118,8 +125,18 @@ def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor],
     return chain, sink
 
 
+def _check(settings: Settings) -> None:
+    violations = [
+        errors.FieldViolation(f"controller.{name}", f"must be at least 1, got {getattr(settings, name)}")
+        for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
+        if getattr(settings, name) < 1
+    ]
+    errors.require(violations, subject="controller settings")
+
+
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
+    _check(settings)
     interceptors, audit_file = _interceptors(settings)
     tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
     credentials = tls.channel_credentials("controller") if tls.enabled else None
@@ -134,6 +151,8 @@ async def start(settings: Settings) -> Running:
         probe_fast_interval_s=settings.probe_fast_interval_s,
         sweep_interval_s=settings.sweep_interval_s,
         max_replicas_per_service=settings.max_replicas_per_service,
+        max_replicas_total=settings.max_replicas_total,
+        max_launches_in_flight=settings.max_launches_in_flight,
         decision_interval_s=settings.autoscaler_interval_s,
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
