@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from services.cli import main as cli
+from services.common import security
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
@@ -59,13 +60,11 @@ def _get_json(url: str, timeout: float = 10.0) -> object:
 def run(state_dir: str) -> int:
     """Run the demo; returns 0 when every step worked and nothing is left running."""
     started = time.monotonic()
-    controller, provisioner, prober, balancer, balancer_http = _free_ports(5)
+    # The internal services listen on Unix sockets in the state dir: only the public ports move.
+    controller, balancer_http = _free_ports(2)
     env = {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
     }
     addr = f"127.0.0.1:{controller}"
@@ -73,6 +72,10 @@ def run(state_dir: str) -> int:
     if _stack(["up", "--detach", "--state-dir", state_dir], env, timeout=180) != 0:
         print("demo failed: the stack did not start", file=sys.stderr)
         return 1
+    token_file = os.path.join(state_dir, "api-token")
+    if os.path.exists(token_file):  # the stack's own token (none when the user set theirs)
+        os.environ.pop(security.CLIENT_TOKEN_ENV, None)
+        os.environ[security.CLIENT_TOKEN_FILE_ENV] = token_file
     rc = 1
     try:
         _step("replicactl up examples/hello/service.yaml --wait")

@@ -407,7 +407,7 @@ def run(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: Te
     if args.command == "stack":
         cmd_stack(args)
     try:
-        token = security.client_token()
+        token = security.client_token(target=args.controller)
     except OSError as exc:
         print(f"error: cannot read the API token file: {exc.strerror}", file=err)
         return BAD_INPUT

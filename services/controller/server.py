@@ -83,6 +83,11 @@ class Settings:
     tls_* files turns mTLS on toward the provisioner and probers."""
     tls_server_name: str = ""
     """Name the provisioner's and probers' certificates must carry, when not their address host."""
+    allow_open_internal: bool = False
+    """With a token on the API, the controller refuses to start while it would reach the
+    provisioner or probers over plaintext TCP (any local user could call them and run commands
+    as their user): use unix: sockets or mTLS. Set this only where no one else can reach their
+    ports."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -131,7 +136,28 @@ def _check(settings: Settings) -> None:
         for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
         if getattr(settings, name) < 1
     ]
+    violations += _open_internal(settings)
     errors.require(violations, subject="controller settings")
+
+
+def _open_internal(settings: Settings) -> list[errors.FieldViolation]:
+    """With auth on the API, the provisioner and probers must not be open: a token on the API
+    protects nothing while Launch is one plaintext TCP call away for every local user."""
+    guarded = bool(settings.auth_token or settings.auth_token_file)
+    tls = bool(settings.tls_cert_file or settings.tls_key_file or settings.tls_ca_file)
+    if not guarded or tls or settings.allow_open_internal:
+        return []
+    why = (
+        "is plaintext TCP while the API requires a token: every local user could call it; use unix:PATH "
+        "sockets in a private directory or mTLS (tls_* settings), or set allow_open_internal"
+    )
+    violations = []
+    if not settings.provisioner_addr.startswith("unix:"):
+        violations.append(errors.FieldViolation("controller.provisioner_addr", why))
+    probers = [a.strip() for a in settings.prober_addrs.split(",") if a.strip()]
+    if any(not a.startswith("unix:") for a in probers):
+        violations.append(errors.FieldViolation("controller.prober_addrs", why))
+    return violations
 
 
 async def start(settings: Settings) -> Running:

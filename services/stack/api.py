@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -36,16 +37,24 @@ def _health_channel(addr: str, tls: bool) -> grpc.aio.Channel:
 
 
 async def wait_serving(
-    addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True, tls: bool = False
+    addr: str,
+    service: str,
+    *,
+    timeout: float,
+    alive: Callable[[], bool] = lambda: True,
+    tls: bool = False,
+    port_file: str = "",
 ) -> None:
     """Wait until the gRPC health check of `service` at `addr` says SERVING.
 
     Args:
-        addr: host:port.
+        addr: host:port or unix:PATH.
         service: the gRPC service name to check.
         timeout: seconds to wait.
         alive: false once the process is gone.
         tls: check over mTLS with the credentials of security.client_tls().
+        port_file: if set, wait for this file too: the process writes it once it serves, which
+            a health answer alone does not prove (another process may hold the port).
 
     Raises:
         StackError: the process died (`alive()` is false) or `timeout` seconds passed.
@@ -56,6 +65,11 @@ async def wait_serving(
         while True:
             if not alive():
                 raise StackError(f"{service} at {addr} exited before it was serving")
+            if port_file and not os.path.exists(port_file):
+                if time.monotonic() >= deadline:
+                    raise StackError(f"{service} at {addr} was not serving after {timeout:.0f} s")
+                await asyncio.sleep(0.1)
+                continue
             try:
                 resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -82,10 +96,12 @@ async def check_health(addr: str, service: str = "", *, timeout: float = 3.0, tl
 class Controller:
     """The few ControllerService calls the stack needs, over one channel."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, *, token: str | None = None) -> None:
         self.addr = addr
-        # The token (if any) comes from the environment: security.client_token().
-        self._channel = clients.channel(addr, interceptors=security.token_interceptors(security.client_token()))
+        # Without a token given: the environment's, or the local stack's for its controller.
+        if token is None:
+            token = security.client_token(target=addr)
+        self._channel = clients.channel(addr, interceptors=security.token_interceptors(token))
         self._stub = controller_service_pb2_grpc.ControllerServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -1,7 +1,13 @@
 """What the local stack runs, as data: one ProcessSpec per service process.
 
+The stack is safe on a shared host by default: the internal services (provisioner, probers, the
+balancer's admin API) listen on Unix sockets in the private state dir, so only the stack's user
+can call them, and the controller's public API requires a token the stack generates there
+(unless the user set controller tokens of their own).
+
 docker-compose.yml runs the same modules with the same environment variables (apart from host
-names); tests/unit/test_compose.py holds the two together.
+names, sockets and the stack's token and port files); tests/unit/test_compose.py holds the two
+together.
 """
 
 from __future__ import annotations
@@ -48,6 +54,18 @@ class ProcessSpec:
     url: str = ""
 
 
+SOCKET_DIR = "sockets"
+"""Where the internal services' Unix sockets live, inside the state dir."""
+TOKEN_FILE = "api-token"
+"""The token the stack generates for the controller's API, inside the state dir (0600)."""
+CONTROLLER_PORT_FILE = "controller.port"
+"""Written by the stack's controller once it serves: proof that it, not another process, holds
+the API port, before anything sends the controller a token."""
+
+# Longest path a Unix socket may have (108 bytes with the terminating NUL on Linux).
+_MAX_SOCKET_PATH = 107
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     """Split `host:port` (IPv6 hosts in brackets).
 
@@ -60,8 +78,15 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def is_unix(addr: str) -> bool:
+    """True for a Unix socket address (`unix:PATH`)."""
+    return addr.startswith("unix:")
+
+
 def dial_addr(listen_addr: str) -> str:
     """The address a local client dials for a server listening on `listen_addr`."""
+    if is_unix(listen_addr):
+        return listen_addr
     host, port = split_addr(listen_addr)
     if host in ("", "0.0.0.0", "[::]", "::"):
         host = "127.0.0.1"
@@ -71,9 +96,44 @@ def dial_addr(listen_addr: str) -> str:
 def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
     var = config.env_name(section, "listen_addr")
     addr = environ.get(var) or default
+    if is_unix(addr):
+        return addr
     if split_addr(addr)[1] == 0:
         raise ValueError(f"{var}: the stack needs a fixed port, got {addr}")
     return addr
+
+
+def _socket(state_dir: str, name: str) -> str:
+    path = os.path.join(state_dir, SOCKET_DIR, f"{name}.sock")
+    if len(path.encode()) > _MAX_SOCKET_PATH:
+        raise ValueError(f"the state dir {state_dir} is too long a path for Unix sockets; choose a shorter one")
+    return f"unix:{path}"
+
+
+def _internal(environ: Mapping[str, str], section: str, socket: str) -> str:
+    """The listen address of an internal service: its socket, or a TCP address the user set
+    for it, which the stack accepts only with mTLS on (anyone on the host could call it else)."""
+    var = config.env_name(section, "listen_addr")
+    addr = environ.get(var)
+    if not addr:
+        return socket
+    if is_unix(addr):
+        return addr
+    if not environ.get(config.env_name(section, "tls_cert_file")):
+        raise ValueError(
+            f"{var}: {addr} would let every user of this machine call the {section} (it runs commands); "
+            f"leave it unset (the stack uses a Unix socket in its state dir), give unix:PATH, or set "
+            f"REPLICAPLANE_{section.upper()}_TLS_* (docs/security.md)"
+        )
+    return _listen(environ, section, addr)
+
+
+def token_file(state_dir: str, environ: Mapping[str, str]) -> str:
+    """The token file the stack generates for the controller's API, or "" when the user set
+    controller tokens (REPLICAPLANE_CONTROLLER_AUTH_TOKEN or ..._FILE) of their own."""
+    if environ.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN") or environ.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE"):
+        return ""
+    return os.path.join(state_dir, TOKEN_FILE)
 
 
 def plan(
@@ -85,9 +145,11 @@ def plan(
 ) -> list[ProcessSpec]:
     """The processes of a local stack, in start order (provisioner, probers, controller, load balancer).
 
-    Listen addresses come from REPLICAPLANE_<SERVICE>_LISTEN_ADDR in `environ` or the shared
-    defaults; probers listen on the prober port and the ports after it, skipping the other
-    services' ports.
+    The controller and the balancer's HTTP listen on REPLICAPLANE_<SERVICE>_LISTEN_ADDR (and
+    ..._HTTP_ADDR) in `environ`, else the shared defaults. The provisioner, the probers and the
+    balancer's admin API listen on Unix sockets under `state_dir`/sockets unless `environ` sets
+    theirs (TCP only with mTLS for the provisioner and probers); TCP probers take the prober
+    port and the ports after it, skipping the other services' ports.
 
     Args:
         probers: number of prober processes, at least 1.
@@ -99,28 +161,46 @@ def plan(
         One ProcessSpec per process.
 
     Raises:
-        ValueError: probers < 1, or an address without a fixed port.
+        ValueError: probers < 1, an address without a fixed port, an internal service on TCP
+            without mTLS, or a state dir too long for Unix sockets.
     """
     if probers < 1:
         raise ValueError(f"probers must be at least 1, got {probers}")
     env = os.environ if environ is None else environ
     python = sys.executable
-    provisioner_addr = _listen(env, "provisioner", config.PROVISIONER_ADDR)
+    provisioner_addr = _internal(env, "provisioner", _socket(state_dir, "provisioner"))
     controller_addr = _listen(env, "controller", config.CONTROLLER_ADDR)
-    balancer_addr = _listen(env, "loadbalancer", config.LOADBALANCER_ADDR)
+    if is_unix(controller_addr):
+        raise ValueError("REPLICAPLANE_CONTROLLER_LISTEN_ADDR: the stack's controller listens on TCP (host:port)")
+    # The admin API has no mTLS, but the stack always gives the balancer a token it requires.
+    balancer_addr = env.get(config.env_name("loadbalancer", "listen_addr")) or _socket(state_dir, "loadbalancer")
+    balancer_addr = _listen(env, "loadbalancer", balancer_addr)
     http_var = config.env_name("loadbalancer", "http_addr")
     http_addr = env.get(http_var) or config.LOADBALANCER_HTTP_ADDR
     if split_addr(http_addr)[1] == 0:
         raise ValueError(f"{http_var}: the stack needs a fixed port, got {http_addr}")
-    # Probers count up from the prober port, stepping over the other services' ports (the
-    # balancer's 50054 sits right after the first prober's 50053).
-    taken = {split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)}
-    prober_host, port = split_addr(_listen(env, "prober", config.PROBER_ADDR))
+    prober_listen = _internal(env, "prober", "")
     prober_addrs: list[str] = []
-    while len(prober_addrs) < probers:
-        if port not in taken:
-            prober_addrs.append(f"{prober_host}:{port}")
-        port += 1
+    if not prober_listen:
+        prober_addrs = [_socket(state_dir, f"prober-{i}") for i in range(1, probers + 1)]
+    elif is_unix(prober_listen):
+        base = prober_listen.removesuffix(".sock")
+        prober_addrs = [prober_listen] + [f"{base}-{i}.sock" for i in range(2, probers + 1)]
+    else:
+        # TCP probers count up from the prober port, stepping over the other services' ports.
+        taken = {
+            split_addr(a)[1]
+            for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)
+            if not is_unix(a)
+        }
+        prober_host, port = split_addr(prober_listen)
+        while len(prober_addrs) < probers:
+            if port not in taken:
+                prober_addrs.append(f"{prober_host}:{port}")
+            port += 1
+    token = token_file(state_dir, env)
+    controller_auth = {"REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE": token} if token else {}
+    balancer_auth = {"REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE": token} if token else {}
 
     specs = [
         ProcessSpec(
@@ -158,6 +238,8 @@ def plan(
                 "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(state_dir, "controller"),
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": dial_addr(provisioner_addr),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(dial_addr(a) for a in prober_addrs),
+                "REPLICAPLANE_CONTROLLER_PORT_FILE": os.path.join(state_dir, CONTROLLER_PORT_FILE),
+                **controller_auth,
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
@@ -173,6 +255,7 @@ def plan(
                 "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": http_addr,
                 "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": balanced_service,
                 "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": dial_addr(controller_addr),
+                **balancer_auth,
             },
             addr=balancer_addr,
             grpc_service=LOADBALANCER_SERVICE,

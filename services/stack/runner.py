@@ -2,6 +2,9 @@
 
 Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes the
 services it created (so the provisioner tears every replica down) before it stops the children.
+
+The state dir is private (0700): it holds the internal services' sockets, the API token the
+stack generates (0600), the stores, replica logs and specs.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from services.common import security
 from services.stack import api, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,6 +118,16 @@ class StateFiles:
         return os.path.join(self.state_dir, "logs")
 
     @property
+    def token_path(self) -> str:
+        """The API token the stack generates when the user set none."""
+        return os.path.join(self.state_dir, plan.TOKEN_FILE)
+
+    @property
+    def controller_port_path(self) -> str:
+        """Written by the controller once it serves (the stack waits for it)."""
+        return os.path.join(self.state_dir, plan.CONTROLLER_PORT_FILE)
+
+    @property
     def result_path(self) -> str:
         """JSON the stopping stack leaves for `down`: the services it could not delete."""
         return os.path.join(self.state_dir, "stack.result.json")
@@ -142,16 +157,50 @@ class StateFiles:
             return None
 
     def remove(self) -> None:
-        """Remove the pid and state files."""
-        for path in (self.pid_path, self.state_path):
+        """Remove the pid, state, token and port files."""
+        for path in (self.pid_path, self.state_path, self.token_path, self.controller_port_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    def new_token(self) -> str:
+        """Generate the API token and write it, readable by this user only."""
+        token = secrets.token_urlsafe(32)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.token_path)  # never reuse a file someone else may hold open
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(f"{token}\n")
+        return token
+
+    def token(self) -> str:
+        """The generated API token, or "" when there is none."""
+        try:
+            with open(self.token_path, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except FileNotFoundError:
+            return ""
+
+
+def private_dir(path: str, out: api.Out) -> bool:
+    """Create `path` as a directory only this user may enter (0700), or make it one.
+
+    Returns:
+        False when it belongs to another user (then nothing in it can be trusted).
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        out(f"error: {path} belongs to another user (uid {st.st_uid}); use a state dir of your own")
+        return False
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # sockets, token, stores and replica logs: this user only
+    return True
 
 
 class Stack:
     """The service processes of one stack and the services it created."""
 
-    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out) -> None:
+    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out, *, token: str = "") -> None:
         self.specs = list(specs)
         self.files = files
         self.out = out
@@ -159,6 +208,9 @@ class Stack:
         self.created: list[str] = []
         self.ready = False
         self.controller_addr = plan.dial_addr(next(s.addr for s in self.specs if s.component == "controller"))
+        self.generated_token = bool(token)
+        # The generated token, else the user's own (from the environment).
+        self.token = token or security.client_token()
 
     def save(self) -> None:
         """Record what is running, for `down` and for a waiting `up --detach`."""
@@ -166,6 +218,7 @@ class Stack:
             "pid": os.getpid(),
             "ready": self.ready,
             "controller": self.controller_addr,
+            "token_file": self.files.token_path if self.generated_token else "",
             "services": self.created,
             "processes": [
                 {"name": s.name, "pid": self.procs[s.name].pid, "addr": s.addr}
@@ -175,10 +228,10 @@ class Stack:
         }
         self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
 
-    def start(self) -> None:
-        """Start every process, each in its own session, logging to the log dir."""
+    def start(self, specs: Sequence[plan.ProcessSpec]) -> None:
+        """Start `specs`, each in its own session, logging to the log dir."""
         os.makedirs(self.files.log_dir, exist_ok=True)
-        for spec in self.specs:
+        for spec in specs:
             log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
             with open(log_path, "ab") as log:
                 log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
@@ -203,14 +256,24 @@ class Stack:
                 return f"{spec.name} exited with code {proc.returncode}; see {log}"
         return None
 
-    async def wait_serving(self, timeout: float) -> None:
-        """Wait until every process's health check says SERVING."""
-        for spec in self.specs:
+    async def wait_serving(self, specs: Sequence[plan.ProcessSpec], timeout: float) -> None:
+        """Wait until the health check of each of `specs` says SERVING."""
+        for spec in specs:
             proc = self.procs[spec.name]
             alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
             var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
             tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
-            await api.wait_serving(plan.dial_addr(spec.addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
+            # The controller's own port file proves it holds the port (not another process that
+            # took it first and would collect the token from every client that connects).
+            port_file = spec.env.get("REPLICAPLANE_CONTROLLER_PORT_FILE", "")
+            await api.wait_serving(
+                plan.dial_addr(spec.addr),
+                spec.grpc_service,
+                timeout=timeout,
+                alive=alive,
+                tls=tls,
+                port_file=port_file,
+            )
             self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
             if spec.url:
                 self.out(f"{spec.name}: {spec.env.get('REPLICAPLANE_LOADBALANCER_SERVICE_NAME', '')} at {spec.url}")
@@ -230,7 +293,7 @@ class Stack:
         """
         controller = self.procs.get("controller")
         if controller is not None and controller.poll() is None:
-            client = api.Controller(self.controller_addr)
+            client = api.Controller(self.controller_addr, token=self.token)
             try:
                 return await client.delete_everything(timeout=delete_timeout, out=self.out, also=self.created)
             finally:
@@ -252,9 +315,14 @@ class Stack:
 
 
 async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
-    stack.start()
-    await stack.wait_serving(ready_timeout)
-    client = api.Controller(stack.controller_addr)
+    # The balancer sends the token to the controller: it starts once the controller serves.
+    first = [s for s in stack.specs if s.component != "loadbalancer"]
+    then = [s for s in stack.specs if s.component == "loadbalancer"]
+    stack.start(first)
+    await stack.wait_serving(first, ready_timeout)
+    stack.start(then)
+    await stack.wait_serving(then, ready_timeout)
+    client = api.Controller(stack.controller_addr, token=stack.token)
     try:
         if example:
             # Recorded before the call, so a stop during an in-flight create still deletes it.
@@ -296,14 +364,24 @@ async def up(
         The exit code: 0 after a requested stop, 1 if anything failed.
     """
     files = StateFiles(state_dir)
-    os.makedirs(state_dir, exist_ok=True)
+    if not private_dir(state_dir, out):
+        return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
     files.write(files.pid_path, f"{os.getpid()}\n")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(files.result_path)  # a stale report of an earlier stack
-    stack = Stack(specs, files, out)
+    for stale in (files.result_path, files.controller_port_path):  # left by an earlier stack
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    controller = next(s for s in specs if s.component == "controller")
+    token = ""
+    if controller.env.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE") == files.token_path:
+        token = files.new_token()
+        out(f"API token (for grpcurl and scripts): {files.token_path}")
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(files.token_path)  # the user's own tokens guard the API
+    stack = Stack(specs, files, out, token=token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,7 +426,8 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
         0 once the background stack is ready; 1 if it failed or took longer than `timeout` s.
     """
     files = StateFiles(state_dir)
-    os.makedirs(state_dir, exist_ok=True)
+    if not private_dir(state_dir, out):
+        return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
@@ -429,7 +508,8 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         out("cleaning up after a stack that is gone: " + ", ".join(n for n, _, _ in left))
         services = state.get("services", [])
         controller_alive = any(n == "controller" for n, _, _ in left)
-        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out)):
+        token = files.token() or security.client_token()
+        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out, token)):
             failed = True
         terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
     files.remove()
@@ -454,8 +534,8 @@ def _read_result(files: StateFiles) -> list[str] | None:
     return [str(n) for n in left] if isinstance(left, list) else None
 
 
-async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out) -> list[str]:
-    client = api.Controller(addr)
+async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out, token: str) -> list[str]:
+    client = api.Controller(addr, token=token)
     try:
         return await client.delete_everything(timeout=timeout, out=out, also=names)
     finally:
