@@ -33,7 +33,8 @@ def _health_channel(addr: str, tls: bool) -> grpc.aio.Channel:
     credentials = security.client_tls() if tls else None
     if credentials is None:
         return grpc.aio.insecure_channel(addr)
-    return grpc.aio.secure_channel(addr, credentials)
+    options = [("grpc.ssl_target_name_override", clients.UNIX_SERVER_NAME)] if addr.startswith("unix:") else []
+    return grpc.aio.secure_channel(addr, credentials, options=options)
 
 
 async def wait_serving(

@@ -195,6 +195,7 @@ def test_replicactl_stack_up_and_down(tmp_path) -> None:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "stack running in the background" in up.stdout
         addr = env["REPLICAPLANE_CONTROLLER_LISTEN_ADDR"]
+        env["REPLICAPLANE_API_TOKEN_FILE"] = os.path.join(state, "api-token")  # the stack's token
         status = run("--controller", addr, "status")
         assert (status.returncode, status.stdout.strip()) == (0, "No services.")
     finally:

@@ -36,34 +36,20 @@ def free_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def free_port_run(n: int, avoid: list[int]) -> int:
-    """The first of `n` consecutive free loopback ports, none in `avoid` (prober i listens on the
-    first + i - 1)."""
-    for _ in range(50):
-        first = free_ports(1)[0]
-        if set(range(first, first + n)) & set(avoid):
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(first, first + n):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def stack_env(probers: int = 1) -> dict[str, str]:
-    controller, provisioner, balancer, balancer_http = free_ports(4)
-    prober = free_port_run(probers, avoid=[controller, provisioner, balancer, balancer_http])
+    """The stack moved to free ports. Only the public ones (the controller's API, the balancer's
+    HTTP) are ports at all: the internal services listen on sockets in the state dir."""
+    controller, balancer_http = free_ports(2)
     return {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": f"127.0.0.1:{provisioner}",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": f"127.0.0.1:{prober}",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": f"127.0.0.1:{balancer}",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
     }
+
+
+def auth(state_dir) -> list[tuple[str, str]]:
+    """Call metadata with the token the stack generated in `state_dir`."""
+    return [("authorization", f"Bearer {(state_dir / 'api-token').read_text().strip()}")]
 
 
 def stack(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -139,13 +125,17 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
         stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            service = stub.GetService(pb.GetServiceRequest(service_name="hello"), timeout=10).service
+            service = stub.GetService(
+                pb.GetServiceRequest(service_name="hello"), metadata=auth(state_dir), timeout=10
+            ).service
             if service.status == resources_pb2.SERVICE_STATUS_READY and service.ready_replicas == 2:
                 break
             time.sleep(0.25)
         else:
             pytest.fail(f"hello not READY with 2 replicas in 120 s: {service}\n{logs(state_dir)}")
-        for replica in stub.ListReplicas(pb.ListReplicasRequest(service_name="hello"), timeout=10).replicas:
+        for replica in stub.ListReplicas(
+            pb.ListReplicasRequest(service_name="hello"), metadata=auth(state_dir), timeout=10
+        ).replicas:
             if replica.status == resources_pb2.REPLICA_STATUS_READY:
                 endpoints[replica.replica_id] = replica.endpoint
     assert len(endpoints) == 2
@@ -261,11 +251,15 @@ def test_down_deletes_services_created_through_the_api_and_reports_none_left(sta
     with grpc.insecure_channel(state["controller"]) as channel:
         stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
         for name in ("api-one", "api-two"):
-            stub.CreateService(pb.CreateServiceRequest(service_name=name, yaml=spec), timeout=30)
+            stub.CreateService(
+                pb.CreateServiceRequest(service_name=name, yaml=spec), metadata=auth(state_dir), timeout=30
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             ready = [
-                stub.GetService(pb.GetServiceRequest(service_name=n), timeout=10).service.ready_replicas
+                stub.GetService(
+                    pb.GetServiceRequest(service_name=n), metadata=auth(state_dir), timeout=10
+                ).service.ready_replicas
                 for n in ("api-one", "api-two")
             ]
             if ready == [1, 1]:
