@@ -66,7 +66,7 @@ async def wait_serving(
         while True:
             if not alive():
                 raise StackError(f"{service} at {addr} exited before it was serving")
-            if port_file and not os.path.exists(port_file):
+            if port_file and not await asyncio.to_thread(os.path.exists, port_file):
                 if time.monotonic() >= deadline:
                     raise StackError(f"{service} at {addr} was not serving after {timeout:.0f} s")
                 await asyncio.sleep(0.1)

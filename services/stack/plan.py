@@ -189,9 +189,7 @@ def plan(
     else:
         # TCP probers count up from the prober port, stepping over the other services' ports.
         taken = {
-            split_addr(a)[1]
-            for a in (provisioner_addr, controller_addr, balancer_addr, http_addr)
-            if not is_unix(a)
+            split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr) if not is_unix(a)
         }
         prober_host, port = split_addr(prober_listen)
         while len(prober_addrs) < probers:

@@ -23,7 +23,9 @@ DEFAULT_TOTAL = 5000  # the controller's default max_replicas_total
 
 
 def big(name: str) -> str:
-    return f"name: {name}\nservice:\n  readiness_probe: /health\n  replicas: {SIZE}\nresources:\n  ports: 8080\nrun: x\n"
+    return (
+        f"name: {name}\nservice:\n  readiness_probe: /health\n  replicas: {SIZE}\nresources:\n  ports: 8080\nrun: x\n"
+    )
 
 
 class HealthPoller(threading.Thread):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def launch():
 
 def probe_once():
     with grpc.insecure_channel(targets["prober"]) as ch:
-        request = probe.ProbeRequest(upsert_targets=[probe.ProbeTarget(target_id="x", url="http://127.0.0.1:9", path="/")])
+        target = probe.ProbeTarget(target_id="x", url="http://127.0.0.1:9", path="/")
+        request = probe.ProbeRequest(upsert_targets=[target])
         for _ in probe_grpc.ProberServiceStub(ch).Probe(iter([request]), timeout=10):
             break
 
@@ -80,6 +82,18 @@ print(json.dumps(out))
 """
 
 
+GRPCURL = os.path.join(test_stack.REPO, ".venv", "bin", "grpcurl")
+
+
+def internal_commands() -> list[str]:
+    """docs/grpcurl.md's commands for the internal services' sockets."""
+    with open(os.path.join(test_stack.REPO, "docs", "grpcurl.md"), encoding="utf-8") as fh:
+        text = fh.read()
+    block = re.search(r"for the controller and for operators:\s*```bash\n(.*?)```", text, re.S)
+    assert block, "docs/grpcurl.md lost its internal services block"
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
 def public_env(**extra: str) -> dict[str, str]:
     """The default stack, moved to free ports only where other tests on this machine would clash
     (the public API and the balancer's HTTP port); nothing else is set."""
@@ -96,7 +110,18 @@ def public_env(**extra: str) -> dict[str, str]:
 def as_nobody(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([test_stack.REPO, os.path.join(test_stack.REPO, "gen", "python")])
     return subprocess.run(
-        ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", sys.executable, "-c", script, *args],
+        [
+            "setpriv",
+            "--reuid",
+            str(NOBODY),
+            "--regid",
+            str(NOBODY),
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            script,
+            *args,
+        ],
         env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": path, "HOME": "/"},
         cwd="/",
         capture_output=True,
@@ -112,7 +137,7 @@ def state_dir():
     # from the other user by accident: this one is world-readable, like a shared checkout.
     top = pathlib.Path(tempfile.mkdtemp(prefix="rp-shared-"))
     os.chmod(top, 0o755)
-    state = top / "state"
+    state = top / ".state"  # as under `make up`, so the documented commands run from `top`
     yield state
     if (state / "stack.json").exists() or (state / "stack.pid").exists():
         test_stack.stack("down", "--state-dir", str(state), env=dict(os.environ), timeout=200)
@@ -145,6 +170,18 @@ def test_another_local_user_cannot_run_commands_through_the_stack(state_dir, own
         assert not marker.exists(), "a command ran for another user"
         mode = os.stat(state_dir).st_mode & 0o777
         assert mode == 0o700, oct(mode)
+        if not own_token:
+            # The stack's own user reaches the internal services as docs/grpcurl.md shows.
+            for command in internal_commands():
+                done = subprocess.run(
+                    ["bash", "-c", command.replace(".venv/bin/grpcurl", GRPCURL)],
+                    cwd=state_dir.parent,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                )
+                assert done.returncode == 0, f"{command}\n{done.stderr}"
     finally:
         down = test_stack.stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
     assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{test_stack.logs(state_dir)}"

@@ -47,7 +47,12 @@ async def test_a_socket_in_a_directory_others_may_enter_is_refused(tmp_path) -> 
 
 @pytest.mark.parametrize(
     ("addr", "path"),
-    [("unix:/a/b.sock", "/a/b.sock"), ("unix:///a/b.sock", "/a/b.sock"), ("unix:rel/b.sock", "rel/b.sock"), ("127.0.0.1:5", "")],
+    [
+        ("unix:/a/b.sock", "/a/b.sock"),
+        ("unix:///a/b.sock", "/a/b.sock"),
+        ("unix:rel/b.sock", "rel/b.sock"),
+        ("127.0.0.1:5", ""),
+    ],
 )
 def test_unix_path(addr: str, path: str) -> None:
     assert grpc_server.unix_path(addr) == path

@@ -82,9 +82,7 @@ async def test_a_create_or_update_over_the_total_replica_cap_is_refused_and_chan
 
         for dry_run in (True, False):
             await refused(
-                env.stub.UpdateService(
-                    api.UpdateServiceRequest(service_name="a", yaml=spec("a", 3), dry_run=dry_run)
-                ),
+                env.stub.UpdateService(api.UpdateServiceRequest(service_name="a", yaml=spec("a", 3), dry_run=dry_run)),
                 "service.replicas",
             )
         assert await version(env, "a") == 1
