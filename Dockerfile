@@ -1,5 +1,9 @@
 # One image for all three services; docker-compose.yml picks the module per container.
-FROM python:3.11-slim
+#
+# BASE_IMAGE: any image with Python 3.11+ where `python` and `pip` are first on PATH. Where no
+# registry is reachable, .ci/base-image makes one from Debian's packages.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -11,8 +15,12 @@ WORKDIR /app
 
 # Dependencies first, so code changes do not reinstall them. The kubernetes client (for the
 # provisioner's kubernetes backend) is an optional extra elsewhere; the image carries it.
+# A build host behind a TLS-inspecting proxy passes its CA bundle as the optional build secret
+# `build_ca`: it is mounted for this step only and never written to a layer.
 COPY requirements.txt requirements-kubernetes.txt ./
-RUN pip install -r requirements.txt -r requirements-kubernetes.txt
+RUN --mount=type=secret,id=build_ca,required=false \
+    if [ -s /run/secrets/build_ca ]; then export PIP_CERT=/run/secrets/build_ca; fi \
+    && pip install -r requirements.txt -r requirements-kubernetes.txt
 
 COPY gen/ gen/
 COPY services/ services/

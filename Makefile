@@ -55,6 +55,11 @@ compose-check: setup  ## Validate docker-compose.yml with the real Compose v2 bi
 	@compose="$$($(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"; \
 	  echo "$$compose config -q"; "$$compose" config -q
 
+# Needs root where no engine runs yet: it installs docker.io and starts dockerd (see the script).
+.PHONY: compose-e2e
+compose-e2e: setup  ## Build the image and run the compose stack for real: scale, create, curl, restart.
+	PY=$(PY) .ci/compose-e2e
+
 test: setup  ## Run every test (unit, service, end to end).
 	$(PY) -m pytest
 
@@ -72,6 +77,21 @@ down: setup  ## Stop a local stack started in the background (make up UP_ARGS=--
 
 bench: setup  ## Run every benchmark; each prints `figure: <name> <value> <unit>` lines.
 	@for script in bench/*.py; do echo "== $$script"; $(PY) "$$script" || exit 1; done
+
+# Each bench on tiny sizes (BENCH_SMOKE=1): fails if one exits non-zero, prints no figure: line
+# or takes over BENCH_SMOKE_TIMEOUT seconds. Every bench together: under 2 minutes on 2 cores.
+BENCH_SMOKE_TIMEOUT ?= 120
+.PHONY: bench-smoke
+bench-smoke: setup  ## Run every benchmark in its tiny mode, to check that each still runs (not a measurement).
+	@start=$$(date +%s); out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
+	for script in bench/*.py; do \
+	  t0=$$(date +%s); echo "== $$script (smoke)"; \
+	  BENCH_SMOKE=1 timeout -k 10 $(BENCH_SMOKE_TIMEOUT) $(PY) "$$script" >"$$out" 2>&1; rc=$$?; cat "$$out"; \
+	  if [ $$rc -ne 0 ]; then echo "FAILED: $$script exited with $$rc"; exit 1; fi; \
+	  if ! grep -q '^figure: ' "$$out"; then echo "FAILED: $$script printed no figure: line"; exit 1; fi; \
+	  echo "== $$script passed in $$(( $$(date +%s) - t0 )) s"; \
+	done; \
+	echo "bench-smoke: every bench ran, $$(( $$(date +%s) - start )) s in all"
 
 clean:  ## Remove the virtualenv and caches (not .state/).
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

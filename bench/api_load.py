@@ -5,6 +5,7 @@ against the three real services with real replicas.
 Run: .venv/bin/python bench/api_load.py [--clients 200] [--seconds 60] [--token]
 Prints `figure: <name> <value> <unit>` lines: api_errors, api_p99_ms and friends. With
 --token the controller requires a bearer token, so the figures include the check's cost.
+--smoke (or BENCH_SMOKE=1) runs 20 clients for 3 s on 2 one-replica services.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E4
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc  # noqa: E402
 from replicaplane.controller.v1 import resources_pb2 as res  # noqa: E402
 from services.common import security  # noqa: E402
+from tests.helpers import bench  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
 
-SERVICES = 4
-REPLICAS = 2
+SERVICES = bench.pick(4, 2)
+REPLICAS = bench.pick(2, 1)
 CHANNELS = 8
 HOLDERS_SHARE = 0.25  # of the clients hold one watch open for the whole run
 
@@ -100,10 +102,12 @@ async def holder(stub: api_grpc.ControllerServiceStub, name: str, load: Load, un
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--clients", type=int, default=200)
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--clients", type=int, default=bench.pick(200, 20))
+    parser.add_argument("--seconds", type=float, default=bench.pick(60.0, 3.0))
     parser.add_argument("--token", action="store_true", help="require a bearer token on the API")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs (BENCH_SMOKE=1)")
     args = parser.parse_args()
+    bench.announce()
     token = f"bench-{uuid.uuid4().hex}" if args.token else ""
     env = {"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": token} if token else {}
     tmp = tempfile.mkdtemp(prefix="rp-bench-api-")

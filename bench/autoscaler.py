@@ -10,6 +10,9 @@ controller's own. Run from the repo root: `python bench/autoscaler.py`. Prints `
 - controller_cpu_1k_replicas: the controller's CPU time over a steady WINDOW_S divided by the
   window (1.0 = one core), holding 1,000 READY replicas while a load report of 1,000 request
   times arrives every second and probes run at the default 10 s interval.
+
+With BENCH_SMOKE=1 (or --smoke) it runs 2 rounds and 20 replicas for 1 s, and checks that the
+1,000-replica spec is accepted by the controller as this bench configures it (a dry-run update).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ import grpc  # noqa: E402
 from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E402
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc  # noqa: E402
 from services.common import pbtime  # noqa: E402
-from tests.helpers import fake_provisioner, procs  # noqa: E402
+from tests.helpers import bench, fake_provisioner, procs  # noqa: E402
 
-ROUNDS = 10
+ROUNDS = bench.pick(10, 2)
 UPSCALE_DELAY_S = 0.5
-REPLICAS = 1000
-WINDOW_S = 10.0
+FULL_REPLICAS = 1000
+REPLICAS = bench.pick(FULL_REPLICAS, 20)
+WINDOW_S = bench.pick(10.0, 1.0)
+SETTLE_S = bench.pick(3.0, 0.5)
 
 LATENCY_YAML = f"""name: lat
 service:
@@ -50,17 +55,31 @@ resources:
 run: x
 """
 
-BIG_YAML = f"""name: big
+
+def big_yaml(replicas: int) -> str:
+    """A service held at `replicas` (min = max, within the controller's default replica cap) under
+    load that alone would want half as many; the autoscaler still decides on every report."""
+    return f"""name: big
 service:
   readiness_probe: /health
   replica_policy:
-    min_replicas: {REPLICAS}
-    max_replicas: {2 * REPLICAS}
+    min_replicas: {replicas}
+    max_replicas: {replicas}
     target_qps_per_replica: 2
 resources:
   ports: 8080
 run: x
 """
+
+
+def controller_env(state_dir: str, provisioner_addr: str, prober_addr: str) -> dict[str, str]:
+    """The controller process's environment (its settings)."""
+    return {
+        "REPLICAPLANE_CONTROLLER_STATE_DIR": state_dir,
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": provisioner_addr,
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": prober_addr,
+        "REPLICAPLANE_CONTROLLER_DRAIN_S": "0",
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,20 +119,27 @@ async def load_to_launch(stub: api_grpc.ControllerServiceStub, fake: fake_provis
 
 async def steady_cpu(stub: api_grpc.ControllerServiceStub, pid: int) -> float:
     """Fraction of one core the controller uses holding REPLICAS replicas under steady load."""
-    await stub.CreateService(api.CreateServiceRequest(yaml=BIG_YAML))
+    await stub.CreateService(api.CreateServiceRequest(yaml=big_yaml(REPLICAS)))
     stop = asyncio.Event()
 
     async def report() -> None:
+        sequence = 0
         while not stop.is_set():
-            now = time.time()
-            times = [pbtime.timestamp(now - i / REPLICAS) for i in range(REPLICAS)]
-            await stub.ReportLoad(api.ReportLoadRequest(service_name="big", request_times=times))
+            sequence += 1
+            ages = [pbtime.duration(i / REPLICAS) for i in range(REPLICAS)]  # as a balancer sends them
+            await stub.ReportLoad(
+                api.ReportLoadRequest(service_name="big", balancer_id="bench", sequence=sequence, request_ages=ages)
+            )
             await asyncio.sleep(1.0)
 
     reporter = asyncio.create_task(report())
     try:
         await wait_ready(stub, "big", REPLICAS)
-        await asyncio.sleep(3.0)  # let the launch burst settle
+        # The full run's spec must pass this controller's checks, or the bench has rotted.
+        await stub.UpdateService(
+            api.UpdateServiceRequest(service_name="big", yaml=big_yaml(FULL_REPLICAS), dry_run=True)
+        )
+        await asyncio.sleep(SETTLE_S)  # let the launch burst settle
         c0, t0 = cpu_seconds(pid), time.monotonic()
         await asyncio.sleep(WINDOW_S)
         return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
@@ -123,17 +149,11 @@ async def steady_cpu(stub: api_grpc.ControllerServiceStub, pid: int) -> float:
 
 
 async def main() -> None:
+    bench.announce()
     async with fake_provisioner.serving() as (fake, provisioner_addr):
         prober = procs.start_service("prober")
-        controller = procs.start_service(
-            "controller",
-            env={
-                "REPLICAPLANE_CONTROLLER_STATE_DIR": tempfile.mkdtemp(prefix="rp-bench-autoscaler-"),
-                "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": provisioner_addr,
-                "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": prober.addr,
-                "REPLICAPLANE_CONTROLLER_DRAIN_S": "0",
-            },
-        )
+        state_dir = tempfile.mkdtemp(prefix="rp-bench-autoscaler-")
+        controller = procs.start_service("controller", env=controller_env(state_dir, provisioner_addr, prober.addr))
         channel = grpc.aio.insecure_channel(controller.addr)
         stub = api_grpc.ControllerServiceStub(channel)
         try:

@@ -1,7 +1,8 @@
 """Controller latency benchmark: dispatch (create -> launch at the provisioner) and readiness
 (app answers -> READY seen in a watch), with the three real services and real replicas.
 
-Run from the repo root: `python bench/controller.py`. Prints `figure:` lines.
+Run from the repo root: `python bench/controller.py`. Prints `figure:` lines. BENCH_SMOKE=1 (or
+--smoke) runs 2 rounds of 2 replicas and 3 dispatch samples.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from replicaplane.controller.v1 import resources_pb2 as res  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc  # noqa: E402
 from services.common import clients  # noqa: E402
+from tests.helpers import bench  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
 
-ROUNDS = 10
-REPLICAS = 5
-DISPATCH_SAMPLES = 50
+ROUNDS = bench.pick(10, 2)
+REPLICAS = bench.pick(5, 2)
+DISPATCH_SAMPLES = bench.pick(50, 3)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -48,6 +50,7 @@ def read_time(path: str) -> float:
 
 
 async def main() -> None:
+    bench.announce()
     tmp = tempfile.mkdtemp(prefix="rp-bench-ctl-")
     c = cl.Cluster(tmp)
     prov = prov_grpc.ProvisionerServiceStub(clients.channel(c.provisioner.addr))

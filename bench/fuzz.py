@@ -1,7 +1,7 @@
 """Fuzz the controller's API with hypothesis: specs (create, update, dry run) and requests of
 every method, against a real controller server with a scripted provisioner.
 
-Run: .venv/bin/python bench/fuzz.py [--examples N]
+Run: .venv/bin/python bench/fuzz.py [--examples N] [--smoke]
 Prints `figure: <name> <value> <unit>` lines; a crash is an INTERNAL/UNKNOWN status, an
 INVALID_ARGUMENT without field violations, or a failed call that changed state.
 """
@@ -18,13 +18,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "gen", "python")]
 
-from tests.helpers import fuzzing  # noqa: E402
+from tests.helpers import bench, fuzzing  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--examples", type=int, default=1000, help="hypothesis examples per strategy")
+    parser.add_argument("--examples", type=int, default=bench.pick(1000, 10), help="hypothesis examples per strategy")
+    parser.add_argument("--smoke", action="store_true", help="10 examples, to check the bench runs (BENCH_SMOKE=1)")
     args = parser.parse_args()
+    bench.announce()
     logging.basicConfig(level=logging.ERROR)  # the scripted provisioner's warnings are noise here
     started = time.monotonic()
     cases = 0

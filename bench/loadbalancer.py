@@ -10,6 +10,7 @@ p50 and p99 latencies. Throughput: BENCH_CONCURRENCY clients send GETs through t
 BENCH_MEASURE seconds; on a 2-core machine the balancer, both replicas and the client share them.
 Scale from zero: one request to a `min_replicas: 0` service with no replica, held by a second
 balancer until the replica its arrival launched is READY; the figure is its response time.
+BENCH_SMOKE=1 (or --smoke) sends 50 pairs and 4 clients for 1 s.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ import aiohttp  # noqa: E402
 
 from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E402
 from tests.helpers import balancer as lb  # noqa: E402
+from tests.helpers import bench  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
 
-REQUESTS = int(os.environ.get("BENCH_REQUESTS", "2000"))
-CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "32"))
-MEASURE_S = float(os.environ.get("BENCH_MEASURE", "5"))
+REQUESTS = int(os.environ.get("BENCH_REQUESTS", bench.pick("2000", "50")))
+CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", bench.pick("32", "4")))
+MEASURE_S = float(os.environ.get("BENCH_MEASURE", bench.pick("5", "1")))
+WARMUP = bench.pick(200, 10)
 
 
 def pct(values: list[float], p: float) -> float:
@@ -66,6 +69,7 @@ async def scale_from_zero(c: cl.Cluster, tmp: str) -> float:
 
 
 async def main() -> None:
+    bench.announce()
     with tempfile.TemporaryDirectory(prefix="rp-bench-lb-") as tmp:
         c = cl.Cluster(tmp)
         b = None
@@ -79,7 +83,7 @@ async def main() -> None:
             via = b.url + "/whoami"
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as session:
-                for _ in range(200):  # warm up connections and code paths
+                for _ in range(WARMUP):  # warm up connections and code paths
                     await timed_get(session, direct)
                     await timed_get(session, via)
                 direct_ms, via_ms = [], []

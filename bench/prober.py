@@ -8,6 +8,7 @@ can do, so the figure is their ceiling with at most 100 probes in flight (BENCH_
 BENCH_INTERVAL and BENCH_MEASURE override). Ready detection: a starting target whose app is
 down is probed at the default 100 ms fast interval; the app then starts listening; the figure
 is the time from listening to the READY result arriving at the client, over 200 samples.
+BENCH_SMOKE=1 (or --smoke): 10 targets for 0.5 s and 10 detection samples.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from google.protobuf import duration_pb2  # noqa: E402
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb  # noqa: E402
 from services.common import probe_fleet  # noqa: E402
-from tests.helpers import prober_apps, procs  # noqa: E402
+from tests.helpers import bench, ports, prober_apps, procs  # noqa: E402
 
-TARGETS = int(os.environ.get("BENCH_TARGETS", "100"))
+TARGETS = int(os.environ.get("BENCH_TARGETS", bench.pick("100", "10")))
 INTERVAL_S = float(os.environ.get("BENCH_INTERVAL", "0.005"))
-WARMUP_S = 2.0
-MEASURE_S = float(os.environ.get("BENCH_MEASURE", "5"))
-DETECT_ROUNDS = 200
-DETECT_PARALLEL = 10
+WARMUP_S = bench.pick(2.0, 0.3)
+MEASURE_S = float(os.environ.get("BENCH_MEASURE", bench.pick("5", "0.5")))
+DETECT_ROUNDS = bench.pick(200, 10)
+DETECT_PARALLEL = bench.pick(10, 5)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -83,19 +84,15 @@ async def throughput(probers: int) -> float:
 async def _detect_once(fleet: probe_fleet.ProbeFleet, ready: dict[str, asyncio.Future[float]], i: int) -> float:
     """Upsert a starting target whose app is down, start the app, return ms until READY."""
     target_id = f"r{i}"
-    port = prober_apps.free_port()
+    down = ports.Reserved()  # refuses connections until the app listens on its socket
     loop = asyncio.get_running_loop()
     ready[target_id] = loop.create_future()
-    fleet.upsert(
-        pb.ProbeTarget(
-            target_id=target_id, url=f"http://127.0.0.1:{port}", path="/", starting=True, interval=_duration(10)
-        )
-    )
+    fleet.upsert(pb.ProbeTarget(target_id=target_id, url=down.url, path="/", starting=True, interval=_duration(10)))
     # Let a few fast probes fail first, at a random phase of the fast interval.
     await asyncio.sleep(random.uniform(0.15, 0.35))
     app = prober_apps.App()
     started = time.perf_counter()
-    await app.start(port)
+    await app.start(sock=down.take())
     try:
         seen = await asyncio.wait_for(ready[target_id], 5)
         return (seen - started) * 1000
@@ -135,6 +132,7 @@ def _percentile(samples: list[float], q: float) -> float:
 
 
 async def main() -> None:
+    bench.announce()
     one = await throughput(1)
     print(f"figure: probes_per_s_1 {one:.0f} probes/s", flush=True)
     two = await throughput(2)

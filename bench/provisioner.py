@@ -8,7 +8,8 @@ every 20 ms, so launches overlap with setups, app starts and exits), and measure
   last act) to the APP_EXITED event arriving on a WatchReplicas stream. The app's own start
   is excluded.
 
-Run from the repo root: `python bench/provisioner.py`. Ends with `figure:` lines.
+Run from the repo root: `python bench/provisioner.py`. Ends with `figure:` lines. BENCH_SMOKE=1
+(or --smoke) launches 5 replicas whose apps live 0.2 s.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import grpc  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc  # noqa: E402
 from replicaplane.provisioner.v1 import resources_pb2  # noqa: E402
+from tests.helpers import bench, provisioner_procs  # noqa: E402
 from tests.helpers import procs as service_procs  # noqa: E402
 from tests.helpers import provisioner_client as client  # noqa: E402
-from tests.helpers import provisioner_procs  # noqa: E402
 
-REPLICAS = 60
+REPLICAS = bench.pick(60, 5)
 PACE_S = 0.02
-APP_LIFE_S = 1.0
+APP_LIFE_S = bench.pick(1.0, 0.2)
 # The app's last act is to print the exit time; bash then exits with code 3 at once.
 RUN = f'sleep {APP_LIFE_S}; echo "EXIT_AT $EPOCHREALTIME"; exit 3'
 
@@ -115,6 +116,7 @@ async def run(addr: str, state_dir: str) -> dict[str, float]:
 
 def main() -> None:
     """Start a provisioner, run the benchmark, print the figures."""
+    bench.announce()
     work = tempfile.mkdtemp(prefix="rp-bench-provisioner-")
     state_dir = os.path.join(work, "state")
     env = {

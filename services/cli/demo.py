@@ -1,16 +1,15 @@
 """`make demo`: start a local stack, deploy the 2-replica example, show it working, stop it all.
 
-The stack runs on free loopback ports with its own state dir (.state/demo), so a `make up`
-stack on the default ports is left alone. Every step prints what it does and how long it took.
+The stack runs on free loopback ports (each service binds port 0 and the stack records the port
+it got) with its own state dir (.state/demo), so a `make up` stack on the default ports is left
+alone. Every step prints what it does and how long it took.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,6 @@ from services.common import security
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
-
-
-def _free_ports(n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def _step(text: str) -> None:
@@ -60,15 +51,15 @@ def _get_json(url: str, timeout: float = 10.0) -> object:
 def run(state_dir: str) -> int:
     """Run the demo; returns 0 when every step worked and nothing is left running."""
     started = time.monotonic()
-    # The internal services listen on Unix sockets in the state dir: only the public ports move.
-    controller, balancer_http = _free_ports(2)
+    # Port 0 for the public ports: each binds a free one and the stack writes it to stack.json.
+    # The internal services listen on Unix sockets in the state dir.
     env = {
         **os.environ,
-        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
-    addr = f"127.0.0.1:{controller}"
-    _step(f"starting the local stack (controller at {addr}, state in {state_dir})")
+    _step(f"starting the local stack on free ports (state in {state_dir})")
     if _stack(["up", "--detach", "--state-dir", state_dir], env, timeout=180) != 0:
         print("demo failed: the stack did not start", file=sys.stderr)
         return 1
@@ -78,6 +69,10 @@ def run(state_dir: str) -> int:
         os.environ[security.CLIENT_TOKEN_FILE_ENV] = token_file
     rc = 1
     try:
+        with open(os.path.join(state_dir, "stack.json"), encoding="utf-8") as fh:
+            state = json.load(fh)
+        addr = state["controller"]
+        balancer = next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
         _step("replicactl up examples/hello/service.yaml --wait")
         code = cli.run(["--controller", addr, "up", EXAMPLE, "--wait", "--timeout", "120"])
         if code != cli.OK:
@@ -85,11 +80,11 @@ def run(state_dir: str) -> int:
         _step("replicactl status")
         cli.run(["--controller", addr, "status"])
         # One URL for the service: the stack's load balancer in front of the replicas.
-        url = f"http://127.0.0.1:{balancer_http}/"
+        url = f"{balancer}/"
         _step(f"one request through the load balancer: GET {url}")
         print(json.dumps(_get_json(url)), flush=True)
         rc = 0
-    except (OSError, IndexError) as exc:
+    except (OSError, IndexError, KeyError, StopIteration, ValueError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
     finally:
         _step("stopping the stack (every service is deleted first)")

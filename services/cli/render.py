@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from google.protobuf import json_format, message
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import watchlines
 
 SERVICE_HEADERS = ("NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT")
 REPLICA_HEADERS = ("SERVICE", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS", "REASON")
 REPLICA_EXTRA_HEADERS = ("ZONE", "SPOT", "NAME")
+VERBOSE_HEADERS = ("AUTOSCALING", "LB_POLICY", "RESOURCES")
+ORPHAN_HEADERS = ("NAME", "SERVICE", "ID", "VERSION", "STATE", "AGE", "OWNER", "REASON")
 
 # A balancer in front of the replicas may give the service one URL; the first of these string
 # fields that a controller sends wins over the list of replica endpoints.
@@ -122,6 +127,27 @@ def replica_row(r: res.Replica, now: float, *, extra: bool = False) -> tuple[str
     return row
 
 
+def orphan_row(o: res.Orphan, now: float) -> tuple[str, ...]:
+    """One row of the orphans table; the owner reads `this controller` for this controller's own."""
+    age = duration(now - o.create_time.ToSeconds()) if _has(o, "create_time") else "-"
+    if o.owned_by_this_controller:
+        owner = "this controller" if o.owner else "none (this controller's)"
+    else:
+        owner = o.owner
+    row = (o.replica_name, o.service_name, str(o.replica_id), str(o.version), o.state, age, owner, o.reason)
+    return tuple(cell or "-" for cell in row)
+
+
+def orphans_text(orphans: Sequence[res.Orphan], controller_id: str, *, tty: bool, now: float | None = None) -> str:
+    """The orphans table, under a line with this controller's id."""
+    now = time.time() if now is None else now
+    head = f"controller id: {controller_id}\n"
+    if not orphans:
+        return head + "No orphans.\n"
+    rows = [orphan_row(o, now) for o in orphans]
+    return head + table("Orphans", ORPHAN_HEADERS, rows, tty=tty)
+
+
 def autoscaler_line(svc: res.Service) -> str:
     """`hello: autoscaler request_rate: target 2 (1..3), 1.50 qps; <last decision>`, or "" when
     the controller sends no autoscaler status."""
@@ -135,23 +161,72 @@ def autoscaler_line(svc: res.Service) -> str:
     return line
 
 
-def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns padded to their widest cell, two spaces apart; no trailing spaces."""
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+def verbose_cells(svc: res.Service) -> tuple[str, str, str]:
+    """The `status -v` columns (as `sky serve status -v`): autoscaling, load balancing policy
+    and the resources asked for."""
+    if not _has(svc, "spec"):
+        return ("-", "-", "-")
+    policy = svc.spec.service.replica_policy
+    if policy.max_replicas > policy.min_replicas:
+        scaling = f"{policy.min_replicas}..{policy.max_replicas} replicas"
+        if policy.target_qps_per_replica:
+            scaling += f" at {policy.target_qps_per_replica:g} qps each"
+        elif policy.target_qps_per_accelerator:
+            scaling += " at qps per accelerator"
+    else:
+        scaling = f"fixed {policy.min_replicas} replicas"
+    lb = svc.spec.service.load_balancing_policy or spec_pb2.LOAD_BALANCING_POLICY_LEAST_LOAD
+    balancing = watchlines.enum_label(spec_pb2.LoadBalancingPolicy, lb, "LOAD_BALANCING_POLICY_").lower()
+    r = svc.spec.resources
+    parts = [f"cpus={r.cpus}" if r.cpus else "", f"mem={r.memory}" if r.memory else "", r.accelerators]
+    parts += ["spot" if r.use_spot else "", "/".join(p for p in (r.cloud, r.region, r.zone) if p)]
+    alternatives = len(r.any_of) or len(r.ordered)
+    if alternatives:
+        parts.append(f"{alternatives} alternatives")
+    return (scaling, balancing, " ".join(p for p in parts if p) or "-")
+
+
+# Column rules for narrow terminals: the optional columns of a table go, in this order, until
+# it fits; the others (names, ids, statuses, URLs) are never dropped or split, except prose,
+# which wraps between words. If it still does not fit, each row is printed as a block of lines.
+SERVICE_OPTIONAL = ("RESOURCES", "LB_POLICY", "AUTOSCALING", "UPTIME", "VERSION")
+REPLICA_OPTIONAL = ("NAME", "SPOT", "ZONE", "LAUNCHED", "VERSION")
+_WRAPS = frozenset({"REASON"})
+_WRAP_MIN = 16
+# Characters a table spends around its cells: (between two columns, at the two edges).
+_PLAIN_GAPS = (2, 0)
+_RICH_GAPS = (3, 2)
+
+
+def plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], widths: Sequence[int] | None = None) -> str:
+    """Columns padded to their widest cell, two spaces apart; no trailing spaces.
+
+    With `widths`, a cell wider than its column is wrapped between words onto the next lines.
+    """
+    natural = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    widths = list(widths or natural)
     lines = []
     for row in (headers, *rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        cells = [_wrap(cell, w) if len(cell) > w else [cell] for cell, w in zip(row, widths, strict=True)]
+        for n in range(max(len(c) for c in cells)):
+            parts = [(c[n] if n < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
+            lines.append("  ".join(parts).rstrip())
     return "\n".join(lines) + "\n"
 
 
-def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, width: int = 160) -> str:
+def rich_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, width: int = 160, wraps: Collection[str] = ()
+) -> str:
     """The same table drawn by rich (colours for statuses), as text for a terminal."""
     import rich.console
     import rich.table
 
     table = rich.table.Table(title=title, title_justify="left", show_edge=False, header_style="bold")
     for h in headers:
-        table.add_column(h, overflow="fold")
+        if h in wraps:
+            table.add_column(h, overflow="fold")
+        else:
+            table.add_column(h, no_wrap=True, overflow="ignore")
     for row in rows:
         table.add_row(*(_colour(headers[i], cell) for i, cell in enumerate(row)))
     buf = io.StringIO()
@@ -173,11 +248,99 @@ def _colour(header: str, cell: str) -> str:
     return f"[yellow]{cell}[/yellow]"
 
 
-def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, tty: bool, width: int = 160) -> str:
-    """A titled table: rich on a terminal, plain text otherwise (pipes, files, CI)."""
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, max(1, width), break_on_hyphens=False) or [""]
+
+
+def _fit(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, gaps: tuple[int, int], optional: Sequence[str]
+) -> list[int] | None:
+    """The columns to show at `width` (indexes), or None when even the kept ones do not fit."""
+    natural = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+
+    def need(shown: list[int]) -> int:
+        cells = sum(min(natural[i], _WRAP_MIN) if headers[i] in _WRAPS else natural[i] for i in shown)
+        return cells + gaps[0] * (len(shown) - 1) + gaps[1]
+
+    shown = list(range(len(headers)))
+    for name in optional:
+        if need(shown) <= width:
+            break
+        shown = [i for i in shown if headers[i] != name]
+    return shown if need(shown) <= width else None
+
+
+def _blocks(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> str:
+    """Each row as a block of `  HEADER  value` lines; a value too long for that line goes whole
+    on a line of its own (prose is wrapped between words)."""
+    label = max(len(h) for h in headers)
+    lines = [title]
+    for n, row in enumerate(rows):
+        if n:
+            lines.append("")
+        for header, cell in zip(headers, row, strict=True):
+            if 4 + label + len(cell) <= width:
+                lines.append(f"  {header.ljust(label)}  {cell}")
+            elif header in _WRAPS:
+                lines += [f"  {header}"] + [f"    {part}" for part in _wrap(cell, width - 4)]
+            else:
+                lines += [f"  {header}", f"    {cell}"]
+    return "\n".join(lines) + "\n"
+
+
+def table(
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    tty: bool,
+    width: int | None = None,
+    optional: Sequence[str] = (),
+) -> str:
+    """A titled table: rich on a terminal, plain text otherwise (pipes, files, CI).
+
+    At a `width` too narrow for every column, the `optional` ones are left out first, in
+    order; the others are never split (prose in REASON wraps between words).
+    """
+    shown = list(range(len(headers)))
+    if width is not None:
+        fitted = _fit(headers, rows, width, _RICH_GAPS if tty else _PLAIN_GAPS, optional)
+        if fitted is None:
+            return _blocks(title, headers, rows, width)
+        shown = fitted
+    headers = [headers[i] for i in shown]
+    rows = [[row[i] for i in shown] for row in rows]
     if tty:
-        return rich_table(title, headers, rows, width=width)
-    return f"{title}\n" + plain_table(headers, rows)
+        natural = sum(max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers))
+        return rich_table(title, headers, rows, width=width or natural + 3 * len(headers), wraps=_WRAPS)
+    if width is None:
+        return f"{title}\n" + plain_table(headers, rows)
+    return f"{title}\n" + plain_table(headers, rows, _plain_widths(headers, rows, width))
+
+
+def _plain_widths(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[int]:
+    natural = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    wrapping = [i for i, h in enumerate(headers) if h in _WRAPS]
+    spare = width - sum(w for i, w in enumerate(natural) if i not in wrapping) - _PLAIN_GAPS[0] * (len(headers) - 1)
+    for i in wrapping:
+        natural[i] = max(min(natural[i], spare // len(wrapping)), min(natural[i], _WRAP_MIN))
+    return natural
+
+
+# A READY service's message that only restates its counts; any other message is news.
+_ROUTINE = re.compile(r"\d+/\d+ ready(, target \d+)?")
+
+
+def _notes(svc: res.Service, show_all: bool) -> list[str]:
+    """The lines under the services table for one service."""
+    message = svc.status_message
+    routine = svc.status == res.SERVICE_STATUS_READY and _ROUTINE.fullmatch(message) is not None
+    lines = [f"{svc.name}: {message}"] if message and (show_all or not routine) else []
+    if svc.probing_stale:
+        lines.append(f"{svc.name}: probing is stale (no prober answered recently)")
+    if show_all and (line := autoscaler_line(svc)):
+        lines.append(line)
+    return lines
 
 
 def status_text(
@@ -186,26 +349,39 @@ def status_text(
     *,
     tty: bool,
     show_all: bool = False,
+    verbose: bool = False,
     now: float | None = None,
-    width: int = 160,
+    width: int | None = None,
 ) -> str:
-    """The `replicactl status` output: a services table, then a replicas table."""
+    """The `replicactl status` output: a services table, each service's notes, a replicas table.
+
+    Args:
+        services: the services to show.
+        replicas: their replicas.
+        tty: draw with rich (colours) instead of plain text.
+        show_all: every status message, the autoscaler, and the replicas' zone, spot and name.
+        verbose: the autoscaling, load balancing and resources columns.
+        now: the time durations count to (default now).
+        width: the width to fit; None for no limit.
+    """
     now = time.time() if now is None else now
-    out = table("Services", SERVICE_HEADERS, [service_row(s, now) for s in services], tty=tty, width=width)
-    # A READY service's message only repeats the counts; the others say why they are where they are.
-    messages = [
-        f"{s.name}: {s.status_message}"
-        for s in services
-        if s.status_message and (show_all or s.status != res.SERVICE_STATUS_READY)
-    ]
-    stale = [f"{s.name}: probing is stale (no prober answered recently)" for s in services if s.probing_stale]
-    if show_all:
-        messages += [line for s in services if (line := autoscaler_line(s))]
-    if messages or stale:
-        out += "\n" + "\n".join(messages + stale) + "\n"
+    headers = SERVICE_HEADERS + (VERBOSE_HEADERS if verbose else ())
+    rows = [service_row(s, now) + (verbose_cells(s) if verbose else ()) for s in services]
+    out = table("Services", headers, rows, tty=tty, width=width, optional=SERVICE_OPTIONAL)
+    notes = [line for s in services for line in _notes(s, show_all)]
+    if width is not None:  # prose: wrapped between words, a long word (a URL) kept whole
+        notes = [
+            part
+            for note in notes
+            for part in textwrap.wrap(
+                note, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+            )
+        ]
+    if notes:
+        out += "\n" + "\n".join(notes) + "\n"
     headers = REPLICA_HEADERS + (REPLICA_EXTRA_HEADERS if show_all else ())
     rows = [replica_row(r, now, extra=show_all) for r in replicas]
-    out += "\n" + table("Service Replicas", headers, rows, tty=tty, width=width)
+    out += "\n" + table("Service Replicas", headers, rows, tty=tty, width=width, optional=REPLICA_OPTIONAL)
     return out
 
 

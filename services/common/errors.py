@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+MAX_LISTED_VIOLATIONS = 10
+"""Violations named in an error's message and details; the rest are only counted, so a request
+with thousands of bad entries still gets a small INVALID_ARGUMENT (statuses travel in a trailer)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FieldViolation:
@@ -38,7 +42,10 @@ class ValidationError(ReplicaplaneError):
 
     def __init__(self, violations: list[FieldViolation], *, subject: str = "request") -> None:
         self.violations = list(violations)
-        lines = "; ".join(f"{v.field}: {v.description}" for v in self.violations)
+        listed = self.violations[:MAX_LISTED_VIOLATIONS]
+        lines = "; ".join(f"{v.field}: {v.description}" for v in listed)
+        if len(self.violations) > len(listed):
+            lines += f"; and {len(self.violations) - len(listed)} more ({len(self.violations)} violations)"
         super().__init__(f"invalid {subject}: {lines}")
 
 
@@ -68,20 +75,30 @@ class FailedPreconditionError(ReplicaplaneError):
 
 
 class ResourceExhaustedError(ReplicaplaneError):
-    """A limit of the server would be exceeded (a quota): free some of it, or raise the limit.
+    """A limit was reached: a quota of the server (free some of it, or raise the limit), or of the
+    caller's own use (a watch fell too far behind, for one).
 
     Attributes:
-        subject: the request field that asks for too much, such as `service.replicas`.
-        limit_name: the setting that sets the limit, such as `max_replicas_total`.
+        subject: for a quota, the request field that asks for too much, such as `service.replicas`.
+        limit_name: for a quota, the setting that sets the limit, such as `max_replicas_total`
+            ("" for other limits: no QuotaFailure detail then).
         limit: its value.
     """
 
     reason = "RESOURCE_EXHAUSTED"
 
     def __init__(
-        self, message: str, *, subject: str, limit_name: str, limit: int, reason: str | None = None, **metadata: object
+        self,
+        message: str,
+        *,
+        subject: str = "",
+        limit_name: str = "",
+        limit: int = 0,
+        reason: str | None = None,
+        **metadata: object,
     ) -> None:
-        super().__init__(message, reason=reason, field=subject, limit_name=limit_name, limit=limit, **metadata)
+        quota: dict[str, object] = {"field": subject, "limit_name": limit_name, "limit": limit} if limit_name else {}
+        super().__init__(message, reason=reason, **quota, **metadata)
         self.subject = subject
         self.limit_name = limit_name
         self.limit = limit

@@ -38,6 +38,23 @@ def _clip(text: str) -> str:
     return f"{text[: _MAX_TEXT - 50]} ... {text[-40:]}"
 
 
+# Bytes of field violations listed in one status (at least one is always listed): with the message
+# and ErrorInfo, the status stays far below the 8 KB trailer limit of gRPC clients.
+_MAX_VIOLATION_BYTES = 2048
+
+
+def _listed_violations(violations: list[errors.FieldViolation]) -> list[error_details_pb2.BadRequest.FieldViolation]:
+    out: list[error_details_pb2.BadRequest.FieldViolation] = []
+    size = 0
+    for v in violations[: errors.MAX_LISTED_VIOLATIONS]:
+        item = error_details_pb2.BadRequest.FieldViolation(field=_clip(v.field), description=_clip(v.description))
+        size += item.ByteSize()
+        if out and size > _MAX_VIOLATION_BYTES:
+            break
+        out.append(item)
+    return out
+
+
 def _pack(message: Any) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
@@ -52,20 +69,11 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
         return status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
     code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
     metadata = {_clip(k): _clip(v) for k, v in exc.metadata.items()}
+    if isinstance(exc, errors.ValidationError):
+        metadata["violation_count"] = str(len(exc.violations))
     details = [_pack(error_details_pb2.ErrorInfo(reason=exc.reason, domain=domain, metadata=metadata))]
     if isinstance(exc, errors.ValidationError):
-        details.append(
-            _pack(
-                error_details_pb2.BadRequest(
-                    field_violations=[
-                        error_details_pb2.BadRequest.FieldViolation(
-                            field=_clip(v.field), description=_clip(v.description)
-                        )
-                        for v in exc.violations
-                    ]
-                )
-            )
-        )
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=_listed_violations(exc.violations))))
     elif isinstance(exc, errors.FailedPreconditionError):
         details.append(
             _pack(
@@ -78,7 +86,7 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
                 )
             )
         )
-    elif isinstance(exc, errors.ResourceExhaustedError):
+    elif isinstance(exc, errors.ResourceExhaustedError) and exc.limit_name:
         details.append(
             _pack(
                 error_details_pb2.QuotaFailure(
@@ -173,6 +181,7 @@ class RpcError(Exception):
         self.code: grpc.StatusCode = err.code()
         self.message: str = err.details() or ""
         self.reason = ""
+        self.metadata: dict[str, str] = {}
         self.field_violations: list[tuple[str, str]] = []
         status = rpc_status.from_call(err)
         if status is not None:
@@ -181,6 +190,7 @@ class RpcError(Exception):
                     info = error_details_pb2.ErrorInfo()
                     detail.Unpack(info)
                     self.reason = info.reason
+                    self.metadata = dict(info.metadata)
                 elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                     bad = error_details_pb2.BadRequest()
                     detail.Unpack(bad)

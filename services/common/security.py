@@ -276,11 +276,13 @@ def _first_token(path: str) -> str:
     return ""
 
 
-def client_token(environ: Mapping[str, str] | None = None, *, target: str = "") -> str:
+def client_token(
+    environ: Mapping[str, str] | None = None, *, target: str = "", state_dir: str = STACK_STATE_DIR
+) -> str:
     """The token a client sends, or "": $REPLICAPLANE_API_TOKEN, the first token of the file
     named by $REPLICAPLANE_API_TOKEN_FILE, else the controller's own token settings (so a
     local stack started with them talks to its controller), else the token of the local stack
-    in ./.state when `target` is that stack's controller (stack_token())."""
+    in `state_dir` (./.state) when `target` is that stack's controller (stack_token())."""
     env = os.environ if environ is None else environ
     for var, var_file in (
         (CLIENT_TOKEN_ENV, CLIENT_TOKEN_FILE_ENV),
@@ -290,7 +292,7 @@ def client_token(environ: Mapping[str, str] | None = None, *, target: str = "") 
             return env[var].strip()
         if env.get(var_file):
             return _first_token(env[var_file])
-    return stack_token(target) if target else ""
+    return stack_token(target, state_dir) if target else ""
 
 
 def stack_token(target: str, state_dir: str = STACK_STATE_DIR) -> str:

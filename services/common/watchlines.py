@@ -37,6 +37,7 @@ class WatchPrinter:
     def __init__(self) -> None:
         self._service_status: dict[str, int] = {}
         self._replica_status: dict[tuple[str, int], int] = {}
+        self._reason: dict[tuple[str, int], str] = {}
         self._balancer_url: dict[str, str] = {}
 
     def lines(self, resp: pb.WatchServiceResponse) -> list[str]:
@@ -50,20 +51,30 @@ class WatchPrinter:
             present = {r.replica_id for r in resp.replicas}
             for key in sorted(k for k in self._replica_status if k[0] == name and k[1] not in present):
                 del self._replica_status[key]
+                self._reason.pop(key, None)
                 out.append(f"{name}: replica {key[1]} removed {counts}")
         for replica in sorted(resp.replicas, key=lambda r: r.replica_id):
             key = (name, replica.replica_id)
-            if self._replica_status.get(key) == replica.status:
+            reason = replica.failure_reason
+            # A new reason in the same status is news too: a launch attempt that failed and is
+            # being retried, an app that exited while its probes still pass.
+            news = bool(reason) and self._reason.get(key) != reason and replica.status not in _FAILED
+            if self._replica_status.get(key) == replica.status and not news:
+                self._reason[key] = reason
                 continue
             self._replica_status[key] = replica.status
+            self._reason[key] = reason
             status = enum_label(resources_pb2.ReplicaStatus, replica.status, "REPLICA_STATUS_")
             line = f"{name}: replica {replica.replica_id} {status}"
             if replica.status in _HAS_ENDPOINT and replica.endpoint:
                 line += f" at {replica.endpoint}"
-            if replica.status in _FAILED and replica.failure_reason:
-                line += f" ({replica.failure_reason})"
+            if replica.status in _FAILED and reason:
+                line += f" ({reason})"
+            elif reason:
+                line += f": {reason}"
             out.append(f"{line} {counts}")
         for replica_id in sorted(resp.removed_replica_ids):
+            self._reason.pop((name, replica_id), None)
             if self._replica_status.pop((name, replica_id), None) is not None:
                 out.append(f"{name}: replica {replica_id} removed {counts}")
         if resp.deleted:

@@ -16,19 +16,16 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, spec
-from services.controller import convert, reconciler, store
-from services.controller.domain import autoscaler, placer
+from services.common import errors, localpaths, pagetoken, pbtime, spec
+from services.controller import convert, orphans, reconciler, store
+from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
-# Load reports may carry request times this far ahead of the controller's clock (clock skew).
-MAX_FUTURE_S = 60.0
-
-
 _MAX_URL = 2048
+_MAX_BALANCER_ID = 128
 
 
 def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
@@ -41,6 +38,46 @@ def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
             )
         ]
     return []
+
+
+def _report_of(request: api.ReportLoadRequest) -> load.Report:
+    """A load report as plain values.
+
+    Raises:
+        errors.ValidationError: with every malformed field: a negative count, a time or age out of
+            protobuf's range (or a negative age), a bad balancer identity or URL.
+    """
+    violations = []
+    if request.request_count < 0:
+        violations.append(errors.FieldViolation("request_count", f"must not be negative, got {request.request_count}"))
+    violations += [
+        errors.FieldViolation(f"request_times[{i}]", problem)
+        for i, t in enumerate(request.request_times)
+        if (problem := pbtime.timestamp_problem(t))
+    ]
+    violations += [
+        errors.FieldViolation(f"request_ages[{i}]", problem)
+        for i, d in enumerate(request.request_ages)
+        if (problem := pbtime.duration_problem(d, negative=False))
+    ]
+    balancer_id, sequence = request.balancer_id, request.sequence
+    if len(balancer_id) > _MAX_BALANCER_ID or not balancer_id.isprintable() or any(c.isspace() for c in balancer_id):
+        violations.append(
+            errors.FieldViolation("balancer_id", f"at most {_MAX_BALANCER_ID} printable characters without spaces")
+        )
+    if balancer_id and sequence < 1:
+        violations.append(errors.FieldViolation("sequence", f"must be at least 1 with balancer_id, got {sequence}"))
+    if not balancer_id and sequence:
+        violations.append(errors.FieldViolation("balancer_id", "required when sequence is set"))
+    violations += _load_balancer_url_violations(request.load_balancer_url)
+    errors.require(violations, subject="load report")
+    return load.Report(
+        balancer_id=balancer_id,
+        sequence=sequence,
+        ages=[pbtime.seconds(d) for d in request.request_ages],
+        times=[pbtime.from_timestamp(t) for t in request.request_times],
+        count=request.request_count,
+    )
 
 
 _LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
@@ -60,6 +97,7 @@ class Controller:
         provisioner: prov_grpc.ProvisionerServiceStub,
         probes: reconciler.ProbeSink,
         tuning: reconciler.Tuning,
+        controller_id: str = "",
     ) -> None:
         self._db = db
         self._prov = provisioner
@@ -73,9 +111,11 @@ class Controller:
         self._watch_generation = 0
         self._zones: list[tuple[str, float]] = []
         # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
-        self.controller_id = db.controller_id()
+        # Kept outside the store (identity.py), so a lost store still knows its replicas.
+        self.controller_id = controller_id or db.controller_id()
         self._foreign_logged: set[str] = set()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
+        self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
@@ -101,6 +141,11 @@ class Controller:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
+        await self.orphans.close()
+
+    def _records(self) -> orphans.Records:
+        """Every replica record: service name -> replica id -> replica name."""
+        return {name: {i: r.replica_name for i, r in rec.replicas.items()} for name, rec in self._services.items()}
 
     def _new_reconciler(self, name: str) -> reconciler.ServiceReconciler:
         rec = reconciler.ServiceReconciler(
@@ -146,9 +191,19 @@ class Controller:
         await self._check_runnable(parsed)
         if name not in self._services:  # else the store says ALREADY_EXISTS
             self._check_budget(name, parsed)
-        self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
-        rec = self._new_reconciler(name)
-        rec.start()
+        # The row and the first writes of its reconciler commit together: a create answered
+        # UNAVAILABLE ("nothing was changed") must not leave a service behind.
+        rec: reconciler.ServiceReconciler | None = None
+        try:
+            with self._db.transaction():
+                self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
+                rec = self._new_reconciler(name)
+                rec.start()
+        except BaseException:
+            if rec is not None:
+                self._forget(name)
+                await rec.stop()
+            raise
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
@@ -157,7 +212,14 @@ class Controller:
         An unreachable provisioner does not block the API: the launch reports the problem then.
         A zone or region no zone of the provisioner matches is refused too (when its zones are
         known: backends that list none, such as kubernetes, place by the zone label instead).
+        A relative workdir or file mount source is refused whatever the provisioner says.
         """
+        relative = localpaths.relative_problems(parsed.workdir, parsed.file_mounts)
+        hidden = spec.secret_values(parsed)  # a mount destination may hold a substituted secret
+        errors.require(
+            [errors.FieldViolation(spec.mask_secrets(v.field, hidden), v.description) for v in relative],
+            subject="service spec",
+        )
         try:
             answer = await self._prov.CheckSpec(prov_pb.CheckSpecRequest(spec=parsed), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -165,7 +227,6 @@ class Controller:
             return
         if not self._zones:
             await self._load_zones()
-        hidden = spec.secret_values(parsed)
         errors.require(
             [
                 errors.FieldViolation(spec.mask_secrets(p.field, hidden), spec.mask_secrets(p.description, hidden))
@@ -216,14 +277,13 @@ class Controller:
         return self._get(name).service()
 
     def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
-        """A page of services in name order; the token is the last name of the page."""
+        """A page of services in name order; the token holds the last name of the page."""
         _check_page_size(page_size)
-        if page_token:
-            errors.require(spec.validate_service_name(page_token, field="page_token"))
+        after = str(pagetoken.decode(page_token, "services", "", position_type=str)) if page_token else ""
         size = min(page_size or 100, _MAX_PAGE)
-        names = sorted(n for n in self._services if n > page_token)
+        names = sorted(n for n in self._services if n > after)
         page = names[:size]
-        token = page[-1] if len(names) > size else ""
+        token = pagetoken.encode("services", "", page[-1]) if len(names) > size else ""
         return [self._services[n].service() for n in page], token
 
     def delete_service(self, name: str, *, purge: bool) -> res.Service:
@@ -248,18 +308,14 @@ class Controller:
     # ---- replicas ------------------------------------------------------------------------
 
     def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
-        """A page of a service's replicas in id order; the token is the last id of the page."""
+        """A page of a service's replicas in id order; the token holds the last id of the page."""
         _check_page_size(page_size)
-        if page_token and not (page_token.isascii() and page_token.isdigit() and len(page_token) <= 10):
-            raise errors.ValidationError(
-                [errors.FieldViolation("page_token", "must be the next_page_token of an earlier page")]
-            )
+        after = int(pagetoken.decode(page_token, "replicas", name, position_type=int)) if page_token else 0
         rec = self._get(name)
         size = min(page_size or 100, _MAX_PAGE)
-        after = int(page_token) if page_token else 0
         ids = sorted(i for i in rec.replicas if i > after)
         page = ids[:size]
-        token = str(page[-1]) if len(ids) > size else ""
+        token = pagetoken.encode("replicas", name, page[-1]) if len(ids) > size else ""
         return [rec.replicas[i] for i in page], token
 
     def get_replica(self, name: str, replica_id: int) -> res.Replica:
@@ -288,28 +344,22 @@ class Controller:
         async for msg in rec.hub.watch_endpoints(after_version):
             yield msg
 
-    def report_load(self, name: str, times: list[float], count: int, *, load_balancer_url: str = "") -> float:
-        """Record a load report (and the reporting balancer's URL, if given); returns the QPS seen.
+    def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
+        """Record a load report (and the reporting balancer's URL, if given) unless the same report
+        was applied before; answer the QPS seen.
 
         Raises:
-            errors.ValidationError: a negative count, a time more than a minute ahead, or a URL
-                that is not a plain http(s) URL; nothing is recorded.
+            errors.ValidationError: a malformed field (see `_report_of`); nothing is recorded.
+            errors.NotFoundError: no such service.
         """
-        now = time.time()
-        violations = []
-        if count < 0:
-            violations.append(errors.FieldViolation("request_count", f"must not be negative, got {count}"))
-        violations += [
-            errors.FieldViolation(f"request_times[{i}]", f"more than {MAX_FUTURE_S:g} s in the future")
-            for i, t in enumerate(times)
-            if t > now + MAX_FUTURE_S
-        ]
-        violations += _load_balancer_url_violations(load_balancer_url)
-        errors.require(violations, subject="load report")
-        rec = self._get(name)
-        if load_balancer_url:
-            rec.set_load_balancer_url(load_balancer_url)
-        return rec.report_load(times, count, now)
+        report = _report_of(request)
+        rec = self._get(request.service_name)
+        if request.load_balancer_url:
+            rec.set_load_balancer_url(request.load_balancer_url)
+        qps, applied = rec.report_load(report, time.time())
+        return api.ReportLoadResponse(
+            qps=qps, already_applied=applied.already_applied, counted_requests=applied.counted
+        )
 
     async def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
         """A replica's log (app output or launch log) as the provisioner streams it.

@@ -4,19 +4,70 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2
+from services.common import errors
+
+log = logging.getLogger(__name__)
 
 _HISTORY = 1024
-_QUEUE_LIMIT = 10_000
+QUEUE_LIMIT = 10_000
+"""Messages queued for one watcher at most. A watcher that falls further behind (it stopped
+reading, or reads slower than the service changes) is dropped and told where to resume."""
+
+_Msg = TypeVar("_Msg")
 
 
-class _Closed(Exception):
+class _Dropped(Exception):
     pass
+
+
+class _Watcher(Generic[_Msg]):
+    """The queue of one stream. Dropping it frees the queue at once, although the stream's
+    generator may stay parked in a `yield` until its client reads again."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[_Msg] = collections.deque()
+        self.wakeup = asyncio.Event()
+        self.closed = False  # end after what is queued
+        self.dropped = False
+
+    def offer(self, msg: _Msg) -> bool:
+        """Queue `msg`; False (and the watcher dropped) when it is QUEUE_LIMIT behind."""
+        if len(self.items) >= QUEUE_LIMIT:
+            self.items.clear()
+            self.dropped = True
+            self.wakeup.set()
+            return False
+        self.items.append(msg)
+        self.wakeup.set()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self.wakeup.set()
+
+    async def next(self) -> _Msg | None:
+        """The next message; None once closed and drained.
+
+        Raises:
+            _Dropped: the watcher fell QUEUE_LIMIT messages behind.
+        """
+        while not self.items:
+            if self.dropped:
+                raise _Dropped
+            if self.closed:
+                return None
+            self.wakeup.clear()
+            await self.wakeup.wait()
+        if self.dropped:
+            raise _Dropped
+        return self.items.popleft()
 
 
 class ServiceHub:
@@ -30,10 +81,10 @@ class ServiceHub:
     def __init__(self) -> None:
         self.sequence = int(time.time() * 1_000_000)
         self._history: collections.deque[api.WatchServiceResponse] = collections.deque(maxlen=_HISTORY)
-        self._subscribers: set[asyncio.Queue[api.WatchServiceResponse | None]] = set()
+        self._subscribers: set[_Watcher[api.WatchServiceResponse]] = set()
         self.endpoints_version = self.sequence
         self.endpoints: list[resources_pb2.Endpoint] = []
-        self._endpoint_subscribers: set[asyncio.Queue[api.WatchEndpointsResponse | None]] = set()
+        self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
 
     def publish(
@@ -54,8 +105,10 @@ class ServiceHub:
             deleted=deleted,
         )
         self._history.append(msg)
-        for q in list(self._subscribers):
-            self._offer(q, msg)
+        for w in list(self._subscribers):
+            if not w.offer(msg):
+                self._subscribers.discard(w)
+                log.warning("dropped a WatchService stream of %s: %d changes behind", service.name, QUEUE_LIMIT)
         if deleted:
             self.close()
 
@@ -66,34 +119,42 @@ class ServiceHub:
         self.endpoints = endpoints
         self.endpoints_version += 1
         msg = api.WatchEndpointsResponse(version=self.endpoints_version, endpoints=endpoints)
-        for q in list(self._endpoint_subscribers):
-            self._offer(q, msg)
+        for w in list(self._endpoint_subscribers):
+            if not w.offer(msg):
+                self._endpoint_subscribers.discard(w)
+                log.warning("dropped a WatchEndpoints stream that fell %d versions behind", QUEUE_LIMIT)
 
     def close(self) -> None:
         """The service is gone: end every stream after what was sent."""
         self.deleted = True
         msg = api.WatchEndpointsResponse(version=self.endpoints_version + 1, deleted=True)
-        for eq in list(self._endpoint_subscribers):
-            self._offer(eq, msg)
-            eq.put_nowait(None)
-        for sq in list(self._subscribers):
-            sq.put_nowait(None)
+        for ew in list(self._endpoint_subscribers):
+            ew.offer(msg)
+            ew.close()
+        for sw in list(self._subscribers):
+            sw.close()
 
-    @staticmethod
-    def _offer(q: asyncio.Queue[Any], msg: object) -> None:
-        # A watcher that cannot keep up is cut off (it resumes with a snapshot) instead of
-        # growing memory without bound.
-        if q.qsize() >= _QUEUE_LIMIT:
-            q.put_nowait(None)
-        else:
-            q.put_nowait(msg)
+    @property
+    def watchers(self) -> int:
+        """Live WatchService and WatchEndpoints streams."""
+        return len(self._subscribers) + len(self._endpoint_subscribers)
+
+    def queued(self) -> int:
+        """Messages waiting in the queues of every live watcher."""
+        return sum(len(w.items) for w in self._subscribers) + sum(len(w.items) for w in self._endpoint_subscribers)
 
     async def watch(
         self, after_sequence: int, snapshot: Callable[[], api.WatchServiceResponse]
     ) -> AsyncIterator[api.WatchServiceResponse]:
-        """Yield a snapshot (or the missed changes after `after_sequence`), then live changes."""
-        q: asyncio.Queue[api.WatchServiceResponse | None] = asyncio.Queue()
-        self._subscribers.add(q)
+        """Yield a snapshot (or the missed changes after `after_sequence`), then live changes.
+
+        Raises:
+            errors.ResourceExhaustedError: the watcher fell QUEUE_LIMIT changes behind; the
+                message and metadata name the `after_sequence` to resume from.
+        """
+        w: _Watcher[api.WatchServiceResponse] = _Watcher()
+        self._subscribers.add(w)
+        last = after_sequence
         try:
             oldest = self._history[0].sequence if self._history else self.sequence + 1
             if after_sequence and oldest - 1 <= after_sequence <= self.sequence:
@@ -104,41 +165,67 @@ class ServiceHub:
                 first.snapshot = True
                 first.deleted = self.deleted  # a watcher that arrives as the service goes
                 backlog = [first]
-            last = after_sequence
             for msg in backlog:
-                last = msg.sequence
                 yield msg
+                last = msg.sequence
             while True:
-                if self.deleted and q.empty():
+                if self.deleted and not w.items and not w.dropped:
                     return  # the end was in the snapshot, or already sent from the queue
-                change = await q.get()
+                change = await w.next()
                 if change is None:
                     return
                 if change.sequence <= last:
                     continue
-                last = change.sequence
                 yield change
+                last = change.sequence
                 if change.deleted:
                     return
+        except _Dropped:
+            raise errors.ResourceExhaustedError(
+                f"this watch fell more than {QUEUE_LIMIT} changes behind and was dropped; "
+                f"call WatchService again with after_sequence={last} to resume",
+                reason="WATCH_FELL_BEHIND",
+                after_sequence=last,
+                queue_limit=QUEUE_LIMIT,
+            ) from None
         finally:
-            self._subscribers.discard(q)
+            self._subscribers.discard(w)
+            w.items.clear()
 
     async def watch_endpoints(self, after_version: int) -> AsyncIterator[api.WatchEndpointsResponse]:
-        """Yield the endpoint set now (unless the client has it), then every change."""
-        q: asyncio.Queue[api.WatchEndpointsResponse | None] = asyncio.Queue()
-        self._endpoint_subscribers.add(q)
+        """Yield the endpoint set now (unless the client has it), then every change.
+
+        Raises:
+            errors.ResourceExhaustedError: the watcher fell QUEUE_LIMIT versions behind; the
+                message and metadata name the `after_version` to resume from.
+        """
+        w: _Watcher[api.WatchEndpointsResponse] = _Watcher()
+        self._endpoint_subscribers.add(w)
+        last = after_version
         try:
             if after_version != self.endpoints_version:
-                yield api.WatchEndpointsResponse(version=self.endpoints_version, endpoints=self.endpoints)
+                current = api.WatchEndpointsResponse(version=self.endpoints_version, endpoints=self.endpoints)
+                yield current
+                last = current.version
             if self.deleted:
                 yield api.WatchEndpointsResponse(version=self.endpoints_version + 1, deleted=True)
                 return
             while True:
-                msg = await q.get()
+                msg = await w.next()
                 if msg is None:
                     return
                 yield msg
+                last = msg.version
                 if msg.deleted:
                     return
+        except _Dropped:
+            raise errors.ResourceExhaustedError(
+                f"this watch fell more than {QUEUE_LIMIT} versions behind and was dropped; "
+                f"call WatchEndpoints again with after_version={last} to resume",
+                reason="WATCH_FELL_BEHIND",
+                after_version=last,
+                queue_limit=QUEUE_LIMIT,
+            ) from None
         finally:
-            self._endpoint_subscribers.discard(q)
+            self._endpoint_subscribers.discard(w)
+            w.items.clear()

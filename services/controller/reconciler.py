@@ -27,7 +27,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
 from services.controller import convert, hub, store
-from services.controller.domain import autoscaler, placer, scaling
+from services.controller.domain import autoscaler, load, placer, scaling
 from services.controller.domain import status as st
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class _ScalerState:
     ever_ready_versions: list[int] = dataclasses.field(default_factory=list)
     stopped: dict[str, str] = dataclasses.field(default_factory=dict)
     load: dict[str, int] = dataclasses.field(default_factory=dict)  # second -> request count
+    # [balancer id, last sequence applied], oldest report first (a list: JSON keeps its order).
+    reports: list[list[str | int]] = dataclasses.field(default_factory=list)
     upscale_since: float | None = None  # wall-clock time a higher candidate first held
     downscale_since: float | None = None
     reason: str = ""  # why the last decision changed something
@@ -123,6 +125,9 @@ class _ScalerState:
 
     def window(self) -> dict[int, int]:
         return {int(k): v for k, v in self.load.items()}
+
+    def ledger(self) -> dict[str, int]:
+        return {str(b): int(s) for b, s in self.reports}
 
     @classmethod
     def load_from(cls, data: bytes | None) -> _ScalerState:
@@ -1164,14 +1169,17 @@ class ServiceReconciler:
             self.load_balancer_url = url  # memory only: the balancer reports again within seconds
             self._schedule_flush()
 
-    def report_load(self, times: list[float], count: int, now: float) -> float:
-        """Record requests into the load window and decide at once; return the window's QPS."""
-        window = self._state.window()
-        autoscaler.add_load(window, times, count, now, window_s=self._tuning.qps_window_s)
-        self._state.load = {str(k): v for k, v in window.items()}
-        self._persist_state()
-        self.decide()
-        return self._qps(now)
+    def report_load(self, report: load.Report, now: float) -> tuple[float, load.Applied]:
+        """Record a report into the load window unless it was applied before, and decide at once;
+        return the window's QPS and what the report added."""
+        window_s = self._tuning.qps_window_s
+        applied = load.apply(self._state.window(), self._state.ledger(), report, now, window_s=window_s)
+        if not applied.already_applied:
+            self._state.load = {str(k): v for k, v in applied.window.items()}
+            self._state.reports = [[b, s] for b, s in applied.ledger.items()]
+            self._persist_state()  # the window and the ledger in one write: a resend counts once
+            self.decide()
+        return self._qps(now), applied
 
     # ---- saving and publishing -----------------------------------------------------------
 

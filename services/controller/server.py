@@ -11,14 +11,14 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
 from services.common import audit, clients, config, errors, grpc_server, logs, probe_fleet, security
-from services.controller import controller, reconciler, servicer, store
+from services.controller import controller, identity, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
-    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas")
+    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
 )
 
 
@@ -47,6 +47,12 @@ class Settings:
     should be in motion and is not, and checks that the store takes writes."""
     store_busy_timeout_s: float = 5.0
     """How long a store write waits for another process's lock before it counts as failed."""
+    store_synchronous: str = "FULL"
+    """SQLite `synchronous` of the store: FULL fsyncs every commit, so an acknowledged change
+    survives power loss and a failing disk; NORMAL survives process crashes only (faster)."""
+    controller_id: str = ""
+    """This controller's id (the owner of the replicas it launches), at most 128 printable
+    characters. Empty: the id kept in the state directory (created on first start)."""
     max_replicas_per_service: int = 1000
     """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
     max_replicas_total: int = 5000
@@ -130,12 +136,21 @@ def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor],
     return chain, sink
 
 
-def _check(settings: Settings) -> None:
+def check(settings: Settings) -> None:
+    """Refuse settings the controller cannot start with.
+
+    Raises:
+        errors.ValidationError: each bad setting, named.
+    """
     violations = [
         errors.FieldViolation(f"controller.{name}", f"must be at least 1, got {getattr(settings, name)}")
         for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
         if getattr(settings, name) < 1
     ]
+    if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
+        violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
+    if settings.controller_id and (problem := identity.problem(settings.controller_id)):
+        violations.append(errors.FieldViolation("controller.controller_id", problem))
     violations += _open_internal(settings)
     errors.require(violations, subject="controller settings")
 
@@ -160,9 +175,21 @@ def _open_internal(settings: Settings) -> list[errors.FieldViolation]:
     return violations
 
 
+def _identity(settings: Settings, db: store.Store) -> str:
+    """The controller id (see identity.py), kept in the store too."""
+    stored = db.stored_controller_id()
+    chosen = identity.resolve(settings.state_dir, setting=settings.controller_id, stored=stored)
+    if stored != chosen:
+        try:
+            db.set_controller_id(chosen)
+        except errors.UnavailableError:
+            pass  # the id file holds it; the store's copy is written on a later start
+    return chosen
+
+
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
-    _check(settings)
+    check(settings)
     interceptors, audit_file = _interceptors(settings)
     tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
     credentials = tls.channel_credentials("controller") if tls.enabled else None
@@ -170,7 +197,10 @@ async def start(settings: Settings) -> Running:
     def make_channel(addr: str) -> grpc.aio.Channel:
         return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
 
-    db = store.Store.in_state_dir(settings.state_dir, busy_timeout_s=settings.store_busy_timeout_s)
+    db = store.Store.in_state_dir(
+        settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
+    )
+    controller_id = _identity(settings, db)
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
         drain_s=settings.drain_s,
@@ -196,6 +226,7 @@ async def start(settings: Settings) -> Running:
         provisioner=provisioner_service_pb2_grpc.ProvisionerServiceStub(channel),
         probes=fleet,
         tuning=tuning,
+        controller_id=controller_id,
     )
     holder.append(ctl)
     server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors)

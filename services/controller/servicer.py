@@ -8,7 +8,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
-from services.common import pbtime
+from services.common import overrides
 from services.controller import controller
 
 
@@ -21,7 +21,8 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def CreateService(
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
-        svc = await self._ctl.create_service(request.service_name, request.yaml, request_id=request.request_id)
+        text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
+        svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
     async def GetService(
@@ -38,8 +39,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def UpdateService(
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
+        text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
         svc, plan = await self._ctl.update_service(
-            request.service_name, request.yaml, mode=request.mode, dry_run=request.dry_run
+            request.service_name, text, mode=request.mode, dry_run=request.dry_run
         )
         return api.UpdateServiceResponse(service=svc, plan=plan)
 
@@ -79,11 +81,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
-        times = [pbtime.from_timestamp(t) for t in request.request_times]
-        qps = self._ctl.report_load(
-            request.service_name, times, request.request_count, load_balancer_url=request.load_balancer_url
-        )
-        return api.ReportLoadResponse(qps=qps)
+        return self._ctl.report_load(request)
 
     async def WatchEndpoints(
         self, request: api.WatchEndpointsRequest, context: grpc.aio.ServicerContext
@@ -99,3 +97,25 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         )
         async for chunk in logs:
             yield api.StreamReplicaLogsResponse(data=chunk)
+
+    async def ListOrphans(
+        self, request: api.ListOrphansRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListOrphansResponse:
+        orphans = self._ctl.orphans
+        page, token = await orphans.list(
+            owner=request.owner, page_size=request.page_size, page_token=request.page_token
+        )
+        return api.ListOrphansResponse(orphans=page, next_page_token=token, controller_id=orphans.controller_id)
+
+    async def ReapOrphans(
+        self, request: api.ReapOrphansRequest, context: grpc.aio.ServicerContext
+    ) -> api.ReapOrphansResponse:
+        orphans = self._ctl.orphans
+        reaped, skipped = await orphans.reap(
+            owner=request.owner, all_owners=request.all_owners, names=list(request.replica_names)
+        )
+        return api.ReapOrphansResponse(
+            reaped=reaped,
+            skipped=[api.SkippedOrphan(replica_name=s.replica_name, reason=s.reason) for s in skipped],
+            controller_id=orphans.controller_id,
+        )

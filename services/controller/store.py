@@ -199,13 +199,15 @@ class Store:
     silently joining someone else's transaction.
     """
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
         """Open (creating if needed) the database at `path` and migrate it.
 
         Args:
             path: the database file; its directory is created (mode 0700).
-            synchronous: SQLite `synchronous` setting: NORMAL survives process crashes,
-                FULL also survives power loss at the cost of an fsync per commit.
+            synchronous: SQLite `synchronous` setting: FULL (the default) fsyncs every commit,
+                so an acknowledged write survives power loss and a failing disk is reported
+                before the write is acknowledged; NORMAL survives process crashes only, and
+                is several times faster (docs/store.md has the figures).
             busy_timeout_s: how long a write waits for another process's lock.
 
         Raises:
@@ -230,6 +232,7 @@ class Store:
         self._depth = 0
         self._owner: object = None
         self.writable = True
+        self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
         try:
             migrate(self._db)
@@ -238,7 +241,7 @@ class Store:
             raise
 
     @classmethod
-    def in_state_dir(cls, state_dir: str, *, synchronous: str = "NORMAL", busy_timeout_s: float = 5.0) -> Store:
+    def in_state_dir(cls, state_dir: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> Store:
         """Open `state.db` under `state_dir` (`~` expanded).
 
         Args:
@@ -272,6 +275,7 @@ class Store:
             return
         self.writable = ok
         if ok:
+            self._last_failure = ""
             log.info("the store takes writes again")
         else:
             log.error("the store does not take writes: %s", self.path)
@@ -305,6 +309,17 @@ class Store:
                 )
                 row = self._db.execute(query).fetchone()
         return str(row[0])
+
+    def stored_controller_id(self) -> str:
+        """The controller id kept in `meta`, or "" when there is none (nothing is written)."""
+        with self._read() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+        return "" if row is None else str(row[0])
+
+    def set_controller_id(self, controller_id: str) -> None:
+        """Keep `controller_id` in `meta` (a second copy: identity.py's file is the first)."""
+        with self.transaction():
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('controller_id', ?)", (controller_id,))
 
     def schema_version(self) -> int:
         """The schema version of the open database."""
@@ -360,8 +375,11 @@ class Store:
                 try:
                     yield self
                 except BaseException:
-                    self._db.execute(f"ROLLBACK TO {name}")
-                    self._db.execute(f"RELEASE {name}")
+                    # An I/O error can end the whole transaction (and its savepoints) at once;
+                    # the original error is the one to report, not "no such savepoint".
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute(f"ROLLBACK TO {name}")
+                        self._db.execute(f"RELEASE {name}")
                     raise
                 else:
                     self._db.execute(f"RELEASE {name}")
@@ -372,13 +390,26 @@ class Store:
         with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it already
             self._db.execute("ROLLBACK")
 
-    def _unavailable(self, exc: sqlite3.Error) -> errors.UnavailableError:
-        self._set_writable(False)
-        # The message names the failure class only: SQLite errors can quote statements.
-        return errors.UnavailableError(
-            f"the controller's store is unavailable ({type(exc).__name__}: {str(exc)[:80]})",
-            reason="STORE_UNAVAILABLE",
-        )
+    def _unavailable(self, exc: sqlite3.Error, *, writing: bool = True) -> errors.UnavailableError:
+        """The API's error for a failed store call: what failed, in the user's words.
+
+        SQLite's own text names internals and can quote statements or paths, so it goes to
+        the log (once per distinct failure, not every heartbeat) and never into the message.
+        """
+        cause, words = _cause(exc)
+        detail = f"{type(exc).__name__}: {exc}"
+        operation = "write" if writing else "read"
+        if detail != self._last_failure:
+            self._last_failure = detail
+            log.error("the store could not %s %s: %s", operation, self.path, detail)
+        else:
+            log.debug("the store could not %s %s again: %s", operation, self.path, detail)
+        if writing:
+            self._set_writable(False)
+            message = f"the controller could not save the change: {words}; nothing was changed, try again later"
+        else:
+            message = f"the controller could not read its state: {words}; try again later"
+        return errors.UnavailableError(message, reason="STORE_UNAVAILABLE", cause=cause, operation=operation)
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -387,7 +418,10 @@ class Store:
         with self._lock:
             if self._depth and _current_owner() is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
-            yield self._db
+            try:
+                yield self._db
+            except sqlite3.Error as exc:
+                raise self._unavailable(exc, writing=False) from exc
 
     # ---- services ------------------------------------------------------------------------
 
@@ -654,6 +688,26 @@ class Store:
             "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
             (name, version, spec.SerializeToString(), spec.yaml),
         )
+
+
+# What a failed call tells the caller, by SQLite's primary result code: (cause, words).
+_CAUSES = {
+    "SQLITE_BUSY": ("busy", "its state store is busy (another process holds its lock)"),
+    "SQLITE_LOCKED": ("busy", "its state store is busy (another process holds its lock)"),
+    "SQLITE_FULL": ("disk_full", "its disk is full"),
+    "SQLITE_READONLY": ("read_only", "its state store is read-only"),
+    "SQLITE_IOERR": ("disk_error", "its disk reported an error"),
+    "SQLITE_CANTOPEN": ("disk_error", "its disk reported an error"),
+    "SQLITE_CORRUPT": ("damaged", "its state store is damaged"),
+    "SQLITE_NOTADB": ("damaged", "its state store is damaged"),
+}
+
+
+def _cause(exc: sqlite3.Error) -> tuple[str, str]:
+    """(cause, words) for a SQLite error; extended codes (SQLITE_IOERR_WRITE) by their primary."""
+    name = str(getattr(exc, "sqlite_errorname", "") or "")
+    primary = "_".join(name.split("_")[:2])
+    return _CAUSES.get(primary, ("error", "its state store failed"))
 
 
 def _current_owner() -> object:

@@ -76,6 +76,7 @@ class Balancer:
     def set_endpoints(self, replicas: Iterable[policies.Replica], version: int) -> None:
         """Replace the ready set with the controller's latest one."""
         self.policy.set_replicas(replicas)
+        self.in_flight.retain(self.policy.replicas)
         self.endpoints_version = version
         self._synced.set()
         if self.policy.replicas:

@@ -1,15 +1,22 @@
 """The balancer's link to the controller: endpoints in (WatchEndpoints), load out (ReportLoad).
 
 Both loops outlive controller restarts: the watch reconnects with backoff and keeps the last known
-endpoint set meanwhile; load that could not be reported stays counted and goes with the next report.
+endpoint set meanwhile; load that could not be reported stays counted and goes later.
+
+Load reports are exactly once and need no shared clock: each carries this balancer's random id and
+a sequence number, and a report that got no answer is sent again unchanged, with the same number
+(the controller drops a report it already applied); requests go as their ages at send time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -46,6 +53,36 @@ def config_of(service: res.Service) -> bal.Config:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A load report taken from the balancer: sent, and resent unchanged, until answered."""
+
+    sequence: int
+    times: list[float]
+    """Arrival times on the balancer's clock."""
+    count: int
+    """Arrivals without a time."""
+
+    @property
+    def requests(self) -> int:
+        """Requests in the report."""
+        return len(self.times) + self.count
+
+
+def request_of(report: Report, *, service: str, balancer_id: str, url: str, now: float) -> api.ReportLoadRequest:
+    """The ReportLoad request for `report`, with each arrival as its age at `now` (the balancer's
+    clock): never negative (the clock may step back), at most the longest Duration."""
+    ages = [pbtime.duration(min(max(now - t, 0.0), pbtime.MAX_DURATION_S)) for t in report.times]
+    return api.ReportLoadRequest(
+        service_name=service,
+        balancer_id=balancer_id,
+        sequence=report.sequence,
+        request_ages=ages,
+        request_count=report.count,
+        load_balancer_url=url,
+    )
+
+
 def replicas_of(msg: api.WatchEndpointsResponse) -> list[policies.Replica]:
     """The endpoint set as policy replicas."""
     return [
@@ -67,6 +104,7 @@ class ControllerLink:
         heartbeat_s: float,
         reconnect_max_s: float = 2.0,
         call_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.stub = stub
         self.balancer = balancer
@@ -77,6 +115,14 @@ class ControllerLink:
         self.call_timeout_s = call_timeout_s
         self.connected = False
         self.last_qps = 0.0
+        self.balancer_id = uuid.uuid4().hex  # new at every start, so sequences restart at 1
+        self._clock = clock  # the balancer's clock: its arrival times are read from it
+        self._sequence = 0
+        self._unanswered: Report | None = None
+        self._attempts = 0  # of the unanswered report
+        self._refusing = False
+        self.dropped_requests = 0
+        """Requests in reports the controller refused as malformed."""
         self._report_now = asyncio.Event()
         self._spec_version = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,6 +142,13 @@ class ControllerLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             await self.report_once(timeout=1.0)
+            if self.unreported:  # that was an unanswered report; newer arrivals go in another
+                await self.report_once(timeout=1.0)
+
+    @property
+    def unreported(self) -> int:
+        """Requests not yet reported: an unanswered report's and those since."""
+        return (self._unanswered.requests if self._unanswered else 0) + self.balancer.unreported
 
     # ---- endpoints ----------------------------------------------------------------------------
 
@@ -147,45 +200,87 @@ class ControllerLink:
     # ---- load -----------------------------------------------------------------------------------
 
     async def report_once(self, *, timeout: float) -> None:
-        """Send the arrivals since the last report; on failure they stay for the next one.
+        """Send the unanswered report again, or else the arrivals since the last report.
+
+        A report that gets no answer (an error, a timeout: it may have been applied) stays and goes
+        again, unchanged and with the same sequence, so the controller counts it once; arrivals
+        meanwhile wait for the next report. A report the controller refuses as malformed
+        (INVALID_ARGUMENT) is dropped: sending it again could only be refused again.
 
         Raises:
             grpc.aio.AioRpcError: the controller did not take the report.
         """
-        times, count = self.balancer.take_report()
-        request = api.ReportLoadRequest(
-            service_name=self.balancer.service_name,
-            request_times=[pbtime.timestamp(t) for t in times],
-            request_count=count,
-            load_balancer_url=self.url,
-        )
+        if self._unanswered is None:
+            times, count = self.balancer.take_report()
+            self._sequence += 1
+            self._unanswered = Report(self._sequence, times, count)
+            self._attempts = 0
+        report = self._unanswered
+        self._attempts += 1
         try:
-            self.last_qps = (await self.stub.ReportLoad(request, timeout=timeout)).qps
-        except BaseException:
-            self.balancer.restore_report(times, count)
+            response = await self.stub.ReportLoad(self._request(report), timeout=timeout)
+            if response.already_applied and self._attempts == 1:
+                # Never sent before, yet applied: another sender used this id. Take a new one.
+                log.warning(
+                    "the controller already had load report %d from balancer id %s, which this balancer never "
+                    "sent; reporting under a new id",
+                    report.sequence,
+                    self.balancer_id,
+                )
+                self.balancer_id, self._sequence = uuid.uuid4().hex, 1
+                report = self._unanswered = Report(1, report.times, report.count)
+                response = await self.stub.ReportLoad(self._request(report), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                self._unanswered = None
+                self.dropped_requests += report.requests
+                log.log(
+                    logging.DEBUG if self._refusing else logging.ERROR,  # once while every report is refused
+                    "the controller refused load report %d; its %d request(s) are dropped: %s",
+                    report.sequence,
+                    report.requests,
+                    exc.details(),
+                )
+                self._refusing = True
             raise
+        self._unanswered = None
+        self._refusing = False
+        self.last_qps = response.qps
+
+    def _request(self, report: Report) -> api.ReportLoadRequest:
+        return request_of(
+            report, service=self.balancer.service_name, balancer_id=self.balancer_id, url=self.url, now=self._clock()
+        )
 
     async def _report_loop(self) -> None:
         last_sent = 0.0
         failing = False
+        hurry = False
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
+            if not hurry:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
             self._report_now.clear()
             now = time.monotonic()
-            if not self.balancer.unreported and now - last_sent < self.heartbeat_s:
+            if not self.unreported and now - last_sent < self.heartbeat_s:
+                hurry = False
                 continue  # nothing new; an empty report only every heartbeat, to keep the URL shown
+            resending = self._unanswered is not None
             try:
                 await self.report_once(timeout=self.call_timeout_s)
                 last_sent = now
                 if failing:
                     log.info("load reports to the controller go through again")
                 failing = False
+                hurry = resending and self.balancer.unreported > 0  # newer arrivals: send them now
             except grpc.aio.AioRpcError as exc:
+                hurry = False
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    continue  # logged, and dropped; the next report is a new one
                 if not failing:
                     log.warning(
                         "could not report load (%s); %d request(s) kept for the next report",
                         exc.code().name,
-                        self.balancer.unreported,
+                        self.unreported,
                     )
                 failing = True

@@ -30,11 +30,19 @@ class Replica:
 
 
 class InFlight:
-    """Requests in flight per replica id; never negative."""
+    """Requests in flight per replica id; never negative. Totals are kept for ready replicas and for
+    gone ones until their last request ends, so replica churn leaves no trace."""
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
         self.totals: dict[int, int] = {}
+        self._ready: set[int] | None = None  # None: no ready set given yet, keep every total
+
+    def retain(self, ready: Iterable[int]) -> None:
+        """The ready set changed: forget the totals of replicas outside it with nothing in flight."""
+        self._ready = set(ready)
+        for replica_id in [r for r in self.totals if r not in self._ready and r not in self.counts]:
+            del self.totals[replica_id]
 
     def get(self, replica_id: int) -> int:
         """In-flight requests of a replica."""
@@ -52,6 +60,8 @@ class InFlight:
             self.counts[replica_id] = left
         else:
             self.counts.pop(replica_id, None)  # 0 is not stored: gone replicas leave no trace
+            if self._ready is not None and replica_id not in self._ready:
+                self.totals.pop(replica_id, None)
 
 
 class Policy:

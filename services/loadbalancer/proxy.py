@@ -1,10 +1,12 @@
 """The HTTP proxy: every method, path, query, header and body to a ready replica, responses
 streamed back chunk by chunk as they arrive.
 
-A request that cannot reach a replica (connection refused or reset before a response) is
-retried on another replica; an upstream HTTP error is returned as it is. A client that goes away
-cancels the handler (aiohttp's handler cancellation), which closes the upstream connection, so
-the replica sees the disconnect at once.
+Which failed attempts go to another replica (RFC 9110 9.2.2): one that never reached a replica
+(connection refused, connect timeout) always; one whose connection broke after the request went
+out only if its method is idempotent, since the replica may have acted on it. Either way the body
+must still be at hand (see bodies.py). An upstream HTTP error is returned as it is. A client that
+goes away cancels the handler (aiohttp's handler cancellation), which closes the upstream
+connection, so the replica sees the disconnect at once.
 """
 
 from __future__ import annotations
@@ -13,40 +15,75 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import ssl
 
 import aiohttp
 import yarl
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import policies
+from services.loadbalancer import bodies, connections, policies
 
 log = logging.getLogger(__name__)
 
-# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the ones aiohttp
-# sets itself for each side.
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+"""Methods a replica may receive twice with the effect of once (RFC 9110 9.2.2)."""
+
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus `Proxy-*`, the ones
+# aiohttp sets itself for each side, and `Expect` (the balancer answers 100-continue itself).
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {
+        "connection",
+        "keep-alive",
+        "proxy",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+    }
 )
+
+_LINGER_S = 2.0
+
+_ABSOLUTE_FORM = re.compile(r"(?i:https?)://([^/?#]*)(.*)", re.DOTALL)
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """Header names listed in `Connection` (all of its fields): they belong to this hop only."""
+    return frozenset(token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(","))
+
+
+def end_to_end(headers: CIMultiDictProxy[str]) -> list[tuple[str, str]]:
+    """The headers to pass on: all but hop-by-hop ones and those the `Connection` header names."""
+    named = _connection_tokens(headers)
+    return [
+        (k, v)
+        for k, v in headers.items()
+        if (name := k.lower()) not in _HOP_BY_HOP and name not in named and not name.startswith("proxy-")
+    ]
+
+
+def split_target(target: str) -> tuple[str, str] | None:
+    """The path and query to send a replica, byte for byte, and the authority of an absolute-form
+    target ("" for origin-form); None for a target that is neither (`*`, `host:port`, other schemes).
+    """
+    if target.startswith("/"):
+        return target, ""
+    match = _ABSOLUTE_FORM.fullmatch(target)
+    if match is None:
+        return None
+    authority, rest = match.groups()
+    return (rest if rest.startswith("/") else "/" + rest), authority.rpartition("@")[2]
 
 
 @dataclasses.dataclass(frozen=True)
 class ProxySettings:
-    """Timeouts and retries of the proxy."""
+    """Timeouts, retries and limits of the proxy (server.Settings documents each)."""
 
     connect_timeout_s: float = 5.0
     stream_timeout_s: float = 0.0
@@ -55,20 +92,32 @@ class ProxySettings:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 1.0
     max_body_bytes: int = 64 * 1024 * 1024
+    retry_buffer_bytes: int = 1024 * 1024
+    max_buffered_bytes: int = 64 * 1024 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0
+    max_connections: int = 4096
 
 
-def _forward_headers(request: web.Request) -> CIMultiDict[str]:
-    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
+def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body) -> CIMultiDict[str]:
+    headers = CIMultiDict(end_to_end(request.headers))
+    if not body.whole and body.length is not None:
+        headers["Content-Length"] = str(body.length)  # streamed: say how much is coming, as the client did
     peer = request.remote or ""
-    prior = request.headers.get("X-Forwarded-For")
+    prior = headers.get("X-Forwarded-For")
     headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
     headers["X-Forwarded-Proto"] = request.scheme
-    headers["X-Forwarded-Host"] = request.host
+    # For an absolute-form target the target's authority is the host asked for (RFC 9112 3.2.2).
+    headers["X-Forwarded-Host"] = authority or request.host
     return headers
 
 
-def _text(status: int, message: str, **headers: str) -> web.Response:
-    return web.Response(status=status, text=message + "\n", headers=headers)
+def _text(status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None) -> web.Response:
+    resp = web.Response(status=status, text=message + "\n", headers=headers)
+    if close:
+        resp.force_close()  # the rest of the request was not read: the connection cannot carry another
+    return resp
 
 
 class Proxy:
@@ -78,6 +127,15 @@ class Proxy:
         self.balancer = balancer
         self.settings = settings
         self.session: aiohttp.ClientSession | None = None
+        self.buffered = bodies.Budget(settings.max_buffered_bytes)
+        """Request-body bytes held for retries, across requests."""
+        self.connections = connections.Tracker(
+            connections.Limits(
+                header_timeout_s=settings.header_timeout_s,
+                idle_timeout_s=settings.idle_timeout_s,
+                max_connections=settings.max_connections,
+            )
+        )
 
     async def start(self) -> None:
         """Open the pooled client session (inside the running loop)."""
@@ -85,8 +143,11 @@ class Proxy:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         )
+        # aiohttp resends an idempotent request once by itself when a connection breaks; retries
+        # happen here only, where replicas and attempts are counted.
+        self.session._retry_connection = False
 
     async def close(self) -> None:
         """Close the client session."""
@@ -97,15 +158,58 @@ class Proxy:
         total = self.settings.stream_timeout_s or self.balancer.config.stream_timeout_s
         return aiohttp.ClientTimeout(total=total or None, connect=self.settings.connect_timeout_s)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         """Proxy one request."""
-        assert self.session is not None, "start() first"
-        self.balancer.record_arrival()
+        guard = connections.of_request(request)
+        if guard is not None:
+            guard.request_started()
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            return _text(413, f"request body too large: {exc.text}")
-        headers = _forward_headers(request)
+            return await self._handle(request)
+        finally:
+            if guard is not None:
+                guard.request_finished()
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        target = split_target(request.raw_path)
+        if target is None:
+            return _text(
+                400,
+                "the request target must be a path (/x) or an http(s) URL; the load balancer does not "
+                "tunnel (CONNECT) or answer for the server as a whole (*)",
+                close=True,
+            )
+        expect = request.headers.get("Expect")
+        if expect is not None:
+            if expect.lower() != "100-continue":
+                return _text(417, f"unsupported expectation: {expect}", close=True)
+            if request.version >= (1, 1) and request.body_exists:
+                # The client waits for this before it sends the body (RFC 9110 10.1.1).
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.balancer.record_arrival()
+        s = self.settings
+        body = bodies.Body(
+            request.content,
+            length=request.content_length,
+            present=request.body_exists,
+            max_bytes=s.max_body_bytes,
+            timeout_s=s.body_timeout_s,
+            retry_bytes=s.retry_buffer_bytes,
+            budget=self.buffered,
+        )
+        try:
+            try:
+                await body.prepare()
+            except bodies.BodyError as exc:
+                return _text(exc.status, exc.message, close=True)
+            return await self._attempts(request, *target, body)
+        finally:
+            body.release()
+
+    async def _attempts(
+        self, request: web.BaseRequest, path: str, authority: str, body: bodies.Body
+    ) -> web.StreamResponse:
+        assert self.session is not None, "start() first"
+        headers = _forward_headers(request, authority, body)
         tried: set[int] = set()
         last_error = ""
         delay = self.settings.backoff_initial_s
@@ -113,34 +217,57 @@ class Proxy:
             try:
                 replica = await self.balancer.pick(frozenset(tried))
             except bal.NoReplicaError as exc:
-                return _text(503, str(exc), **{"Retry-After": "1"})
+                return _text(503, str(exc), headers={"Retry-After": "1"})
+            failure: Exception
             try:
                 upstream = await self.session.request(
                     request.method,
-                    yarl.URL(replica.url.rstrip("/") + request.raw_path, encoded=True),  # byte for byte
+                    yarl.URL(replica.url.rstrip("/") + path, encoded=True),  # byte for byte
                     headers=headers,
-                    data=body or None,
+                    data=body.data(),
                     allow_redirects=False,
                     timeout=self._timeout(),
                 )
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                # Nothing came back: safe to try another replica.
-                self.balancer.release(replica)
-                tried.add(replica.replica_id)
-                # The client sees the replica id and the kind of error; the log has the details.
-                last_error = f"replica {replica.replica_id}: {type(exc).__name__}"
-                log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, request.path, last_error, exc)
-                if attempt < self.settings.attempts:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self.settings.backoff_max_s)
-                continue
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                reached, failure = False, exc  # no connection: the replica never saw the request
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError) as exc:
+                reached, failure = True, exc  # the request (or part of it) went out, or the answer was garbled
             except TimeoutError:
                 self.balancer.release(replica)
                 return _text(504, f"replica {replica.replica_id} did not answer in time")
             except BaseException:
                 self.balancer.release(replica)  # cancelled: the client went away
                 raise
-            return await self._relay(request, replica, upstream)
+            else:
+                body.release()  # an answer has started: no attempt will need the body again
+                return await self._relay(request, replica, upstream)
+            self.balancer.release(replica)
+            tried.add(replica.replica_id)
+            if body.error is not None:
+                return _text(body.error.status, body.error.message, close=True)
+            # The client sees the replica id and the kind of error; the log has the details.
+            last_error = f"replica {replica.replica_id}: {type(failure).__name__}"
+            # Logs name the path, never the query (it may carry tokens), not even inside aiohttp's message.
+            bare, _, query = path.partition("?")
+            detail = str(failure).replace("?" + query, "?...") if query else str(failure)
+            log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, bare, last_error, detail)
+            where = f"replica {replica.replica_id} of service {self.balancer.service_name!r}"
+            kind = type(failure).__name__
+            if reached and request.method not in IDEMPOTENT_METHODS:
+                return _text(
+                    502,
+                    f"the connection to {where} broke after the request went out ({kind}); {request.method} is not "
+                    "idempotent and the replica may have processed it, so it was not sent to another replica",
+                )
+            if not body.replayable:
+                return _text(
+                    502,
+                    f"the connection to {where} broke after the request body was streamed to it ({kind}), "
+                    "so it could not be sent again",
+                )
+            if attempt < self.settings.attempts:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.backoff_max_s)
         return _text(
             502,
             f"could not reach a replica of service {self.balancer.service_name!r} after "
@@ -148,15 +275,13 @@ class Proxy:
         )
 
     async def _relay(
-        self, request: web.Request, replica: policies.Replica, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse
     ) -> web.StreamResponse:
         """Stream the replica's response back; always release the replica and the connection."""
         finished = False
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for k, v in upstream.headers.items():
-                if k.lower() not in _HOP_BY_HOP:
-                    resp.headers.add(k, v)
+            resp.headers.extend(end_to_end(upstream.headers))
             if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
                 resp.content_length = upstream.content_length
             await resp.prepare(request)
@@ -181,13 +306,6 @@ class Proxy:
             self.balancer.release(replica)
 
 
-def build_app(proxy: Proxy, *, max_body_bytes: int) -> web.Application:
-    """The aiohttp application: one catch-all route for every method and path."""
-    app = web.Application(client_max_size=max_body_bytes, handler_args={"max_field_size": 65536})
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    return app
-
-
 def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext | None:
     """A server TLS context, or None when TLS is off (no certificate given)."""
     if not certfile:
@@ -199,25 +317,32 @@ def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext | None:
 
 async def start_http(
     proxy: Proxy, host: str, port: int, *, ssl_context: ssl.SSLContext | None, shutdown_timeout_s: float = 3.0
-) -> tuple[web.AppRunner, int]:
+) -> tuple[web.BaseRunner, int]:
     """Serve the proxy on host:port (0 picks a port); returns the runner and the bound port.
 
     On stop, requests in flight get `shutdown_timeout_s` to finish before they are cut.
     """
     await proxy.start()
-    runner = web.AppRunner(
-        build_app(proxy, max_body_bytes=proxy.settings.max_body_bytes),
+    s = proxy.settings
+    server = web.Server(
+        proxy.handle,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=shutdown_timeout_s,
+        max_field_size=65536,
+        # aiohttp's own idle timer, a backstop: the connection guard closes idle connections first.
+        keepalive_timeout=max(s.idle_timeout_s, s.header_timeout_s),
+        # After an answer that left part of the body unread (413, 408, 502), the rest is read and
+        # dropped this long before closing, so the client sees the answer rather than a reset.
+        lingering_time=_LINGER_S,
     )
+    runner = web.ServerRunner(server, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True)
+    site = connections.GuardedSite(runner, host, port, tracker=proxy.connections, ssl_context=ssl_context)
     await site.start()
     return runner, int(runner.addresses[0][1])
 
 
-async def stop_http(runner: web.AppRunner, proxy: Proxy) -> None:
+async def stop_http(runner: web.BaseRunner, proxy: Proxy) -> None:
     """Stop serving, then close the client session."""
     with contextlib.suppress(Exception):
         await runner.cleanup()

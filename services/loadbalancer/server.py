@@ -11,8 +11,8 @@ from replicaplane.controller.v1 import controller_service_pb2_grpc
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
 from services.common import clients, config, errors, grpc_server, logs, security
 from services.loadbalancer import balancer as bal
+from services.loadbalancer import connections, policies, proxy, servicer
 from services.loadbalancer import link as ctl_link
-from services.loadbalancer import policies, proxy, servicer
 
 SERVICE_NAME = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
 
@@ -72,6 +72,23 @@ class Settings:
     """Longest pause between tries."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted (413 beyond)."""
+    retry_buffer_bytes: int = 1024 * 1024
+    """A request body up to this size is read whole before it is sent, so a failed attempt can send
+    it again; a larger one streams to the replica as it arrives and is retried only if no byte of it
+    went out. 0 streams every body."""
+    max_buffered_bytes: int = 64 * 1024 * 1024
+    """Most bytes of request bodies held for retries at once, across all requests; a body that does
+    not fit streams instead."""
+    header_timeout_s: float = 10.0
+    """Longest a client may take to send a request head (line and headers), counted from the
+    connection's start or the first byte of a later request; then 408 and the connection closes."""
+    body_timeout_s: float = 30.0
+    """Longest pause while a request body is read; then 408 and the connection closes."""
+    idle_timeout_s: float = 60.0
+    """How long a keep-alive connection may wait between requests before it is closed."""
+    max_connections: int = 4096
+    """Client connections open at once; more get 503 and are closed. Lowered (with a warning) if the
+    open-file limit cannot hold two descriptors per connection."""
     tls_certfile: str = ""
     """PEM certificate (chain): set it (and `tls_keyfile`) to serve HTTPS."""
     tls_keyfile: str = ""
@@ -94,6 +111,15 @@ def load_settings(**overrides: Any) -> Settings:
         )
     if settings.attempts < 1:
         violations.append(errors.FieldViolation("loadbalancer.attempts", "must be >= 1"))
+    for name in ("max_body_bytes", "max_connections"):
+        if getattr(settings, name) < 1:
+            violations.append(errors.FieldViolation(f"loadbalancer.{name}", "must be >= 1"))
+    for name in ("retry_buffer_bytes", "max_buffered_bytes"):
+        if getattr(settings, name) < 0:
+            violations.append(errors.FieldViolation(f"loadbalancer.{name}", "must be >= 0"))
+    for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+        if not getattr(settings, name) > 0:
+            violations.append(errors.FieldViolation(f"loadbalancer.{name}", "must be > 0"))
     if settings.tls_keyfile and not settings.tls_certfile:
         violations.append(errors.FieldViolation("loadbalancer.tls_certfile", "required with tls_keyfile"))
     errors.require(violations, subject="loadbalancer settings")
@@ -172,6 +198,12 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             backoff_initial_s=settings.retry_backoff_initial_s,
             backoff_max_s=settings.retry_backoff_max_s,
             max_body_bytes=settings.max_body_bytes,
+            retry_buffer_bytes=settings.retry_buffer_bytes,
+            max_buffered_bytes=settings.max_buffered_bytes,
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            idle_timeout_s=settings.idle_timeout_s,
+            max_connections=connections.connection_cap(settings.max_connections),
         ),
     )
     host, port = _split(settings.http_addr)

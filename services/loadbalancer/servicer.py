@@ -38,6 +38,6 @@ class LoadBalancerServicer(api_grpc.LoadBalancerServiceServicer):
             endpoints_version=b.endpoints_version,
             replicas=replicas,
             held_requests=b.held,
-            unreported_requests=b.unreported,
+            unreported_requests=self._link.unreported,
             controller_connected=self._link.connected,
         )

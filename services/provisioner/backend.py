@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from services.common import errors
-from services.provisioner import model
+from services.provisioner import capability, model
 
 
 class LaunchError(Exception):
@@ -21,14 +21,27 @@ class LaunchError(Exception):
 
     Attributes:
         message: why, fit for users (no secrets).
-        permanent: retrying cannot help (bad spec, no access, resource mismatch, no capacity
-            in an explicitly asked zone).
-        capacity_unavailable: the zone lacked capacity (the spot placer moves on).
+        cause: whose fault it was (see causes.py): the user's (their spec, image or code) or
+            the infrastructure's (capacity, quota, the API server, this host).
+        permanent: retrying cannot help (bad spec, missing files, an image name that cannot
+            be). Only user-caused failures can be permanent: the infrastructure's are retried.
+        capacity_unavailable: the zone lacked capacity. Not retried when the launch asked for
+            that zone: the controller places the replica again (another zone, after a backoff).
     """
 
-    def __init__(self, message: str, *, permanent: bool = False, capacity_unavailable: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        cause: model.FailureCause = model.FailureCause.UNSPECIFIED,
+        permanent: bool = False,
+        capacity_unavailable: bool = False,
+    ) -> None:
+        if permanent and cause == model.FailureCause.INFRASTRUCTURE:
+            raise ValueError("an infrastructure failure is retried, never permanent")
         super().__init__(message)
         self.message = message
+        self.cause = cause
         self.permanent = permanent
         self.capacity_unavailable = capacity_unavailable
 
@@ -88,7 +101,8 @@ class BackendReplica:
 
 @dataclasses.dataclass(frozen=True)
 class BackendEvent:
-    """A replica's app exited (`app_state` EXITED, with `exit_code`) or vanished."""
+    """A replica's app exited (`app_state` EXITED, with `exit_code`) or vanished; `cause` says
+    whose fault it was (UNSPECIFIED lets the provisioner core decide by `app_state`)."""
 
     name: str
     token: str
@@ -96,6 +110,7 @@ class BackendEvent:
     exit_code: int = 0
     time: float = 0.0
     message: str = ""
+    cause: model.FailureCause = model.FailureCause.UNSPECIFIED
 
 
 class Backend(abc.ABC):
@@ -148,9 +163,13 @@ class Backend(abc.ABC):
         """Accelerator name (lowercase) -> how many a replica may ask for; None places no limit."""
         return None
 
-    def copies_local_paths(self) -> bool:
-        """Whether launches copy the spec's workdir and file mounts from this host."""
-        return False
+    def accelerator_hint(self, wanted: str) -> str:
+        """How to run a spec asking for accelerator `wanted` ("A100:1") here anyway; "" if there is no way."""
+        return ""
+
+    async def path_problems(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+        """What of the spec's local paths (workdir, file mounts) launches could not copy; none by default."""
+        return []
 
     def set_zone_availability(self, zone: str, refuse_for_s: float) -> model.Zone:
         """Make `zone` refuse launches for `refuse_for_s` seconds (0: accept again)."""

@@ -9,8 +9,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
+import time
+from collections.abc import Callable
 
-from services.common import errors
+from services.common import errors, localpaths
+from services.provisioner import copies
 
 _ITEM = re.compile(r"([A-Za-z][\w.-]*)(?::(\d+(?:\.\d+)?))?")
 
@@ -61,31 +65,91 @@ def _satisfied(text: str, offered: dict[str, float]) -> bool:
     return any(offered.get(name, 0.0) >= count for name, count in _wanted(text))
 
 
-def accelerator_problems(needs: Needs, offered: dict[str, float] | None) -> list[errors.FieldViolation]:
-    """Violations when no acceptable accelerator choice is offered; `offered` None is no limit."""
+def accelerator_problems(
+    needs: Needs, offered: dict[str, float] | None, *, hint: Callable[[str], str] | None = None
+) -> list[errors.FieldViolation]:
+    """Violations when no acceptable accelerator choice is offered; `offered` None is no limit.
+
+    Args:
+        needs: what the spec asks for.
+        offered: accelerator name (lowercase) -> count a replica may have; None: no limit.
+        hint: turns one asked-for choice ("A100:1") into a sentence on how to run it here anyway.
+    """
     if offered is None or not needs.accelerators:
         return []
     runnable = [_satisfied(text, offered) for _, text in needs.accelerators]
     if any(runnable) if needs.alternatives else all(runnable):
         return []
     have = ", ".join(f"{name.upper()}:{count:g}" for name, count in sorted(offered.items())) or "none"
-    return [
-        errors.FieldViolation(path, f"this provisioner's backend does not offer {text} (it offers: {have})")
-        for (path, text), ok in zip(needs.accelerators, runnable, strict=True)
-        if not ok
-    ]
+    out = []
+    for (path, text), ok in zip(needs.accelerators, runnable, strict=True):
+        if ok:
+            continue
+        description = f"this provisioner's backend does not offer {text} (it offers: {have})"
+        first = _wanted(text)
+        if hint is not None and first:
+            name, count = first[0]
+            description += f"; {hint(f'{name.upper()}:{count:g}')}"
+        out.append(errors.FieldViolation(path, description))
+    return out
 
 
-def path_problems(needs: Needs) -> list[errors.FieldViolation]:
-    """Violations for a workdir or local file mount source this machine does not have."""
+def relative_problems(needs: Needs) -> list[errors.FieldViolation]:
+    """Violations for a relative workdir or local file mount source (the API takes absolute paths only)."""
+    return localpaths.relative_problems(needs.workdir, dict(needs.file_mounts))
+
+
+def path_problems(
+    needs: Needs,
+    *,
+    state_dir: str = "",
+    limits: copies.Limits | None = None,
+    budget_s: float = 2.0,
+    cancel: threading.Event | None = None,
+) -> list[errors.FieldViolation]:
+    """Violations for local paths this machine cannot copy into a replica.
+
+    A workdir or local file mount source that is missing, holds the state dir or lies inside it,
+    or (with `limits`) is too large to copy. Relative paths are left to relative_problems. The
+    size is only counted for `budget_s` seconds; a launch enforces it anyway.
+
+    Args:
+        needs: what the spec asks for.
+        state_dir: the provisioner's state dir; "" skips that check.
+        limits: what one replica's copies may take; None skips the size check.
+        budget_s: how long counting sizes may take.
+        cancel: set to stop counting early.
+    """
     problems = []
-    if needs.workdir and not os.path.isdir(os.path.expanduser(needs.workdir)):
-        problems.append(errors.FieldViolation("workdir", "no such directory on the provisioner's host"))
+    sources: list[tuple[str, str]] = []
+    if needs.workdir and not localpaths.is_relative(needs.workdir):
+        path = os.path.expanduser(needs.workdir)
+        if not os.path.isdir(path):
+            problems.append(errors.FieldViolation("workdir", f"no such directory on the provisioner's host: {path}"))
+        else:
+            sources.append(("workdir", path))
     for destination, source in needs.file_mounts:
-        if source.lstrip().startswith("{") or "://" in source:
-            continue  # storage mappings and URIs are not local paths
-        if not os.path.exists(os.path.expanduser(source)):
-            problems.append(
-                errors.FieldViolation(f"file_mounts.{destination}", "no such source path on the provisioner's host")
-            )
+        if not localpaths.is_local_source(source) or localpaths.is_relative(source):
+            continue  # storage mappings and URIs are not local paths; relative ones are refused elsewhere
+        path = os.path.expanduser(source)
+        field = f"file_mounts.{destination}"
+        if not os.path.exists(path):
+            problems.append(errors.FieldViolation(field, f"no such source path on the provisioner's host: {path}"))
+        else:
+            sources.append((field, path))
+    if state_dir:
+        for field, path in sources:
+            if why := copies.overlap(path, state_dir):
+                problems.append(errors.FieldViolation(field, why))
+    if limits is not None and sources and not problems:
+        budget = copies.Budget(limits, cancel or threading.Event())
+        deadline = time.monotonic() + budget_s
+        try:
+            for field, path in sources:
+                if not copies.measure(field, path, budget, deadline=deadline):
+                    break
+        except copies.TooLargeError as exc:
+            problems.append(errors.FieldViolation(exc.label, exc.reason))
+        except (copies.CancelledCopyError, OSError):
+            pass  # the launch finds out for itself
     return problems

@@ -120,6 +120,11 @@ def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
     )
 
 
+def failure_cause(cause: model.FailureCause) -> resources_pb2.FailureCause.ValueType:
+    """The proto enum of a failure cause."""
+    return resources_pb2.FailureCause.Value(f"FAILURE_CAUSE_{cause.value}")
+
+
 def launch_event(e: model.LaunchEvent) -> service_pb2.LaunchResponse:
     """The response carrying a launch event."""
     return service_pb2.LaunchResponse(
@@ -134,6 +139,7 @@ def launch_event(e: model.LaunchEvent) -> service_pb2.LaunchResponse:
             replica=replica(e.replica),
             permanent=e.permanent,
             capacity_unavailable=e.capacity_unavailable,
+            cause=failure_cause(e.cause),
         )
     )
 
@@ -161,6 +167,7 @@ def replica_event(e: model.ReplicaEvent) -> service_pb2.WatchReplicasResponse:
             type=resources_pb2.ReplicaEventType.Value(f"REPLICA_EVENT_TYPE_{e.type.value}"),
             replica=replica(e.replica) if e.replica else None,
             message=e.message,
+            cause=failure_cause(e.cause),
         )
     )
 

@@ -145,10 +145,16 @@ class WatchHub:
         """Sequence of the last event published (or the start point)."""
         return self._last
 
-    def publish(self, type_: model.ReplicaEventType, replica: model.Replica, message: str = "") -> model.ReplicaEvent:
-        """Record a change of `replica` (copied) and wake watchers."""
+    def publish(
+        self,
+        type_: model.ReplicaEventType,
+        replica: model.Replica,
+        message: str = "",
+        cause: model.FailureCause = model.FailureCause.UNSPECIFIED,
+    ) -> model.ReplicaEvent:
+        """Record a change of `replica` (copied), and whose fault it was, and wake watchers."""
         self._last += 1
-        event = model.ReplicaEvent(self._last, self._clock(), type_, replica.copy(), message)
+        event = model.ReplicaEvent(self._last, self._clock(), type_, replica.copy(), message, cause)
         self._ring.append(event)
         self._signal.fire()
         return event

@@ -5,10 +5,20 @@ starts, so the local backend never pays for it. Objects are built as plain dicts
 kube_objects.py; this module sends them and follows their Pods.
 
 One watch over the Pods carrying this instance's labels drives everything: a list, then a
-watch from the list's resourceVersion, re-watched when the server ends it, relisted on 410
-Gone, on an idle read timeout and after errors. Every (re)list replays every Pod; the state
-kept per replica makes duplicates harmless (an event is reported once per incarnation).
-Labels are also checked on the client side, for servers that ignore selectors.
+watch from the list's resourceVersion, resumed from the last version it saw (an event's or a
+bookmark's) whenever it ends: the server's timeout, a silent connection, an error. Only a 410
+Gone (the version is too old to resume from) makes it list again. A list replays every Pod;
+the state kept per replica makes that harmless (each incarnation reports one end).
+
+API calls are retried here, and only here, when the failure is transient (no answer, 429,
+5xx): a few tries with backoff or the server's Retry-After. A create whose answer was lost
+meets its own object on the retry (409) and takes it. Other failures become launch or
+teardown failures that say what the API server answered.
+
+A replica's Secret and Service carry an ownerReference to its Pod, so the cluster's garbage
+collector removes them with the Pod even when no provisioner is left to. The Secret is created
+before the Pod (the container needs it to start) and owned once the Pod exists; one left
+behind by a crash in between is removed at the next start.
 
 Restart safety: the Pods themselves are the record. Each carries the full replica name and
 the incarnation token in annotations, so a restarted provisioner lists its Pods by label and
@@ -24,16 +34,25 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.provisioner import backend, kube_objects, model
+import tenacity
+from tenacity import wait as tenacity_wait
+
+from services.provisioner import backend, causes, kube_objects, model, retries
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("pod", "service", "secret")
+MERGE_PATCH = "application/merge-patch+json"
+LOG_SETTLE_S = 5.0
+"""How long an app's end (or a teardown) waits for the last lines of its Pod log."""
+POSITION_FILE = "kube-log-position.json"
+TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})
+"""HTTP statuses worth another try of the same call (0: no answer at all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +73,103 @@ class Options:
     watch_timeout_s: float = 300.0
     watch_idle_s: float = 330.0
     request_timeout_s: float = 30.0
+    follow_logs: bool = True
+    node_address: str = ""
+    load_balancer_timeout_s: float = 600.0
+    log_reconnect_margin_s: float = 10.0
+    api_attempts: int = 5
+    api_backoff_s: float = 0.5
+    api_backoff_max_s: float = 10.0
 
 
 class ApiError(Exception):
-    """A Kubernetes API call failed: `status` is the HTTP status (0 when there was no answer)."""
+    """A Kubernetes API call failed.
 
-    def __init__(self, status: int, message: str) -> None:
+    Attributes:
+        status: the HTTP status (0 when there was no answer).
+        message: the API server's message (or the connection error).
+        reason: the Status reason (`Forbidden`, `AlreadyExists`, ...), else the HTTP reason.
+        retry_after: the server's Retry-After in seconds, if it sent one.
+        tries: how many times the call was made.
+    """
+
+    def __init__(self, status: int, message: str, *, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.reason = reason
+        self.retry_after = retry_after
+        self.tries = 1
+
+    @property
+    def transient(self) -> bool:
+        """Whether trying the same call again may succeed."""
+        return self.status in TRANSIENT
+
+
+def describe(exc: ApiError) -> str:
+    """An API failure in words, for launch and teardown messages: what, the status, the message."""
+    code = f"{exc.status} {exc.reason}".strip()
+    tries = f", {exc.tries} tries" if exc.tries > 1 else ""
+    text = exc.message or "no message"
+    if exc.status == 0:
+        return f"the API server could not be reached ({exc.tries} {'tries' if exc.tries > 1 else 'try'}): {text}"
+    if exc.status in (401, 403):
+        return f"no access ({code}): {text}"
+    if exc.status == 404:
+        return f"not found ({code}): {text}"
+    if exc.status == 409:
+        return f"conflict ({code}): {text}"
+    if exc.status in (400, 422):
+        return f"rejected by the API server ({code}): {text}"
+    if exc.status == 429:
+        return f"the API server is throttling requests ({code}{tries}): {text}"
+    if exc.status >= 500:
+        return f"the API server failed ({code}{tries}): {text}"
+    return f"the API server answered {code}{tries}: {text}"
+
+
+class ServerWait(tenacity_wait.wait_base):
+    """Wait before another try: the server's Retry-After when it sent one, else jittered exponential
+    backoff; never longer than the backoff's maximum."""
+
+    def __init__(self, backoff: retries.wait_jittered_exponential) -> None:
+        self.backoff = backoff
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        """The gap before the next try."""
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if isinstance(exc, ApiError) and exc.retry_after is not None:
+            return min(max(0.0, exc.retry_after), self.backoff.maximum)
+        return self.backoff(retry_state)
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None  # the HTTP-date form: fall back to our own backoff
+
+
+def _error(status: int, http_reason: str, body: bytes, headers: Any) -> ApiError:
+    """An ApiError from an error answer (a Status object when the API server sent one)."""
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    message = str(data.get("message") or body[:300].decode(errors="replace") or f"HTTP {status}")
+    reason = str(data.get("reason") or http_reason or "")
+    return ApiError(status, message, reason=reason, retry_after=_retry_after(headers.get("Retry-After")))
 
 
 class _Gone(Exception):
     """The watch's resourceVersion is too old (410): relist."""
+
+
+class _DeleteFailed(Exception):
+    """Deleting a replica's objects failed; the message says which and why."""
 
 
 class _Api:
@@ -76,8 +179,8 @@ class _Api:
         self._opts = opts
         self._client: Any = None
         self._core: Any = None
-        self._api_exception: type[BaseException] = Exception
         self._errors: tuple[type[BaseException], ...] = ()
+        self._wait = ServerWait(retries.wait_jittered_exponential(opts.api_backoff_s, 2.0, opts.api_backoff_max_s))
 
     async def open(self) -> None:
         from kubernetes.aio import client, config
@@ -99,21 +202,49 @@ class _Api:
             raise ApiError(0, f"cannot load {where}: {exc}") from None
         self._client = client.ApiClient(cfg)
         self._core = client.CoreV1Api(self._client)
-        self._api_exception = client.exceptions.ApiException
         import aiohttp
 
-        self._errors = (aiohttp.ClientError, OSError, TimeoutError)
+        self._errors = (aiohttp.ClientError, OSError, TimeoutError, client.exceptions.ApiException)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Call `method` and return the answer's JSON as a dict.
+    async def _call(self, method: str, *args: Any, retry: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Call `method` and return the answer's JSON as a dict; transient failures are tried
+        again (`api_attempts` in all) unless `retry` is False.
 
-        The raw (`_without_preload_content`) variants are used: the client's generated models
-        reject objects that lack fields they think required, and plain dicts are all we need.
+        Raises:
+            ApiError: the last try's failure, with `tries` set.
         """
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(max(1, self._opts.api_attempts) if retry else 1),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, ApiError) and exc.transient),
+            before_sleep=lambda state: log.warning(
+                "kubernetes API %s failed (%s); try %d of %d",
+                method,
+                describe(state.outcome.exception()) if state.outcome else "?",  # type: ignore[arg-type]
+                state.attempt_number + 1,
+                self._opts.api_attempts,
+            ),
+            reraise=True,
+        )
+        tries = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    tries += 1
+                    return await self._call_once(method, *args, **kwargs)
+        except ApiError as exc:
+            exc.tries = tries
+            raise
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    async def _call_once(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One call. The raw (`_without_preload_content`) variants are used: the client's
+        generated models reject objects that lack fields they think required, and plain dicts
+        are all we need."""
         kwargs.setdefault("_request_timeout", self._opts.request_timeout_s)
         try:
             resp = await getattr(self._core, f"{method}_without_preload_content")(*args, **kwargs)
@@ -121,45 +252,57 @@ class _Api:
                 body = await resp.read()
             finally:
                 resp.release()
-        except self._api_exception as exc:
-            raise ApiError(int(getattr(exc, "status", 0) or 0), _api_message(exc)) from None
-        except self._errors as exc:
-            raise ApiError(0, f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        except self._errors as exc:  # no answer (the client's own ApiException included)
+            status = int(getattr(exc, "status", 0) or 0)
+            raise ApiError(status, f"{type(exc).__name__}: {exc}".strip().rstrip(":")) from None
+        if resp.status >= 400:
+            raise _error(resp.status, str(resp.reason or ""), body, resp.headers)
         try:
             data = json.loads(body or b"{}")
         except ValueError:
             data = {}
-        if not isinstance(data, dict):
-            data = {}
-        if resp.status >= 400:
-            message = str(data.get("message") or body[:300].decode(errors="replace") or f"HTTP {resp.status}")
-            raise ApiError(int(resp.status), message)
-        return data
+        return data if isinstance(data, dict) else {}
 
     async def create(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = body["metadata"]["namespace"]
         return await self._call(f"create_namespaced_{kind}", ns, body)
 
-    async def delete(self, kind: str, name: str, namespace: str, *, grace_s: float | None = None) -> bool:
-        """Delete one object; False when it was not there."""
-        kwargs: dict[str, Any] = {}
-        if grace_s is not None:
-            kwargs["grace_period_seconds"] = max(0, round(grace_s))
+    async def get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        """The object, or None when there is none."""
         try:
-            await self._call(f"delete_namespaced_{kind}", name, namespace, **kwargs)
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
-    async def get_pod(self, name: str, namespace: str) -> dict[str, Any] | None:
-        try:
-            return await self._call("read_namespaced_pod", name, namespace)
+            return await self._call(f"read_namespaced_{kind}", name, namespace)
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(
+        self, kind: str, namespace: str, labels: str, *, retry: bool = True
+    ) -> tuple[builtins.list[dict[str, Any]], str]:
+        """The objects with `labels`, and the list's resourceVersion."""
+        data = await self._call(f"list_namespaced_{kind}", namespace, label_selector=labels, retry=retry)
+        return builtins.list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def patch(self, kind: str, name: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch (the client would send a strategic merge patch for a dict)."""
+        return await self._call(f"patch_namespaced_{kind}", name, namespace, body, _content_type=MERGE_PATCH)
+
+    async def delete(
+        self, kind: str, name: str, namespace: str, *, grace_s: float | None = None, uid: str = ""
+    ) -> bool:
+        """Delete one object (only if its uid is `uid`, when given); False when it was not there."""
+        kwargs: dict[str, Any] = {}
+        if grace_s is not None:
+            kwargs["grace_period_seconds"] = max(0, round(grace_s))
+        if uid:
+            kwargs["body"] = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            await self._call(f"delete_namespaced_{kind}", name, namespace, **kwargs)
+        except ApiError as exc:
+            if exc.status == 404 or (uid and exc.status == 409):  # gone, or another object by now
+                return False
+            raise
+        return True
 
     async def ensure_namespace(self, namespace: str) -> None:
         try:
@@ -171,14 +314,54 @@ class _Api:
             with contextlib.suppress(ApiError):  # a racing creator is fine
                 await self._call("create_namespace", body)
 
-    async def list_pods(self, namespace: str, labels: str) -> tuple[list[dict[str, Any]], str]:
-        data = await self._call("list_namespaced_pod", namespace, label_selector=labels)
-        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+    async def pod_log(self, namespace: str, name: str, *, since_s: int | None) -> AsyncIterator[bytes]:
+        """The replica container's log lines, each `<time> <text>`, followed until the container
+        ends or `watch_timeout_s` passes (then the caller reads again from where it was).
+
+        Raises:
+            ApiError: the log could not be opened or the stream broke (400 while the container
+                has not started, 404 once the Pod is gone).
+            TimeoutError: the stream's time was up.
+        """
+        kwargs: dict[str, Any] = {
+            "container": kube_objects.CONTAINER,
+            "follow": True,
+            "timestamps": True,
+            "_request_timeout": self._opts.watch_timeout_s,
+        }
+        if since_s is not None:
+            kwargs["since_seconds"] = max(1, since_s)
+        try:
+            resp = await self._core.read_namespaced_pod_log_without_preload_content(name, namespace, **kwargs)
+        except self._errors as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise ApiError(int(getattr(exc, "status", 0) or 0), f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+        try:
+            if resp.status >= 400:
+                raise _error(resp.status, str(resp.reason or ""), await resp.read(), resp.headers)
+            pending = b""
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except self._errors as exc:
+                    if isinstance(exc, TimeoutError):
+                        raise
+                    raise ApiError(0, f"log stream broke: {type(exc).__name__}") from None
+                if not chunk:
+                    break
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    yield line + b"\n"
+            if pending:
+                yield pending
+        finally:
+            resp.release()
 
     async def watch_pods(
         self, namespace: str, labels: str, resource_version: str
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Pod events until the server ends the watch.
+        """Pod events (BOOKMARKs included) until the server ends the watch.
 
         Raises:
             _Gone: the resourceVersion is too old.
@@ -190,19 +373,21 @@ class _Api:
             "watch": True,
             "allow_watch_bookmarks": True,
             "timeout_seconds": max(1, round(self._opts.watch_timeout_s)),
-            "_request_timeout": None,
+            # The server ends the watch; the idle timer below catches a dead connection. This
+            # bound only keeps the client's own default (5 min in all) from cutting it first.
+            "_request_timeout": self._opts.watch_timeout_s + self._opts.watch_idle_s + self._opts.request_timeout_s,
         }
         if resource_version:
             kwargs["resource_version"] = resource_version
         try:
             resp = await self._core.list_namespaced_pod_without_preload_content(namespace, **kwargs)
         except self._errors as exc:
-            raise ApiError(0, f"{type(exc).__name__}: {exc}") from None
+            raise ApiError(0, f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
         try:
             if resp.status == 410:
                 raise _Gone()
             if resp.status >= 400:
-                raise ApiError(resp.status, (await resp.text())[:300])
+                raise _error(resp.status, str(resp.reason or ""), await resp.read(), resp.headers)
             while True:
                 try:
                     line = await asyncio.wait_for(resp.content.readline(), self._opts.watch_idle_s)
@@ -220,19 +405,14 @@ class _Api:
                 if kind == "ERROR":
                     if obj.get("code") == 410:
                         raise _Gone()
-                    raise ApiError(int(obj.get("code") or 0), str(obj.get("message") or "watch error"))
+                    raise ApiError(
+                        int(obj.get("code") or 0),
+                        str(obj.get("message") or "watch error"),
+                        reason=obj.get("reason", ""),
+                    )
                 yield kind, obj
         finally:
             resp.release()
-
-
-def _api_message(exc: Any) -> str:
-    """The API server's message from an ApiException (its JSON Status body when there is one)."""
-    try:
-        body = json.loads(exc.body or "{}")
-        return str(body.get("message") or exc.reason or "")
-    except (ValueError, TypeError):
-        return str(exc.reason or "")
 
 
 @dataclasses.dataclass
@@ -246,6 +426,7 @@ class _Tracked:
     zone: str
     created_at: float
     port: int
+    uid: str = ""
     has_setup: bool = False
     pod: dict[str, Any] | None = None
     status: kube_objects.PodStatus = dataclasses.field(default_factory=kube_objects.PodStatus)
@@ -256,6 +437,11 @@ class _Tracked:
     app_state: model.AppState = model.AppState.RUNNING
     exit_code: int = 0
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    app_log: str = ""
+    launch_log: str = ""
+    splits_setup: bool = False
+    log_task: asyncio.Task[None] | None = None
+    service: dict[str, Any] | None = None
 
     def touch(self) -> None:
         """Wake whoever waits for a change."""
@@ -268,8 +454,22 @@ class KubernetesBackend(backend.Backend):
 
     name = "kubernetes"
 
-    def __init__(self, options: Options, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        options: Options,
+        *,
+        clock: Callable[[], float] = time.time,
+        log_path: Callable[[str, model.LogKind], str] | None = None,
+    ) -> None:
+        """Args:
+        options: the backend's settings.
+        clock: wall-clock time for events.
+        log_path: where replica `name`'s log of a kind lives; Pod logs of adopted replicas
+            are copied there (launched ones use the paths of their CreateRequest).
+        """
         self._opts = options
+        self._log_path = log_path
+        self._reports: set[asyncio.Task[None]] = set()
         self._cfg = options.pods
         self._ns = options.pods.namespace
         self._labels = kube_objects.selector(options.pods.instance)
@@ -285,24 +485,67 @@ class KubernetesBackend(backend.Backend):
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect, list this instance's Pods and adopt them, then start the watch."""
+        """Connect, list this instance's Pods and adopt them, remove Secrets and Services whose
+        Pod is gone, then start the watch."""
         try:
             await self._api.open()
+        except ApiError as exc:
+            raise RuntimeError(f"kubernetes backend: {exc.message}") from None
+        try:
             if self._opts.create_namespace:
                 await self._api.ensure_namespace(self._ns)
-            items, version = await self._api.list_pods(self._ns, self._selector)
+            items, version = await self._api.list("pod", self._ns, self._selector)
         except ApiError as exc:
-            raise RuntimeError(f"kubernetes backend: cannot list Pods in namespace {self._ns}: {exc.message}") from None
+            raise RuntimeError(
+                f"kubernetes backend: cannot list Pods in namespace {self._ns}: {describe(exc)}"
+            ) from None
         self._apply_list(items)
         log.info("kubernetes backend: namespace %s, %d replica Pods found", self._ns, len(self._tracked))
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            await self._find_services()
+        await self._remove_orphans({str((p.get("metadata") or {}).get("name", "")) for p in items})
         self._watcher = asyncio.get_running_loop().create_task(self._watch(version))
+
+    async def _find_services(self) -> None:
+        """Give adopted replicas their Services (their endpoints come from them)."""
+        try:
+            items, _ = await self._api.list("service", self._ns, self._selector)
+        except ApiError as exc:
+            log.warning("could not list Services; endpoints wait for them: %s", describe(exc))
+            return
+        by_name = {str((s.get("metadata") or {}).get("name", "")): s for s in items}
+        for tracked in self._tracked.values():
+            found = by_name.get(tracked.obj)
+            if found is not None and _token(found) == tracked.token:
+                tracked.service = found
+
+    async def _remove_orphans(self, pods: set[str]) -> None:
+        """Delete our Secrets and Services whose Pod does not exist: a crash between creating a
+        Secret and its Pod leaves one that no ownerReference covers. Best effort."""
+        for kind in ("secret", "service"):
+            try:
+                items, _ = await self._api.list(kind, self._ns, self._selector)
+            except ApiError as exc:
+                log.warning("could not look for %ss left without a Pod: %s", kind, describe(exc))
+                continue
+            for item in items:
+                meta = item.get("metadata") or {}
+                name = str(meta.get("name", ""))
+                if name in pods or not kube_objects.matches(item, self._labels):
+                    continue
+                try:
+                    await self._api.delete(kind, name, self._ns, uid=str(meta.get("uid", "")))
+                    log.info("deleted %s %s/%s: its Pod is gone", kind, self._ns, name)
+                except ApiError as exc:
+                    log.warning("could not delete %s %s/%s left without a Pod: %s", kind, self._ns, name, describe(exc))
 
     async def close(self) -> None:
         """Stop watching; the Pods keep running and are re-adopted on the next start()."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        tasks = [t for t in (self._watcher, *(x.log_task for x in self._tracked.values())) if t is not None]
+        tasks += list(self._reports)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._api.close()
 
     # ---- backend interface -----------------------------------------------------------------
@@ -315,9 +558,15 @@ class KubernetesBackend(backend.Backend):
         try:
             pod, notes = kube_objects.pod_manifest(launch, self._cfg, token=token, created_at=created_at)
         except kube_objects.ManifestError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise backend.LaunchError(
+                str(exc), cause=causes.kubernetes(causes.Kube.UNRUNNABLE_SPEC), permanent=True
+            ) from None
         if launch.name in self._tracked:
-            await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            try:
+                await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
+            except backend.TeardownError as exc:
+                message = f"the earlier attempt's objects could not be removed: {exc}"
+                raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.API_ERROR)) from None
         obj = pod["metadata"]["name"]
         tracked = _Tracked(
             name=launch.name,
@@ -329,6 +578,9 @@ class KubernetesBackend(backend.Backend):
             port=kube_objects.serving_port(launch.spec),
             has_setup=bool(launch.spec.setup.strip()),
             launching=True,
+            app_log=request.app_log,
+            launch_log=request.launch_log,
+            splits_setup=bool(launch.spec.setup.strip()),
         )
         self._tracked[launch.name] = tracked
         for note in notes:
@@ -336,11 +588,17 @@ class KubernetesBackend(backend.Backend):
         image = pod["spec"]["containers"][0]["image"]
         try:
             if launch.spec.secrets:
-                await self._create("secret", kube_objects.secret_manifest(launch, self._cfg))
+                await self._create("secret", kube_objects.secret_manifest(launch, self._cfg, token=token), token)
             _note(request.launch_log, f"creating Pod {self._ns}/{obj} (image {image})")
-            await self._create("pod", pod)
+            created = await self._create("pod", pod, token)
+            tracked.uid = str((created.get("metadata") or {}).get("uid") or "")
+            self._follow(tracked)
+            owner = kube_objects.owner_reference(created)
+            if launch.spec.secrets and owner:
+                await self._own("secret", obj, owner, request.launch_log)
             if self._cfg.service_type:
-                await self._create("service", kube_objects.service_manifest(launch, self._cfg))
+                service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
+                tracked.service = await self._create("service", service, token)
             result = await self._await_start(tracked, request.launch_log, image)
         except asyncio.CancelledError:
             tracked.deleting = True
@@ -352,12 +610,48 @@ class KubernetesBackend(backend.Backend):
         self._report(tracked)  # an app that exited before we looked
         return result
 
-    async def _create(self, kind: str, body: dict[str, Any]) -> None:
+    async def _create(self, kind: str, body: dict[str, Any], token: str) -> dict[str, Any]:
+        """Create one object of this launch attempt and return it as stored.
+
+        A 409 is looked at: our own object (this token: a retried create whose first answer was
+        lost) is taken; a Secret or Service of ours from an earlier incarnation is replaced; a
+        Pod of ours or anything not ours is a conflict.
+        """
         name = body["metadata"]["name"]
         try:
-            await self._api.create(kind, body)
+            return await self._api.create(kind, body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise _launch_error(kind, name, self._ns, exc) from None
+            conflict = exc
+        try:
+            existing = await self._api.get(kind, name, self._ns)
+            if existing is not None and _token(existing) == token:
+                return existing
+            if existing is None or (kind != "pod" and kube_objects.matches(existing, self._labels)):
+                if existing is not None:
+                    uid = str(existing["metadata"].get("uid", ""))
+                    await self._api.delete(kind, name, self._ns, uid=uid)
+                    log.info("replaced %s %s/%s left by an earlier launch", kind, self._ns, name)
+                return await self._api.create(kind, body)
         except ApiError as exc:
             raise _launch_error(kind, name, self._ns, exc) from None
+        if kube_objects.matches(existing, self._labels):
+            note = "an earlier Pod of this replica is still there, terminating?"
+        else:
+            note = "the object of that name is not this provisioner's"
+        raise backend.LaunchError(
+            f"could not create {kind} {self._ns}/{name}: {describe(conflict)} ({note})",
+            cause=causes.kubernetes(causes.Kube.API_ERROR, status=conflict.status, message=conflict.message),
+        )
+
+    async def _own(self, kind: str, name: str, owner: dict[str, str], launch_log: str) -> None:
+        """Make the Pod own an object created before it (best effort: teardown deletes it anyway)."""
+        try:
+            await self._api.patch(kind, name, self._ns, {"metadata": {"ownerReferences": [owner]}})
+        except ApiError as exc:
+            log.warning("could not make Pod %s own %s %s/%s: %s", owner["name"], kind, self._ns, name, describe(exc))
+            _note(launch_log, f"{kind} {name} is not owned by its Pod ({describe(exc)}); teardown deletes it")
 
     async def _await_start(self, tracked: _Tracked, launch_log: str, image: str) -> backend.BackendReplica:
         start = time.monotonic()
@@ -372,52 +666,95 @@ class KubernetesBackend(backend.Backend):
             st = tracked.status
             waited = time.monotonic() - start
             if tracked.gone or st.deleting:
-                raise backend.LaunchError(f"Pod {tracked.obj} was deleted during the launch")
+                raise backend.LaunchError(
+                    f"Pod {tracked.obj} was deleted during the launch", cause=causes.kubernetes(causes.Kube.DELETED)
+                )
             if st.finished:
+                await self._logs_settled(tracked)
                 if st.disruption:
-                    raise backend.LaunchError(f"Pod {tracked.obj} was {st.disruption} during the launch")
+                    raise backend.LaunchError(
+                        f"Pod {tracked.obj} was {st.disruption} during the launch",
+                        cause=causes.kubernetes(causes.Kube.DISRUPTED),
+                    )
                 if tracked.has_setup and not st.started and not _app_started(st):
                     message = st.termination_message.splitlines()[0] if st.termination_message else ""
                     if not message.startswith(kube_objects.SETUP_FAILED_PREFIX):
                         message = f"the container exited with code {st.exit_code} before setup finished"
-                    raise backend.LaunchError(message)
+                    raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.SETUP_EXITED))
                 return self._describe(tracked)
             if st.running and st.started:
                 say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
+                if self._opts.endpoint == "load_balancer":
+                    await self._await_load_balancer(tracked, say)
                 return self._describe(tracked)
             if st.running:
                 say("setup", "container running; waiting for setup to finish")
             if st.waiting_reason in kube_objects.IMAGE_PULL_ERRORS:
+                cause = causes.kubernetes(causes.Kube.IMAGE_PULL, message=st.waiting_message)
                 raise backend.LaunchError(
                     f"image {image} could not be pulled ({st.waiting_reason}): {st.waiting_message}".rstrip(": "),
-                    permanent=st.waiting_reason == "InvalidImageName",
+                    cause=cause,
+                    permanent=st.waiting_reason == "InvalidImageName" and cause == model.FailureCause.USER,
                 )
             if st.waiting_reason in kube_objects.CONTAINER_ERRORS:
-                raise backend.LaunchError(f"{st.waiting_reason}: {st.waiting_message}".rstrip(": "))
+                raise backend.LaunchError(
+                    f"{st.waiting_reason}: {st.waiting_message}".rstrip(": "),
+                    cause=causes.kubernetes(causes.Kube.CONTAINER_ERROR),
+                )
             if st.unschedulable:
                 say("unschedulable", f"Pod cannot be scheduled yet: {st.unschedulable}")
                 if waited > self._opts.schedule_timeout_s:
                     raise backend.LaunchError(
                         f"Pod could not be scheduled within {self._opts.schedule_timeout_s:g} s: {st.unschedulable}",
+                        cause=causes.kubernetes(causes.Kube.UNSCHEDULABLE),
                         capacity_unavailable=True,
                     )
             elif st.node:
                 say("scheduled", f"Pod scheduled to node {st.node}")
             if not st.running and waited > self._opts.start_timeout_s:
                 reason = st.waiting_reason or st.phase or "no status"
-                raise backend.LaunchError(f"Pod did not start within {self._opts.start_timeout_s:g} s ({reason})")
+                raise backend.LaunchError(
+                    f"Pod did not start within {self._opts.start_timeout_s:g} s ({reason})",
+                    cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
+                )
             changed = tracked.changed
             try:
                 await asyncio.wait_for(changed.wait(), 2.0)
             except TimeoutError:
-                await self._refresh(tracked)  # the watch may be reconnecting: look directly
+                try:
+                    await self._refresh(tracked)  # the watch may be reconnecting: look directly
+                except ApiError as exc:
+                    if exc.status not in (401, 403):
+                        log.debug("could not read Pod %s: %s", tracked.obj, describe(exc))
+                    else:
+                        raise backend.LaunchError(
+                            f"could not read Pod {self._ns}/{tracked.obj}: {describe(exc)}",
+                            cause=causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message),
+                        ) from None
+
+    async def _await_load_balancer(self, tracked: _Tracked, say: Callable[[str, str], None]) -> None:
+        """Wait until the cloud gave the replica's LoadBalancer Service an address.
+
+        Raises:
+            backend.LaunchError: none within `load_balancer_timeout_s`.
+        """
+        deadline = time.monotonic() + self._opts.load_balancer_timeout_s
+        while not self._endpoint(tracked):
+            if time.monotonic() > deadline:
+                raise backend.LaunchError(
+                    f"Service {self._ns}/{tracked.obj} got no load-balancer address within "
+                    f"{self._opts.load_balancer_timeout_s:g} s",
+                    cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
+                )
+            say("load-balancer", f"waiting for the load-balancer address of Service {tracked.obj}")
+            await asyncio.sleep(0.2 if time.monotonic() + 5 > deadline else 1.0)
+            try:
+                tracked.service = await self._api.get("service", tracked.obj, self._ns)
+            except ApiError as exc:
+                log.debug("could not read Service %s: %s", tracked.obj, describe(exc))
 
     async def _refresh(self, tracked: _Tracked) -> None:
-        try:
-            pod = await self._api.get_pod(tracked.obj, self._ns)
-        except ApiError as exc:
-            log.debug("could not read Pod %s: %s", tracked.obj, exc.message)
-            return
+        pod = await self._api.get("pod", tracked.obj, self._ns)
         if pod is None:
             if tracked.pod is not None:  # seen before, gone now
                 self._on_pod("DELETED", tracked.pod)
@@ -426,24 +763,25 @@ class KubernetesBackend(backend.Backend):
 
     async def delete(self, name: str, *, grace_s: float) -> None:
         """Delete the Pod with `grace_s` as its grace period (and its Service and Secret), then
-        wait until the Pod is gone. A Pod that is still terminating after the grace period
-        plus `delete_timeout_s` fails the attempt (TeardownError): it is reported, not forgotten.
+        wait until the Pod is gone. Objects of that name that are not this instance's are left
+        alone. A Pod that is still terminating after the grace period plus `delete_timeout_s`
+        fails the attempt (TeardownError): it is reported, not forgotten.
         """
         tracked = self._tracked.get(name)
         obj = tracked.obj if tracked else kube_objects.object_name(name)
         if tracked is not None:
             tracked.deleting = True
         try:
-            await self._delete_objects(obj, grace_s=grace_s)
-        except ApiError as exc:
-            raise backend.TeardownError(f"could not delete Pod {self._ns}/{obj}: {exc.message}") from None
+            uid = await self._delete_objects(obj, grace_s=grace_s)
+        except _DeleteFailed as exc:
+            raise backend.TeardownError(str(exc)) from None
         deadline = time.monotonic() + grace_s + self._opts.delete_timeout_s
-        while True:
+        while uid:
             try:
-                pod = await self._api.get_pod(obj, self._ns)
+                pod = await self._api.get("pod", obj, self._ns)
             except ApiError as exc:
-                raise backend.TeardownError(f"could not read Pod {self._ns}/{obj}: {exc.message}") from None
-            if pod is None:
+                raise backend.TeardownError(f"could not read Pod {self._ns}/{obj}: {describe(exc)}") from None
+            if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
                 break
             if time.monotonic() >= deadline:
                 meta = pod.get("metadata") or {}
@@ -459,14 +797,39 @@ class KubernetesBackend(backend.Backend):
             else:
                 await asyncio.sleep(0.5)
         if tracked is not None:
+            # The container is dead: what it wrote last is on its way to the app log.
+            await self._logs_settled(tracked)
+            if tracked.log_task is not None:
+                tracked.log_task.cancel()
             self._deleted.append(tracked.token)
             if self._tracked.get(name) is tracked:
                 del self._tracked[name]
 
-    async def _delete_objects(self, obj: str, *, grace_s: float) -> None:
-        await self._api.delete("pod", obj, self._ns, grace_s=grace_s)
+    async def _delete_objects(self, obj: str, *, grace_s: float) -> str:
+        """Delete our Pod, Service and Secret named `obj`; returns the deleted Pod's uid ("" if none).
+
+        Raises:
+            _DeleteFailed: an API call failed (the message says which and why).
+        """
+        uid = await self._delete_ours("pod", obj, grace_s=grace_s)
         for kind in ("service", "secret"):
-            await self._api.delete(kind, obj, self._ns)
+            await self._delete_ours(kind, obj)
+        return uid
+
+    async def _delete_ours(self, kind: str, name: str, *, grace_s: float | None = None) -> str:
+        """Delete one object if it is this instance's; returns its uid ("" when there was none)."""
+        what = f"{kind.capitalize() if kind == 'pod' else kind} {self._ns}/{name}"
+        try:
+            existing = await self._api.get(kind, name, self._ns)
+            if existing is None:
+                return ""
+            if not kube_objects.matches(existing, self._labels):
+                log.warning("not deleting %s: it is not this provisioner's", what)
+                return ""
+            uid = str((existing.get("metadata") or {}).get("uid") or "")
+            return uid if await self._api.delete(kind, name, self._ns, grace_s=grace_s, uid=uid) else ""
+        except ApiError as exc:
+            raise _DeleteFailed(f"could not delete {what}: {describe(exc)}") from None
 
     def get(self, name: str) -> backend.BackendReplica | None:
         """The replica `name`, if one of this instance's Pods runs it."""
@@ -490,46 +853,43 @@ class KubernetesBackend(backend.Backend):
         tracked.reported = True  # the caller reports PREEMPTED itself
         tracked.app_state = model.AppState.PREEMPTED
         try:
-            await self._api.delete("pod", tracked.obj, self._ns, grace_s=0)
+            await self._api.delete("pod", tracked.obj, self._ns, grace_s=0, uid=tracked.uid)
         except ApiError as exc:
-            log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, exc.message)
+            log.warning("could not delete Pod %s to preempt it: %s", tracked.obj, describe(exc))
 
     # ---- the watch -------------------------------------------------------------------------
 
     async def _watch(self, version: str) -> None:
+        """Watch from `version` forever: resume after every end, relist only when it expired."""
         delay = 0.0
-        relist = False
         while True:
+            opened, seen = time.monotonic(), False
             try:
-                if relist:
-                    items, version = await self._api.list_pods(self._ns, self._selector)
+                if not version:
+                    items, version = await self._api.list("pod", self._ns, self._selector, retry=False)
                     self._apply_list(items)
-                    relist = False
-                # Emulators without resourceVersions answer "..."; resuming from that is meaningless.
-                resume = version if version and version != "..." else ""
-                async for kind, obj in self._api.watch_pods(self._ns, self._selector, resume):
-                    delay = 0.0
-                    meta = obj.get("metadata") or {}
-                    if meta.get("resourceVersion"):
-                        version = str(meta["resourceVersion"])
+                async for kind, obj in self._api.watch_pods(self._ns, self._selector, version):
+                    seen, delay = True, 0.0
+                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                     if kind != "BOOKMARK":
                         self._on_pod(kind, obj)
-                relist = not resume  # without a resume point, a new watch replays everything anyway
+                if not seen and time.monotonic() - opened < 1.0:
+                    # A server (or proxy) that ends watches at once must not make this a busy loop.
+                    delay = min(5.0, max(0.2, delay * 2))
+                    await asyncio.sleep(delay)
             except _Gone:
-                log.info("pod watch: resourceVersion expired (410); relisting")
-                relist = True
+                log.info("pod watch: resourceVersion %s is too old (410); listing again", version)
+                version = ""
             except TimeoutError:
-                log.debug("pod watch idle for %.0f s; relisting", self._opts.watch_idle_s)
-                relist = True
+                log.info("pod watch silent for %.0f s; reopening it from version %s", self._opts.watch_idle_s, version)
             except ApiError as exc:
                 delay = min(5.0, max(0.2, delay * 2))
-                log.warning("pod watch failed (%s); retrying in %.1f s", exc.message, delay)
-                relist = True
+                log.warning("pod watch failed: %s; retrying in %.1f s", describe(exc), delay)
                 await asyncio.sleep(delay)
-            except Exception:  # a bug must not end the only watch: log it, relist
+            except Exception:  # a bug must not end the only watch: log it, start over from a list
                 delay = min(5.0, max(0.2, delay * 2))
-                log.exception("pod watch broke unexpectedly; relisting in %.1f s", delay)
-                relist = True
+                log.exception("pod watch broke unexpectedly; listing again in %.1f s", delay)
+                version = ""
                 await asyncio.sleep(delay)
 
     def _apply_list(self, items: builtins.list[dict[str, Any]]) -> None:
@@ -560,6 +920,7 @@ class KubernetesBackend(backend.Backend):
         elif tracked.token != token:
             return ""  # an older incarnation's Pod (its last events)
         tracked.pod = pod
+        tracked.uid = str((pod.get("metadata") or {}).get("uid") or tracked.uid)
         tracked.status = kube_objects.read_status(pod)
         if kind == "DELETED":
             tracked.gone = True
@@ -588,8 +949,15 @@ class KubernetesBackend(backend.Backend):
             created_at=created,
             port=int(port),
             has_setup="startupProbe" in container,
+            # Pods made before setup's end was marked in the log have it all as the app's.
+            splits_setup="startupProbe" in container
+            and any(kube_objects.SETUP_FINISHED_LINE in str(arg) for arg in container.get("command") or []),
         )
+        if self._log_path is not None:
+            tracked.app_log = self._log_path(name, model.LogKind.APP)
+            tracked.launch_log = self._log_path(name, model.LogKind.LAUNCH)
         self._tracked[name] = tracked
+        self._follow(tracked)
         return tracked
 
     def _report(self, tracked: _Tracked) -> None:
@@ -603,23 +971,113 @@ class KubernetesBackend(backend.Backend):
             how = st.disruption or "deleted by someone else"
             message = f"Pod {tracked.obj} was {how}"
             code = 0
+            cause = causes.kubernetes(causes.Kube.DISRUPTED if st.disruption else causes.Kube.DELETED)
         elif st.finished:
             state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_objects.exit_message(st)
+            cause = causes.kubernetes(causes.Kube.APP_EXITED)
         else:
             return
         tracked.reported = True
         tracked.app_state = state
         tracked.exit_code = code
-        self._events.put_nowait(
-            backend.BackendEvent(
-                name=tracked.name,
-                token=tracked.token,
-                app_state=state,
-                exit_code=code,
-                time=self._clock(),
-                message=message,
-            )
+        event = backend.BackendEvent(
+            name=tracked.name,
+            token=tracked.token,
+            app_state=state,
+            exit_code=code,
+            time=self._clock(),
+            message=message,
+            cause=cause,
         )
+        if tracked.log_task is None or tracked.log_task.done():
+            self._events.put_nowait(event)
+            return
+
+        async def after_logs() -> None:
+            # Reported once the app's last lines are in its log, so a follower sees them all.
+            await self._logs_settled(tracked)
+            self._events.put_nowait(event)
+
+        task = asyncio.get_running_loop().create_task(after_logs())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    # ---- the Pod log -----------------------------------------------------------------------
+
+    def _follow(self, tracked: _Tracked) -> None:
+        """Start copying the Pod's log into the replica's logs (once per incarnation)."""
+        if not self._opts.follow_logs or not tracked.app_log or tracked.log_task is not None:
+            return
+        tracked.log_task = asyncio.get_running_loop().create_task(self._copy_log(tracked))
+
+    async def _logs_settled(self, tracked: _Tracked, timeout: float = LOG_SETTLE_S) -> None:
+        """Wait (bounded) until the log copy of a finished or deleted Pod has ended."""
+        task = tracked.log_task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout)
+
+    async def _copy_log(self, tracked: _Tracked) -> None:
+        """Copy the Pod's log (setup's part to the launch log, the rest to the app log) until the
+        container has ended and everything it wrote is copied, or the Pod is gone. Reads that
+        end early start again from the last line's time; lines already copied are skipped."""
+        position = _load_position(tracked)
+        delay = 0.2
+        while True:
+            st = tracked.status
+            if tracked.gone or self._tracked.get(tracked.name) not in (tracked, None):
+                return
+            if not (st.running or st.exit_code is not None):
+                changed = tracked.changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), 2.0)
+                continue
+            since = None
+            if position.time_ns:
+                since = int((time.time_ns() - position.time_ns) / 1e9 + self._opts.log_reconnect_margin_s)
+            position.restart()
+            try:
+                await self._copy_stream(tracked, position, since)
+            except ApiError as exc:
+                if exc.status == 404:
+                    return  # the Pod is gone, and its log with it
+                log.debug("log of Pod %s: %s; reading again in %.1f s", tracked.obj, describe(exc), delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
+            except TimeoutError:
+                continue  # the stream's time was up: read on from where it was
+            except OSError as exc:
+                log.warning("could not write the log of replica %s: %s", tracked.name, exc)
+                return
+            finally:
+                _save_position(tracked, position)
+            if tracked.status.finished or tracked.status.deleting or tracked.deleting or tracked.gone:
+                return
+            # It ended while the Pod looks alive: the container just exited, or a proxy cut it.
+            await asyncio.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+    async def _copy_stream(self, tracked: _Tracked, position: kube_objects.LogPosition, since: int | None) -> None:
+        with contextlib.ExitStack() as files:
+            app = files.enter_context(open(tracked.app_log, "ab"))  # noqa: ASYNC230 - local file, appends
+            launch = files.enter_context(open(tracked.launch_log, "ab"))  # noqa: ASYNC230
+            saved = time.monotonic()
+            async for line in self._api.pod_log(self._ns, tracked.obj, since_s=since):
+                if time.monotonic() - saved > 1.0:  # a provisioner killed mid-stream repeats little
+                    saved = time.monotonic()
+                    _save_position(tracked, position)
+                text = position.take(line)
+                if text is None:
+                    continue
+                if tracked.splits_setup and not position.setup_done:
+                    if text.rstrip(b"\n") == kube_objects.SETUP_FINISHED_LINE.encode():
+                        position.setup_done = True
+                        continue
+                    launch.write(text)
+                    launch.flush()
+                else:
+                    app.write(text)
+                    app.flush()
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -628,6 +1086,9 @@ class KubernetesBackend(backend.Backend):
         if self._opts.endpoint == "service":
             host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"
             return kube_objects.endpoint(host, port)
+        if self._opts.endpoint in ("node_port", "load_balancer"):
+            node_host = self._opts.node_address or tracked.status.host_ip
+            return kube_objects.service_endpoint(tracked.service, port, mode=self._opts.endpoint, node_host=node_host)
         if self._opts.port_annotation and tracked.pod is not None:
             annotations = (tracked.pod.get("metadata") or {}).get("annotations") or {}
             with contextlib.suppress(KeyError, ValueError):
@@ -654,25 +1115,43 @@ def _app_started(status: kube_objects.PodStatus) -> bool:
     return status.exit_code is not None and not status.termination_message.startswith(kube_objects.SETUP_FAILED_PREFIX)
 
 
+def _position_file(tracked: _Tracked) -> str:
+    return os.path.join(os.path.dirname(tracked.app_log), POSITION_FILE)
+
+
+def _load_position(tracked: _Tracked) -> kube_objects.LogPosition:
+    """Where an earlier provisioner left off copying this incarnation's log, if it did."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        with open(_position_file(tracked), encoding="utf-8") as fh:
+            found = kube_objects.LogPosition.from_dict(json.load(fh))
+        if found.token == tracked.token:
+            return found
+    return kube_objects.LogPosition(token=tracked.token)
+
+
+def _save_position(tracked: _Tracked, position: kube_objects.LogPosition) -> None:
+    path = _position_file(tracked)
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(position.to_dict(), fh)
+        os.replace(path + ".tmp", path)
+
+
 def _token(pod: dict[str, Any]) -> str:
     return str(((pod.get("metadata") or {}).get("annotations") or {}).get(kube_objects.ANNOTATION_TOKEN, ""))
 
 
 def _launch_error(kind: str, name: str, namespace: str, exc: ApiError) -> backend.LaunchError:
-    """A create failure as a launch error: permanent unless waiting could help."""
+    """A create failure as a launch error, with whose fault it was: permanent when the API server
+    refused what the spec asks for, retried when the cluster (or its operator) may fix it."""
     what = f"could not create {kind} {namespace}/{name}"
-    text = exc.message or f"HTTP {exc.status}"
-    if exc.status == 403 and "quota" in text.lower():
-        return backend.LaunchError(f"{what}: quota exceeded: {text}", capacity_unavailable=True)
-    if exc.status in (401, 403):
-        return backend.LaunchError(f"{what}: no access: {text}", permanent=True)
+    cause = causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message)
+    if exc.status == 403 and "quota" in exc.message.lower():
+        text = f"{what}: quota exceeded: {describe(exc)}"
+        return backend.LaunchError(text, cause=cause, capacity_unavailable=True)
     if exc.status == 404:
-        return backend.LaunchError(f"{what}: namespace {namespace} not found: {text}", permanent=True)
-    if exc.status in (400, 422):
-        return backend.LaunchError(f"{what}: rejected by the API server: {text}", permanent=True)
-    if exc.status == 409:
-        return backend.LaunchError(f"{what}: an object of that name still exists (terminating?): {text}")
-    return backend.LaunchError(f"{what}: {text}")
+        return backend.LaunchError(f"{what}: namespace {namespace} not found: {describe(exc)}", cause=cause)
+    return backend.LaunchError(f"{what}: {describe(exc)}", cause=cause, permanent=cause == model.FailureCause.USER)
 
 
 def _note(path: str, text: str) -> None:

@@ -16,6 +16,7 @@ code to the termination message, so it is told apart from an app exit.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
 import re
@@ -45,6 +46,9 @@ SETUP_DONE_PATH = "/tmp/.replicaplane-setup-done"
 TERMINATION_LOG_ENV = "REPLICAPLANE_TERMINATION_LOG"
 TERMINATION_LOG_PATH = "/dev/termination-log"
 SETUP_FAILED_PREFIX = "setup exited with code"
+# Printed between setup's output and the app's: the Pod log has both, the provisioner keeps
+# them apart (the launch log and the app log), as the local backend does.
+SETUP_FINISHED_LINE = "[replicaplane] setup finished; starting run"
 
 # $1 is setup, $2 is run. bash when the image has it (SkyPilot runs both with bash), else sh.
 WRAPPER = (
@@ -57,13 +61,20 @@ WRAPPER = (
     "  fi\n"
     "fi\n"
     f'touch "${SETUP_DONE_ENV}"\n'
+    f'if [ -n "$1" ]; then echo "{SETUP_FINISHED_LINE}"; fi\n'
     'exec "$RP_SH" -c "$2"\n'
 )
 
 IMAGE_PULL_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 CONTAINER_ERRORS = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 SERVICE_TYPES = ("", "ClusterIP", "NodePort", "LoadBalancer")
-ENDPOINT_MODES = ("pod", "service")
+ENDPOINT_MODES = ("pod", "service", "node_port", "load_balancer")
+# The Service types that give each endpoint mode its address.
+ENDPOINT_SERVICE_TYPES = {
+    "service": SERVICE_TYPES[1:],
+    "node_port": ("NodePort", "LoadBalancer"),
+    "load_balancer": ("LoadBalancer",),
+}
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -399,19 +410,35 @@ def pod_manifest(
     return pod, notes
 
 
-def service_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, Any]:
-    """The Service in front of a replica's Pod (same name), selecting exactly that Pod."""
+def owner_reference(pod: dict[str, Any]) -> dict[str, str] | None:
+    """An ownerReference to `pod` as the API server returned it (None without a uid).
+
+    Objects carrying it are deleted by the cluster's garbage collector once the Pod is gone.
+    """
+    meta = pod.get("metadata") or {}
+    if not meta.get("uid") or not meta.get("name"):
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": str(meta["name"]), "uid": str(meta["uid"])}
+
+
+def service_manifest(
+    launch: model.LaunchRequest, cfg: PodConfig, *, token: str, owner: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The Service in front of a replica's Pod (same name), selecting exactly that Pod and owned by it."""
     obj = object_name(launch.name)
     port = serving_port(launch.spec)
+    metadata: dict[str, Any] = {
+        "name": obj,
+        "namespace": cfg.namespace,
+        "labels": replica_labels(launch, cfg, obj),
+        "annotations": {**cfg.annotations, ANNOTATION_REPLICA: launch.name, ANNOTATION_TOKEN: token},
+    }
+    if owner:
+        metadata["ownerReferences"] = [owner]
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": obj,
-            "namespace": cfg.namespace,
-            "labels": replica_labels(launch, cfg, obj),
-            "annotations": {**cfg.annotations, ANNOTATION_REPLICA: launch.name},
-        },
+        "metadata": metadata,
         "spec": {
             "type": cfg.service_type,
             "selector": {**selector(cfg.instance), LABEL_POD: obj},
@@ -423,8 +450,12 @@ def service_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, A
     }
 
 
-def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, Any]:
-    """The Secret holding a replica's secret environment (same name as the Pod)."""
+def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig, *, token: str) -> dict[str, Any]:
+    """The Secret holding a replica's secret environment (same name as the Pod).
+
+    It is created before the Pod, so it cannot name the Pod as its owner yet; the backend adds
+    that ownerReference once the Pod exists.
+    """
     import base64  # only replicas with secrets need it
 
     obj = object_name(launch.name)
@@ -436,7 +467,7 @@ def secret_manifest(launch: model.LaunchRequest, cfg: PodConfig) -> dict[str, An
             "name": obj,
             "namespace": cfg.namespace,
             "labels": replica_labels(launch, cfg, obj),
-            "annotations": {ANNOTATION_REPLICA: launch.name},
+            "annotations": {ANNOTATION_REPLICA: launch.name, ANNOTATION_TOKEN: token},
         },
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in launch.spec.secrets.items()},
     }
@@ -455,6 +486,7 @@ class PodStatus:
         running: the container is running.
         started: the container passed its startup probe (setup finished), or has none.
         pod_ip: the Pod's IP, once assigned.
+        host_ip: the IP of the node it runs on, once assigned.
         exit_code: the container's exit code once terminated, else None.
         exit_reason: the container's termination reason (Error, Completed, OOMKilled).
         termination_message: what the container wrote to its termination log (or its log tail).
@@ -470,6 +502,7 @@ class PodStatus:
     running: bool = False
     started: bool = False
     pod_ip: str = ""
+    host_ip: str = ""
     exit_code: int | None = None
     exit_reason: str = ""
     termination_message: str = ""
@@ -520,6 +553,7 @@ def read_status(pod: dict[str, Any]) -> PodStatus:
         running=running,
         started=running and bool(container.get("started", True)),
         pod_ip=status.get("podIP") or "",
+        host_ip=status.get("hostIP") or "",
         exit_code=exit_code,
         exit_reason=terminated.get("reason") or "",
         termination_message=(terminated.get("message") or "").strip(),
@@ -535,6 +569,92 @@ def exit_message(status: PodStatus) -> str:
     """The event message of an app exit: as the local backend's, plus the kernel's reason."""
     text = f"app exited with code {status.exit_code}"
     return f"{text} ({status.exit_reason})" if status.exit_reason == "OOMKilled" else text
+
+
+def log_time_ns(text: str) -> int | None:
+    """An RFC 3339 time as the kubelet stamps log lines, in nanoseconds since the epoch; None if malformed."""
+    whole, _, frac = text.rstrip("Z").partition(".")
+    try:
+        seconds = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return None
+    if frac and not frac.isdigit():
+        return None
+    return int(seconds.timestamp()) * 1_000_000_000 + int((frac + "000000000")[:9])
+
+
+@dataclasses.dataclass
+class LogPosition:
+    """How far a Pod's log was copied, so a read that starts again copies nothing twice.
+
+    Attributes:
+        token: the incarnation whose log this is.
+        time_ns: the time of the last line copied.
+        copied: how many lines of that time were copied (lines can share a time).
+        setup_done: setup's part of the log is over (later lines are the app's).
+        seen: lines of `time_ns` seen in the current read.
+    """
+
+    token: str = ""
+    time_ns: int = 0
+    copied: int = 0
+    setup_done: bool = False
+    seen: int = 0
+
+    def take(self, line: bytes) -> bytes | None:
+        """The text of a `<time> <text>` log line if it was not copied yet, else None; advances."""
+        stamp, _, text = line.partition(b" ")
+        at = log_time_ns(stamp.decode(errors="replace"))
+        if at is None:
+            return line  # not stamped: copy it rather than lose output
+        if at < self.time_ns:
+            return None
+        if at == self.time_ns:
+            self.seen += 1
+            if self.seen <= self.copied:
+                return None
+            self.copied = self.seen
+            return text
+        self.time_ns, self.copied, self.seen = at, 1, 1
+        return text
+
+    def restart(self) -> None:
+        """A new read of the log begins (from some time at or before `time_ns`)."""
+        self.seen = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is kept across provisioner restarts."""
+        return {"token": self.token, "time_ns": self.time_ns, "copied": self.copied, "setup_done": self.setup_done}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LogPosition:
+        """The position `to_dict` wrote."""
+        return cls(
+            token=str(data.get("token", "")),
+            time_ns=int(data.get("time_ns", 0)),
+            copied=int(data.get("copied", 0)),
+            setup_done=bool(data.get("setup_done", False)),
+        )
+
+
+def service_endpoint(service: dict[str, Any] | None, port: int, *, mode: str, node_host: str) -> str:
+    """The endpoint a replica's Service gives it from outside the cluster ("" while it has none).
+
+    `node_port`: `node_host` and the node port of the serving `port`. `load_balancer`: the
+    first ingress address the cloud published (IP or host name) and `port`.
+    """
+    if service is None:
+        return ""
+    if mode == "node_port":
+        node_port = next(
+            (p.get("nodePort") for p in (service.get("spec") or {}).get("ports") or [] if p.get("port") == port), None
+        )
+        return endpoint(node_host, int(node_port)) if node_host and node_port else ""
+    if mode == "load_balancer":
+        ingress = (((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or [{}])[0]
+        host = ingress.get("ip") or ingress.get("hostname") or ""
+        return endpoint(host, port) if host else ""
+    return ""
 
 
 def endpoint(host: str, port: int) -> str:

@@ -26,11 +26,13 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from services.provisioner import addresses, backend, model, ports, procs, zones
+from services.common import errors, localpaths
+from services.provisioner import addresses, backend, capability, causes, copies, model, ports, procs, pyenvs, zones
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ TOKEN_ENV = "REPLICAPLANE_REPLICA_TOKEN"
 _WRAPPER = 'bash -c "$1"; code=$?; printf "%s" "$code" > "$2"; exit "$code"'
 _EXIT_FILE = "exit_code"
 _HANDLE_FILE = "handle.json"
+DEFAULT_COPY_LIMITS = copies.Limits(max_bytes=1024 << 20, max_entries=100_000)
+"""What one replica's workdir and file mounts may take together, unless settings say otherwise."""
 
 
 @dataclasses.dataclass
@@ -65,6 +69,7 @@ class _Handle:
     exit_code: int = 0
     host: str = "127.0.0.1"
     address: str = ""  # the replica's own loopback address ("address" network), else empty
+    env_key: str = ""  # its python environment (pyenvs), shared with its version's replicas
 
     @property
     def endpoint(self) -> str:
@@ -86,9 +91,13 @@ class LocalBackend(backend.Backend):
         advertise_host: str = "",
         network: str = "port",
         accelerators: dict[str, float] | None = None,
+        copy_limits: copies.Limits = DEFAULT_COPY_LIMITS,
+        python_envs: bool = True,
+        system_site_packages: bool = True,
     ) -> None:
         # Local replicas get no accelerators unless a setting declares (fake) ones for tests.
         self._accelerators = dict(accelerators or {})
+        self._copy_limits = copy_limits
         self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
         self._root = os.path.join(self._state_dir, "local")
         self._zones = zones.ZoneTable(zone_list or zones.parse(zones.DEFAULT_ZONES))
@@ -106,9 +115,17 @@ class LocalBackend(backend.Backend):
         self._network = network
         self._addresses = addresses.AddressAllocator()
         self._shim_dir = os.path.join(self._state_dir, "local-shim")
+        self._envs = (
+            pyenvs.PythonEnvs(os.path.join(self._state_dir, "envs"), system_site_packages=system_site_packages)
+            if python_envs
+            else None
+        )
         self._handles: dict[str, _Handle] = {}
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
+        # /proc scans take milliseconds per call and grow with the host's processes: they
+        # run in a worker thread, one at a time, shared by every teardown that waits.
+        self._scanner = procs.Scanner((OWNER_ENV, TOKEN_ENV))
         self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -130,11 +147,15 @@ class LocalBackend(backend.Backend):
                     self._ports.hold(port)
             if handle.pgid and handle.app_state == model.AppState.RUNNING.value:
                 self._watch_app(handle)
+            if handle.env_key and self._envs is not None:
+                self._envs.hold(handle.env_key)
+        if self._envs is not None:
+            await asyncio.to_thread(self._envs.prune)
         known = {h.token for h in self._handles.values()}
         strays = [
             pid
-            for pid in procs.pids_with_env(OWNER_ENV, self._state_dir)
-            if procs.env_value(pid, TOKEN_ENV) not in known
+            for pid, env in (await self._scanner.env_table()).items()
+            if env.get(OWNER_ENV) == self._state_dir and env.get(TOKEN_ENV) not in known
         ]
         if strays:
             log.warning("killing %d processes of replicas this provisioner does not know", len(strays))
@@ -143,6 +164,7 @@ class LocalBackend(backend.Backend):
     async def close(self) -> None:
         """Stop watching; the replica processes keep running and are re-found on start()."""
         self._watcher.close()
+        self._scanner.close()
 
     # ---- backend interface -----------------------------------------------------------------
 
@@ -151,28 +173,26 @@ class LocalBackend(backend.Backend):
         launch = request.launch
         spec = launch.spec
         if spec.num_nodes > 1:
-            raise backend.LaunchError(
-                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas", permanent=True
+            raise _failure(
+                causes.Local.UNRUNNABLE_SPEC,
+                f"num_nodes={spec.num_nodes}: the local backend runs single-node replicas",
+                permanent=True,
             )
         try:
             zone = self._zones.pick(launch.zone, self._clock())
         except zones.UnknownZoneError as exc:
-            raise backend.LaunchError(str(exc), permanent=True) from None
+            raise _failure(causes.Local.UNRUNNABLE_SPEC, str(exc), permanent=True) from None
         except zones.NoCapacityError as exc:
-            raise backend.LaunchError(str(exc), permanent=True, capacity_unavailable=True) from None
+            raise _failure(causes.Local.NO_CAPACITY, str(exc), capacity_unavailable=True) from None
         if launch.name in self._handles:
             # Leftovers of an earlier attempt that could not be removed then.
             await self.delete(launch.name, grace_s=0)
 
         declared = ports.declared(spec.ports, spec.serving_port)
-        address = ""
-        if self._network == "address":
-            address = self._addresses.allocate(declared)  # a few bind() calls: fast
-            port_map = {p: p for p in declared}
-            port = declared[0] if declared else ports.PortAllocator(address).allocate()
-        else:
-            port_map = {p: self._ports.allocate() for p in declared}
-            port = port_map[declared[0]] if declared else self._ports.allocate()
+        try:
+            address, port_map, port = self._allocate(declared)
+        except OSError as exc:
+            raise _failure(causes.Local.NO_ADDRESS, f"could not place the replica: {exc}") from None
         handle = _Handle(
             name=launch.name,
             token=uuid.uuid4().hex,
@@ -188,29 +208,25 @@ class LocalBackend(backend.Backend):
         self._handles[launch.name] = handle
         root = self._dir(launch.name)
         try:
-            await asyncio.to_thread(self._prepare_dir, root, spec, request.launch_log)
+            # In a thread of its own and cancellable: a teardown never waits behind a long copy.
+            budget = copies.Budget(self._copy_limits)
+            prepare = functools.partial(self._prepare_dir, root, spec, request.launch_log, budget)
+            await copies.in_thread(prepare, budget.cancel)
             self._save_handle(handle)
             self._ensure_current(handle)
             if spec.resources:
                 recorded = ", ".join(f"{k}={v}" for k, v in sorted(spec.resources.items()))
                 _note(request.launch_log, f"recorded, not enforced by the local backend: {recorded}")
             env = self._environment(launch, spec, port_map, port, handle)
+            python_env = await self._python_env(launch, handle, request.launch_log)
+            if python_env is not None:
+                env = pyenvs.PythonEnvs.environment(python_env, env)
             work = os.path.join(root, "work")
             if spec.setup.strip():
-                _note(request.launch_log, "running setup")
-                setup = self._spawn(
-                    ["bash", "-c", ports.substitute(spec.setup, port_map)], work, env, request.launch_log
-                )
-                handle.setup_pgid = setup.pid
-                self._save_handle(handle)
-                # On cancellation the except clause below kills (and reaps) the setup group.
-                await procs.wait_exit(setup.pid)
-                code = setup.wait()
-                self._children.pop(setup.pid, None)
-                self._ensure_current(handle)
-                if code != 0:
-                    raise backend.LaunchError(f"setup exited with code {_describe_code(code)}")
-                _note(request.launch_log, "setup succeeded")
+                async with self._setup_turn(python_env):
+                    await self._setup(handle, ports.substitute(spec.setup, port_map), work, env, request.launch_log)
+                if python_env is not None:
+                    python_env.ready = True
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, _EXIT_FILE))
             run = ports.substitute(spec.run, port_map)
@@ -232,7 +248,41 @@ class LocalBackend(backend.Backend):
             await self._kill_processes(handle, grace_s=0)
             raise
         except OSError as exc:
-            raise backend.LaunchError(f"could not start the replica: {exc}") from exc
+            raise _failure(causes.Local.START_FAILED, f"could not start the replica: {exc}") from exc
+
+    async def _python_env(self, launch: model.LaunchRequest, handle: _Handle, launch_log: str) -> pyenvs.Env | None:
+        """The version's venv (made by its first replica), or None when venvs are off."""
+        if self._envs is None:
+            return None
+        key = pyenvs.PythonEnvs.key(launch)
+        try:
+            python_env = await self._envs.acquire(key, functools.partial(_note, launch_log))
+        except (pyenvs.EnvError, OSError) as exc:
+            raise _failure(causes.Local.START_FAILED, str(exc)) from None
+        handle.env_key = key  # released with the replica, in delete()
+        self._save_handle(handle)
+        self._ensure_current(handle)
+        return python_env
+
+    def _setup_turn(self, python_env: pyenvs.Env | None) -> contextlib.AbstractAsyncContextManager[None]:
+        if self._envs is None or python_env is None:
+            return contextlib.nullcontext()
+        return self._envs.setup_turn(python_env)
+
+    async def _setup(self, handle: _Handle, setup_text: str, work: str, env: dict[str, str], launch_log: str) -> None:
+        """Run `setup` as its own process group; a non-zero exit fails the attempt."""
+        _note(launch_log, "running setup")
+        setup = self._spawn(["bash", "-c", setup_text], work, env, launch_log)
+        handle.setup_pgid = setup.pid
+        self._save_handle(handle)
+        # On cancellation create() kills (and reaps) the setup group.
+        await procs.wait_exit(setup.pid)
+        code = setup.wait()
+        self._children.pop(setup.pid, None)
+        self._ensure_current(handle)
+        if code != 0:
+            raise _failure(causes.Local.SETUP_EXITED, f"setup exited with code {_describe_code(code)}")
+        _note(launch_log, "setup succeeded")
 
     async def delete(self, name: str, *, grace_s: float) -> None:
         """Stop the replica's process groups (SIGTERM, grace, SIGKILL) and remove its files."""
@@ -246,6 +296,8 @@ class LocalBackend(backend.Backend):
             del self._handles[name]
         self._release(handle)
         await asyncio.to_thread(shutil.rmtree, self._dir(name), True)
+        if handle.env_key and self._envs is not None:
+            await self._envs.release(handle.env_key)
 
     def get(self, name: str) -> backend.BackendReplica | None:
         """The replica `name`, if this backend runs it."""
@@ -293,40 +345,99 @@ class LocalBackend(backend.Backend):
     def offered_accelerators(self) -> dict[str, float] | None:
         return dict(self._accelerators)
 
-    def copies_local_paths(self) -> bool:
-        return True
+    def accelerator_hint(self, wanted: str) -> str:
+        # Short: a violation's description is clipped at 240 characters.
+        setting = f"REPLICAPLANE_PROVISIONER_LOCAL_ACCELERATORS={wanted}"
+        return f"to run it here anyway: {setting} (its local_accelerators setting)"
+
+    async def path_problems(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+        cancel = threading.Event()
+        check = functools.partial(
+            capability.path_problems, needs, state_dir=self._state_dir, limits=self._copy_limits, cancel=cancel
+        )
+        return await copies.in_thread(check, cancel)
+
+    def _allocate(self, declared: builtins.list[int]) -> tuple[str, dict[int, int], int]:
+        """(address or "", declared port -> port, serving port) of a new replica.
+
+        Raises:
+            OSError: no free address or port.
+        """
+        if self._network == "address":
+            address = self._addresses.allocate(declared)  # a few bind() calls: fast
+            port = declared[0] if declared else ports.PortAllocator(address).allocate()
+            return address, {p: p for p in declared}, port
+        taken: builtins.list[int] = []
+        try:
+            for _ in range(len(declared) or 1):
+                taken.append(self._ports.allocate())
+        except OSError:
+            for port in taken:
+                self._ports.release(port)
+            raise
+        port_map = dict(zip(declared, taken, strict=False))
+        return "", port_map, taken[0]
 
     def _ensure_current(self, handle: _Handle) -> None:
         """Stop an attempt whose replica was deleted while it ran (a cancel that timed out)."""
         if self._handles.get(handle.name) is not handle:
-            raise backend.LaunchError("the replica was deleted during its launch", permanent=True)
+            # Not retried: the manager never retries a launch whose replica is being torn down.
+            raise _failure(causes.Local.DELETED_DURING_LAUNCH, "the replica was deleted during its launch")
 
-    def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str) -> None:
+    def _prepare_dir(self, root: str, spec: model.ReplicaSpec, launch_log: str, budget: copies.Budget) -> None:
+        """Make the replica's working directory: the workdir and file mounts copied in (in a thread)."""
         if os.path.exists(root):
             shutil.rmtree(root, ignore_errors=True)
         work = os.path.join(root, "work")
         os.makedirs(os.path.dirname(root), mode=0o700, exist_ok=True)
+        sources = self._copy_sources(spec, work, launch_log)
+        # Count first, so a copy over the limits fails before writing anything.
+        counted = copies.Budget(budget.limits, budget.cancel)
+        try:
+            for label, source, _ in sources:
+                copies.measure(label, source, counted)
+            os.makedirs(work, mode=0o700, exist_ok=True)
+            for label, source, target in sources:
+                for skipped in copies.copy(label, source, target, budget):
+                    _note(launch_log, f"{label}: skipped {os.path.relpath(skipped, source)} (not a file)")
+        except copies.TooLargeError as exc:
+            raise _failure(causes.Local.UNRUNNABLE_SPEC, str(exc), permanent=True) from None
+        except copies.CancelledCopyError:
+            raise _failure(causes.Local.DELETED_DURING_LAUNCH, "the copy was cancelled") from None
+        except OSError as exc:
+            # Whose fault a failed read or write was, its errno says (a file we may not read: the user's).
+            cause = causes.local(causes.Local.COPY_FAILED, errno=exc.errno)
+            raise backend.LaunchError(f"could not copy into the replica: {str(exc)[:300]}", cause=cause) from None
+        if sources:
+            _note(launch_log, f"copied {budget.bytes} bytes in {budget.entries} files and directories")
+
+    def _copy_sources(self, spec: model.ReplicaSpec, work: str, launch_log: str) -> builtins.list[tuple[str, str, str]]:
+        """(label, source, target) of every local path to copy; refuses the ones that cannot be."""
+        wanted: builtins.list[tuple[str, str, str]] = []
         if spec.workdir:
-            source = os.path.expanduser(spec.workdir)
-            if not os.path.isdir(source):
-                raise backend.LaunchError(f"workdir {spec.workdir} is not a directory", permanent=True)
-            shutil.copytree(source, work, symlinks=True)
-        os.makedirs(work, mode=0o700, exist_ok=True)
+            wanted.append((f"workdir {spec.workdir}", spec.workdir, work))
         for destination, source in sorted(spec.file_mounts.items()):
-            if "://" in source:
+            if not localpaths.is_local_source(source):
                 _note(launch_log, f"file mount {destination}: {source} is not a local path; skipped")
                 continue
-            local = os.path.expanduser(source)
-            if not os.path.exists(local):
-                raise backend.LaunchError(f"file mount source {source} does not exist", permanent=True)
             target = os.path.normpath(os.path.join(work, destination.removeprefix("~/").lstrip("/")))
             if os.path.commonpath([work, target]) != work:
-                raise backend.LaunchError(f"file mount {destination} is outside the working directory", permanent=True)
-            os.makedirs(os.path.dirname(target) or work, exist_ok=True)
-            if os.path.isdir(local):
-                shutil.copytree(local, target, symlinks=True, dirs_exist_ok=True)
-            else:
-                shutil.copy2(local, target)
+                outside = f"file mount {destination} is outside the working directory"
+                raise _failure(causes.Local.MISSING_FILES, outside, permanent=True)
+            wanted.append((f"file mount {destination} (source {source})", source, target))
+        out = []
+        for label, source, target in wanted:
+            if localpaths.is_relative(source):
+                relative = f"{label}: a relative path; the provisioner needs an absolute one"
+                raise _failure(causes.Local.MISSING_FILES, relative, permanent=True)
+            local = os.path.expanduser(source)
+            if not os.path.exists(local) or (target == work and not os.path.isdir(local)):
+                kind = "directory" if target == work else "path"
+                raise _failure(causes.Local.MISSING_FILES, f"{label}: no such {kind} on this host", permanent=True)
+            if why := copies.overlap(local, self._state_dir):
+                raise _failure(causes.Local.UNRUNNABLE_SPEC, f"{label} {why}", permanent=True)
+            out.append((label, local, target))
+        return out
 
     def _environment(
         self,
@@ -399,10 +510,12 @@ class LocalBackend(backend.Backend):
         if code is None:
             handle.app_state = model.AppState.VANISHED.value
             message = "the replica's process group vanished without a teardown"
+            cause = causes.local(causes.Local.VANISHED)
         else:
             handle.app_state = model.AppState.EXITED.value
             handle.exit_code = code
             message = f"app exited with code {code}"
+            cause = causes.local(causes.Local.APP_EXITED)
         self._save_handle(handle)
         self._events.put_nowait(
             backend.BackendEvent(
@@ -412,6 +525,7 @@ class LocalBackend(backend.Backend):
                 exit_code=handle.exit_code,
                 time=self._clock(),
                 message=message,
+                cause=cause,
             )
         )
 
@@ -421,10 +535,13 @@ class LocalBackend(backend.Backend):
         ok = True
         for pgid in (handle.pgid, handle.setup_pgid):
             if pgid:
-                ok = await procs.kill_group(pgid, grace_s=grace_s, reap=functools.partial(self._reap, pgid)) and ok
+                reap = functools.partial(self._reap, pgid)
+                alive = self._scanner.group_alive
+                ok = await procs.kill_group(pgid, grace_s=grace_s, alive=alive, reap=reap) and ok
                 self._reap(pgid)  # it may have turned zombie right after the last look
         for _ in range(50):  # bounded: strays get SIGKILL and die within milliseconds
-            strays = procs.pids_with_env(TOKEN_ENV, handle.token)
+            table = await self._scanner.env_table()
+            strays = [pid for pid, env in table.items() if env.get(TOKEN_ENV) == handle.token]
             if not strays:
                 break
             procs.signal_pids(strays, signal.SIGKILL)
@@ -464,6 +581,18 @@ class LocalBackend(backend.Backend):
         except (OSError, ValueError, TypeError):
             log.warning("ignoring unreadable replica handle %s", path)
             return None
+
+
+def _failure(
+    failure: causes.Local, message: str, *, permanent: bool = False, capacity_unavailable: bool = False
+) -> backend.LaunchError:
+    """A launch error with its cause."""
+    return backend.LaunchError(
+        message,
+        cause=causes.local(failure),
+        permanent=permanent,
+        capacity_unavailable=capacity_unavailable,
+    )
 
 
 def _describe_code(code: int) -> str:

@@ -10,7 +10,6 @@ running ones are watched, launches and teardowns that were in flight are resumed
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
 import dataclasses
@@ -22,9 +21,9 @@ from typing import Any
 
 import tenacity
 
-from services.common import errors
+from services.common import errors, pagetoken
 from services.provisioner import backend as backend_mod
-from services.provisioner import capability, events, logstore, model, retries, slots, store
+from services.provisioner import capability, causes, events, logstore, model, retries, slots, store
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +32,7 @@ _MAX_OWNER = 128
 # A replica name as a single safe path component (it names log and work directories).
 _REPLICA_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?$")
 MAX_PAGE_SIZE = 10_000
+_RESTARTED = "a provisioner restart"
 DEFAULT_PAGE_SIZE = 1_000
 
 
@@ -134,10 +134,6 @@ def check_name(name: str) -> None:
         )
 
 
-def _retryable_launch(exc: BaseException) -> bool:
-    return isinstance(exc, backend_mod.LaunchError) and not exc.permanent
-
-
 class Provisioner:
     """Launches and tears down replicas through a backend; see the module docstring."""
 
@@ -191,7 +187,7 @@ class Provisioner:
         replica = entry.replica
         if replica.state in (model.ReplicaState.QUEUED, model.ReplicaState.PROVISIONING):
             self._logs.note(replica.name, "provisioner restarted during the launch; starting it again")
-            self._start_launch(entry, resumed=True)
+            self._start_launch(entry, resumed=_RESTARTED)
         elif replica.state == model.ReplicaState.TERMINATING:
             last = entry.teardown.last
             if last is None or not last.terminal:
@@ -255,7 +251,7 @@ class Provisioner:
                 )
             validate(request)
             entry = self._new_entry(request)
-            self._start_launch(entry, resumed=False)
+            self._start_launch(entry)
         elif entry.replica.state == model.ReplicaState.TERMINATING:
             raise errors.FailedPreconditionError(
                 f"replica {request.name} is being torn down", subject=request.name, replica=request.name
@@ -281,7 +277,8 @@ class Provisioner:
         self._logs.note(request.name, f"launch of replica {request.name} (version {request.version}) requested")
         return entry
 
-    def _start_launch(self, entry: _Entry, *, resumed: bool) -> None:
+    def _start_launch(self, entry: _Entry, *, resumed: str = "") -> None:
+        """Run the launch of `entry`; `resumed` says why an interrupted one starts again."""
         entry.launch.set_active(True)
         if not resumed:
             self._emit_queued(entry, "accepted")  # at once: the caller's first event
@@ -293,12 +290,23 @@ class Provisioner:
             message += f"; waiting for a launch slot ({self._slots.waiting} queued ahead)"
         self._emit_launch(entry, model.LaunchEventType.QUEUED, message=message)
 
-    async def _run_launch(self, entry: _Entry, *, resumed: bool) -> None:
+    async def _run_launch(self, entry: _Entry, *, resumed: str) -> None:
         name = entry.request.name
         try:
             if resumed:
+                if entry.replica.state == model.ReplicaState.PROVISIONING:
+                    # The attempt in progress is lost, through no fault of the spec.
+                    lost = entry.replica.attempt
+                    entry.replica.failure_reason = f"attempt {lost} was interrupted by {resumed}"
+                    self._emit_launch(
+                        entry,
+                        model.LaunchEventType.ATTEMPT_FAILED,
+                        attempt=lost,
+                        message=entry.replica.failure_reason,
+                        cause=model.FailureCause.INFRASTRUCTURE,
+                    )
                 await self._remove_leftovers(entry, grace_s=0)
-                self._emit_queued(entry, "resumed after a provisioner restart")
+                self._emit_queued(entry, f"resumed after {resumed}")
             retrying = tenacity.AsyncRetrying(
                 stop=tenacity.stop_after_attempt(max(1, self._opts.launch_attempts)),
                 wait=retries.wait_jittered_exponential(
@@ -307,7 +315,13 @@ class Provisioner:
                     self._opts.launch_backoff_max_s,
                     self._opts.backoff_jitter,
                 ),
-                retry=tenacity.retry_if_exception(_retryable_launch),
+                # Never again once a teardown owns the replica (a cancel that timed out).
+                retry=tenacity.retry_if_exception(
+                    lambda exc: (
+                        retries.launch_retryable(exc, zone=entry.request.zone)
+                        and entry.replica.state != model.ReplicaState.TERMINATING
+                    )
+                ),
                 before_sleep=lambda state: self._launch_retrying(entry, state),
                 reraise=True,
             )
@@ -323,6 +337,7 @@ class Provisioner:
                 message=exc.message,
                 permanent=exc.permanent,
                 capacity_unavailable=exc.capacity_unavailable,
+                cause=exc.cause,
             )
         except asyncio.CancelledError:
             if self._closing:
@@ -335,7 +350,12 @@ class Provisioner:
             log.exception("launch of %s failed unexpectedly", name)
             entry.replica.state = model.ReplicaState.FAILED
             entry.replica.failure_reason = "internal error in the provisioner"
-            self._emit_launch(entry, model.LaunchEventType.FAILED, message=entry.replica.failure_reason)
+            self._emit_launch(
+                entry,
+                model.LaunchEventType.FAILED,
+                message=entry.replica.failure_reason,
+                cause=model.FailureCause.INFRASTRUCTURE,
+            )
         finally:
             if not self._closing:
                 entry.launch.set_active(False)
@@ -372,7 +392,9 @@ class Provisioner:
                 raise
             except Exception as exc:
                 log.exception("backend error launching %s", entry.request.name)
-                failure = backend_mod.LaunchError(f"backend error: {type(exc).__name__}")
+                failure = backend_mod.LaunchError(
+                    f"backend error: {type(exc).__name__}", cause=model.FailureCause.INFRASTRUCTURE
+                )
                 await self._attempt_failed(entry, attempt, failure)
                 raise failure from exc
             replica = entry.replica
@@ -396,7 +418,7 @@ class Provisioner:
             early = entry.pending.pop(created.token, None)
             entry.pending.clear()
             if early is not None:
-                self._app_changed(entry, early.app_state, early.exit_code, early.message)
+                self._app_changed(entry, early.app_state, early.exit_code, early.message, cause=early.cause)
 
     async def _attempt_failed(self, entry: _Entry, attempt: int, exc: backend_mod.LaunchError) -> None:
         entry.replica.failure_reason = exc.message
@@ -407,6 +429,7 @@ class Provisioner:
             message=exc.message,
             permanent=exc.permanent,
             capacity_unavailable=exc.capacity_unavailable,
+            cause=exc.cause,
         )
         await self._remove_leftovers(entry, grace_s=self._opts.kill_grace_s)
 
@@ -630,7 +653,7 @@ class Provisioner:
             if entry.replica.state == model.ReplicaState.PROVISIONING:
                 entry.pending[event.token] = event  # the launch has not recorded RUNNING yet
             return
-        self._app_changed(entry, event.app_state, event.exit_code, event.message)
+        self._app_changed(entry, event.app_state, event.exit_code, event.message, cause=event.cause)
 
     async def _sweep(self) -> None:
         """The level-triggered pass: an operation whose task died is started again, and an app
@@ -650,7 +673,7 @@ class Provisioner:
         launching = replica.state in (model.ReplicaState.QUEUED, model.ReplicaState.PROVISIONING)
         if launching and (entry.launch_task is None or entry.launch_task.done()):
             log.warning("%s: its launch had stopped without an end; starting it again", replica.name)
-            self._start_launch(entry, resumed=True)
+            self._start_launch(entry, resumed="an internal error (the launch task ended early)")
         elif replica.state == model.ReplicaState.TERMINATING and (
             entry.teardown_task is None or entry.teardown_task.done()
         ):
@@ -671,6 +694,7 @@ class Provisioner:
         message: str,
         *,
         preempted: bool = False,
+        cause: model.FailureCause = model.FailureCause.UNSPECIFIED,
     ) -> None:
         replica = entry.replica
         if replica.state != model.ReplicaState.RUNNING:
@@ -685,7 +709,9 @@ class Provisioner:
             model.AppState.VANISHED: model.ReplicaEventType.VANISHED,
             model.AppState.PREEMPTED: model.ReplicaEventType.PREEMPTED,
         }[app_state]
-        self._hub.publish(type_, replica, message)
+        if cause == model.FailureCause.UNSPECIFIED:
+            cause = causes.of_app_state(app_state)
+        self._hub.publish(type_, replica, message, cause)
         self._logs.note(replica.name, message)
         log.info("%s: %s", replica.name, message)
 
@@ -711,6 +737,7 @@ class Provisioner:
             replica.exit_code,
             "replica preempted (simulated)",
             preempted=True,
+            cause=model.FailureCause.INFRASTRUCTURE,
         )
         return replica.copy()
 
@@ -719,7 +746,21 @@ class Provisioner:
     def _get_entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
-            raise errors.NotFoundError(f"replica {name} not found", reason="REPLICA_NOT_FOUND", replica=name)
+            message = f"replica {name} not found"
+            # A bare `{service}-{id}` (as older docs showed) names the replicas it could mean:
+            # the controller's names end in the service's uid.
+            service, _, rid = name.rpartition("-")
+            if service and rid.isascii() and rid.isdigit() and len(rid) <= 18:
+                meant = sorted(
+                    n
+                    for n, e in self._entries.items()
+                    if e.replica.service == service and e.replica.replica_id == int(rid)
+                )
+                if meant:
+                    message += (
+                        f"; replica names are {{service}}-{{replica_id}}-{{uid}}: did you mean {', '.join(meant[:3])}?"
+                    )
+            raise errors.NotFoundError(message, reason="REPLICA_NOT_FOUND", replica=name)
         return entry
 
     def get(self, name: str) -> model.Replica:
@@ -739,17 +780,12 @@ class Provisioner:
         if page_size < 0:
             raise errors.ValidationError([errors.FieldViolation("page_size", "must not be negative")])
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        start = ""
-        if page_token:
-            try:
-                start = base64.urlsafe_b64decode(page_token.encode()).decode()
-            except (ValueError, UnicodeDecodeError):
-                raise errors.ValidationError([errors.FieldViolation("page_token", "malformed")]) from None
+        start = str(pagetoken.decode(page_token, "replicas", service, position_type=str)) if page_token else ""
         names = sorted(
             n for n, e in self._entries.items() if (not service or e.replica.service == service) and n > start
         )
         page = names[:size]
-        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(names) > size else ""
+        token = pagetoken.encode("replicas", service, page[-1]) if len(names) > size else ""
         return [self._entries[n].replica.copy() for n in page], token
 
     def _snapshot(self) -> builtins.list[model.Replica]:
@@ -781,12 +817,12 @@ class Provisioner:
         async for chunk in self._logs.stream(name, kind, live=live):
             yield chunk
 
-    def check_spec(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
+    async def check_spec(self, needs: capability.Needs) -> builtins.list[errors.FieldViolation]:
         """What of a spec this provisioner's backend cannot run; empty if it can."""
-        problems = capability.accelerator_problems(needs, self._backend.offered_accelerators())
-        if self._backend.copies_local_paths():
-            problems += capability.path_problems(needs)
-        return problems
+        backend = self._backend
+        problems = capability.accelerator_problems(needs, backend.offered_accelerators(), hint=backend.accelerator_hint)
+        problems += capability.relative_problems(needs)
+        return problems + await backend.path_problems(needs)
 
     def offered_accelerators(self) -> dict[str, float] | None:
         """The backend's accelerators; None when it places no limit."""

@@ -28,6 +28,14 @@ class AppState(enum.Enum):
     PREEMPTED = "PREEMPTED"
 
 
+class FailureCause(enum.Enum):
+    """Whose fault a failure was (mirrors provisioner.v1.FailureCause)."""
+
+    UNSPECIFIED = "UNSPECIFIED"
+    USER = "USER"
+    INFRASTRUCTURE = "INFRASTRUCTURE"
+
+
 class LaunchEventType(enum.Enum):
     """What a launch step was (mirrors provisioner.v1.LaunchEventType)."""
 
@@ -206,6 +214,8 @@ class LaunchEvent:
     endpoint: str = ""
     permanent: bool = False
     capacity_unavailable: bool = False
+    # For ATTEMPT_FAILED and FAILED: whose fault the failure was.
+    cause: FailureCause = FailureCause.UNSPECIFIED
 
     @property
     def terminal(self) -> bool:
@@ -217,12 +227,20 @@ class LaunchEvent:
         data = dataclasses.asdict(self)
         data["type"] = self.type.value
         data["replica"] = self.replica.to_dict()
+        data["cause"] = self.cause.value
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchEvent:
-        """The inverse of to_dict()."""
-        return cls(**{**data, "type": LaunchEventType(data["type"]), "replica": Replica.from_dict(data["replica"])})
+        """The inverse of to_dict(); records written before causes existed read as UNSPECIFIED."""
+        return cls(
+            **{
+                **data,
+                "type": LaunchEventType(data["type"]),
+                "replica": Replica.from_dict(data["replica"]),
+                "cause": FailureCause(data.get("cause", FailureCause.UNSPECIFIED.value)),
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +280,8 @@ class ReplicaEvent:
     type: ReplicaEventType
     replica: Replica | None
     message: str = ""
+    # For APP_EXITED, VANISHED and PREEMPTED: whose fault the change was.
+    cause: FailureCause = FailureCause.UNSPECIFIED
 
 
 @dataclasses.dataclass(frozen=True)

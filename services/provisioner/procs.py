@@ -12,9 +12,11 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Generic, TypeVar
 
 _PROC = "/proc"
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +103,45 @@ def env_value(pid: int, name: str) -> str | None:
     return None
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether process group `pgid` has a live (non-zombie) member."""
+def env_table(names: tuple[str, ...]) -> dict[int, dict[str, str]]:
+    """Live processes that have any of the environment variables `names`, with their values.
+
+    One pass over the process table; it takes milliseconds and grows with the host's
+    processes, so async code runs it through a Scanner (off the event loop).
+    """
+    prefixes = [(name, f"{name}=".encode()) for name in names]
+    own = os.getpid()
+    found: dict[int, dict[str, str]] = {}
+    for pid in all_pids():
+        if pid == own:
+            continue
+        env = read_environ(pid)
+        if not env:
+            continue
+        values = {}
+        for item in env.split(b"\0"):
+            for name, prefix in prefixes:
+                if item.startswith(prefix):
+                    values[name] = item[len(prefix) :].decode(errors="replace")
+        if values:
+            info = read_stat(pid)
+            if info is not None and info.alive:
+                found[pid] = values
+    return found
+
+
+def live_groups() -> set[int]:
+    """Process groups with at least one live (non-zombie) member: one pass over the table."""
+    groups = set()
+    for pid in all_pids():
+        info = read_stat(pid)
+        if info is not None and info.alive:
+            groups.add(info.pgid)
+    return groups
+
+
+def group_exists(pgid: int) -> bool:
+    """Whether group `pgid` has any member, zombies included (one signal-0, no scan)."""
     if pgid <= 1:
         return False
     try:
@@ -111,12 +150,85 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         pass
+    return True
+
+
+class Coalesced(Generic[_T]):
+    """Runs a blocking `scan` in a worker thread, shared by the callers waiting for it.
+
+    A caller always gets a scan that started after it asked: callers arriving while a scan
+    runs share the next one. However many teardowns poll at once, at most one scan runs and
+    one is queued, and the event loop never walks /proc itself.
+    """
+
+    def __init__(self, scan: Callable[[], _T]) -> None:
+        self._scan = scan
+        self._next: asyncio.Future[_T] | None = None
+        self._runner: asyncio.Task[None] | None = None
+
+    async def get(self) -> _T:
+        """The result of a scan that started after this call."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        waiting = self._next
+        if self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run())
+        return await asyncio.shield(waiting)
+
+    async def _run(self) -> None:
+        try:
+            while self._next is not None:
+                batch, self._next = self._next, None
+                try:
+                    result = await asyncio.to_thread(self._scan)
+                except Exception as exc:
+                    batch.set_exception(exc)
+                    batch.add_done_callback(lambda f: f.exception())  # the waiters may be gone
+                else:
+                    batch.set_result(result)
+        finally:
+            self._runner = None
+
+    def close(self) -> None:
+        """Stop scanning; callers still waiting are cancelled."""
+        if self._runner is not None:
+            self._runner.cancel()
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+
+
+class Scanner:
+    """Async process-table queries for one backend; every scan runs in a worker thread.
+
+    Args:
+        env_names: the environment variables `env_table` reports.
+    """
+
+    def __init__(self, env_names: tuple[str, ...]) -> None:
+        self._groups = Coalesced(live_groups)
+        self._env = Coalesced(lambda: env_table(env_names))
+
+    async def group_alive(self, pgid: int) -> bool:
+        """Whether group `pgid` has a live (non-zombie) member."""
+        if not group_exists(pgid):
+            return False  # the common case after a kill: no scan at all
+        return pgid in await self._groups.get()
+
+    async def env_table(self) -> dict[int, dict[str, str]]:
+        """Live processes carrying any of the scanner's variables, with their values."""
+        return await self._env.get()
+
+    def close(self) -> None:
+        """Stop the scans in progress."""
+        self._groups.close()
+        self._env.close()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` has a live (non-zombie) member (blocking: scans /proc)."""
     # Zombies still count as group members for killpg; look for a live one.
-    for pid in all_pids():
-        info = read_stat(pid)
-        if info is not None and info.pgid == pgid and info.alive:
-            return True
-    return False
+    return group_exists(pgid) and pgid in live_groups()
 
 
 def signal_group(pgid: int, sig: int) -> bool:
@@ -152,13 +264,19 @@ def start_ticks(pid: int) -> int:
 
 
 async def kill_group(
-    pgid: int, *, grace_s: float, reap: Callable[[], object] | None = None, poll_s: float = 0.02
+    pgid: int,
+    *,
+    grace_s: float,
+    alive: Callable[[int], Awaitable[bool]],
+    reap: Callable[[], object] | None = None,
+    poll_s: float = 0.02,
 ) -> bool:
     """SIGTERM group `pgid`, wait up to `grace_s`, then SIGKILL; wait up to 2 s more.
 
     Args:
         pgid: the process group.
         grace_s: seconds between SIGTERM and SIGKILL; 0 sends SIGKILL at once.
+        alive: whether a group still has a live member (Scanner.group_alive: off the loop).
         reap: called on each check, to reap a child leader so it does not linger as a zombie.
         poll_s: how often to look at the group while waiting (bounded by the deadlines).
 
@@ -170,7 +288,7 @@ async def kill_group(
         while time.monotonic() < deadline:
             if reap:
                 reap()
-            if not group_alive(pgid):
+            if not await alive(pgid):
                 return True
             await asyncio.sleep(poll_s)
     signal_group(pgid, signal.SIGKILL)
@@ -178,7 +296,7 @@ async def kill_group(
     while True:
         if reap:
             reap()
-        if not group_alive(pgid):
+        if not await alive(pgid):
             return True
         if time.monotonic() >= deadline:
             return False

@@ -1,4 +1,4 @@
-"""Backoff for launch and teardown retries, as a tenacity wait strategy.
+"""Which launch failures are tried again, and the backoff between tries (a tenacity wait).
 
 SkyPilot's backoff: the first gap is `initial`, each next one `multiplier` times longer, capped
 at `maximum`, and each gap jittered by +-40 %. The jittered gap never exceeds `maximum`.
@@ -11,7 +11,21 @@ import random
 import tenacity
 from tenacity import wait as tenacity_wait
 
+from services.provisioner import backend
+
 DEFAULT_JITTER = 0.4
+
+
+def launch_retryable(exc: BaseException, *, zone: str) -> bool:
+    """Whether another attempt of a launch into `zone` ("" when the backend chooses) may help.
+
+    Not for a permanent failure (the spec cannot work), and not for a lack of capacity in a
+    zone the launch asked for: that goes back to the controller at once, whose spot placer
+    chooses another zone (capacity is the infrastructure's fault, so it is never permanent).
+    """
+    if not isinstance(exc, backend.LaunchError) or exc.permanent:
+        return False
+    return not (exc.capacity_unavailable and zone)
 
 
 class wait_jittered_exponential(tenacity_wait.wait_base):

@@ -9,7 +9,18 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs, security
-from services.provisioner import addresses, capability, kube, kube_objects, local, logstore, manager, servicer, store
+from services.provisioner import (
+    addresses,
+    capability,
+    copies,
+    kube,
+    kube_objects,
+    local,
+    logstore,
+    manager,
+    servicer,
+    store,
+)
 from services.provisioner import backend as backend_mod
 from services.provisioner import zones as zone_config
 
@@ -72,6 +83,18 @@ class Settings:
     local_accelerators: str = ""
     """Accelerators the local backend pretends to have, as "A100:8,H100:8" (tests and demos);
     a spec asking for others is refused at create. Empty: none, so GPU specs are refused."""
+    local_copy_max_mb: float = local.DEFAULT_COPY_LIMITS.max_bytes / (1 << 20)
+    """The most a local replica's workdir and file mounts may hold together, in MB (2**20 bytes);
+    a spec over it is refused at create and a launch over it fails, naming this setting."""
+    local_copy_max_files: int = local.DEFAULT_COPY_LIMITS.max_entries
+    """The most files and directories a local replica's workdir and file mounts may hold together."""
+    local_venv: bool = True
+    """Give each service version's local replicas one Python venv of their own (made once, shared
+    by them, removed with the last), active in setup and run, so `pip install` never writes
+    into the host's Python. False: replicas run in the provisioner's environment."""
+    local_venv_system_site_packages: bool = True
+    """Let those venvs see the base interpreter's installed packages (nothing is installed twice).
+    False: bare venvs (pip is still lent from the provisioner's environment)."""
     kubernetes_kubeconfig: str = ""
     """Kubeconfig file of the kubernetes backend; empty: $KUBECONFIG, then ~/.kube/config."""
     kubernetes_context: str = ""
@@ -115,7 +138,21 @@ class Settings:
     kubernetes_watch_timeout_s: float = 300.0
     """Server-side timeout of one Pod watch; it is then resumed from the last resourceVersion."""
     kubernetes_watch_idle_s: float = 330.0
-    """A watch silent this long is treated as broken: relist and watch again."""
+    """A watch silent this long is treated as broken and reopened from the last resourceVersion."""
+    kubernetes_api_attempts: int = 5
+    """Tries of one Kubernetes API call that fails transiently (no answer, 429, 5xx); 1: no retry."""
+    kubernetes_api_backoff_s: float = 0.5
+    """First wait between tries of a failed API call; doubled each time, jittered, unless the
+    server sent Retry-After."""
+    kubernetes_api_backoff_max_s: float = 10.0
+    """Longest wait between tries of a failed API call (a longer Retry-After is cut to it)."""
+    kubernetes_node_address: str = ""
+    """Host of `node_port` endpoints; empty: the IP of the node the replica's Pod runs on."""
+    kubernetes_load_balancer_timeout_s: float = 600.0
+    """A LoadBalancer Service with no address this long after its Pod started fails the attempt."""
+    kubernetes_follow_logs: bool = True
+    """Copy each replica Pod's log into the provisioner's logs (StreamLogs, `replicactl logs`); one
+    log stream per running Pod (needs `get` on `pods/log`)."""
     kubernetes_port_annotation: str = ""
     """Pod annotation that overrides the endpoint port (node-local emulators only; leave empty)."""
     tls_cert_file: str = ""
@@ -157,7 +194,8 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         errors.ValidationError: an unknown backend, malformed zones or kubernetes settings.
     """
     if settings.backend == "kubernetes":
-        return kube.KubernetesBackend(kube_options(settings))
+        opts = kube_options(settings)
+        return kube.KubernetesBackend(opts, log_path=logstore.LogStore(settings.state_dir).path)
     if settings.backend != "local":
         raise errors.ValidationError(
             [
@@ -175,6 +213,12 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         accelerators = capability.parse_offered(settings.local_accelerators)
     except ValueError as exc:
         raise errors.ValidationError([errors.FieldViolation("provisioner.local_accelerators", str(exc))]) from None
+    violations = [
+        errors.FieldViolation(f"provisioner.{name}", "must be positive")
+        for name in ("local_copy_max_mb", "local_copy_max_files")
+        if getattr(settings, name) <= 0
+    ]
+    errors.require(violations, subject="provisioner settings")
     if network == "auto":
         # An advertised 127.0.0.1 (the local stack sets it) is still plain loopback.
         loopback = settings.replica_host == "127.0.0.1" and settings.advertise_host in ("", "127.0.0.1")
@@ -186,6 +230,11 @@ def make_backend(settings: Settings) -> backend_mod.Backend:
         advertise_host=settings.advertise_host,
         network=network,
         accelerators=accelerators,
+        copy_limits=copies.Limits(
+            max_bytes=int(settings.local_copy_max_mb * (1 << 20)), max_entries=settings.local_copy_max_files
+        ),
+        python_envs=settings.local_venv,
+        system_site_packages=settings.local_venv_system_site_packages,
     )
 
 
@@ -227,16 +276,27 @@ def kube_options(settings: Settings) -> kube.Options:
         )
     if settings.kubernetes_endpoint not in kube_objects.ENDPOINT_MODES:
         violations.append(errors.FieldViolation(field("endpoint"), "must be pod or service"))
-    elif settings.kubernetes_endpoint == "service" and not settings.kubernetes_service_type:
-        violations.append(errors.FieldViolation(field("endpoint"), "service endpoints need kubernetes_service_type"))
+    elif (
+        settings.kubernetes_endpoint in kube_objects.ENDPOINT_SERVICE_TYPES
+        and settings.kubernetes_service_type not in kube_objects.ENDPOINT_SERVICE_TYPES[settings.kubernetes_endpoint]
+    ):
+        types = " or ".join(kube_objects.ENDPOINT_SERVICE_TYPES[settings.kubernetes_endpoint])
+        violations.append(
+            errors.FieldViolation(
+                field("endpoint"), f"{settings.kubernetes_endpoint} endpoints need kubernetes_service_type {types}"
+            )
+        )
     if not settings.kubernetes_image:
         violations.append(errors.FieldViolation(field("image"), "must not be empty"))
     for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
         if getattr(settings, f"kubernetes_{name}") < 0:
             violations.append(errors.FieldViolation(field(name), "must not be negative"))
-    for name in ("watch_timeout_s", "watch_idle_s"):
+    for name in ("watch_timeout_s", "watch_idle_s", "api_attempts"):
         if getattr(settings, f"kubernetes_{name}") < 1:
             violations.append(errors.FieldViolation(field(name), "must be at least 1"))
+    for name in ("api_backoff_s", "api_backoff_max_s"):
+        if getattr(settings, f"kubernetes_{name}") < 0:
+            violations.append(errors.FieldViolation(field(name), "must not be negative"))
     errors.require(violations, subject="provisioner settings")
     return kube.Options(
         pods=kube_objects.PodConfig(
@@ -259,11 +319,17 @@ def kube_options(settings: Settings) -> kube.Options:
         endpoint=settings.kubernetes_endpoint,
         cluster_domain=settings.kubernetes_cluster_domain,
         port_annotation=settings.kubernetes_port_annotation,
+        follow_logs=settings.kubernetes_follow_logs,
+        node_address=settings.kubernetes_node_address,
+        load_balancer_timeout_s=settings.kubernetes_load_balancer_timeout_s,
         schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
         start_timeout_s=settings.kubernetes_start_timeout_s,
         delete_timeout_s=settings.kubernetes_delete_timeout_s,
         watch_timeout_s=settings.kubernetes_watch_timeout_s,
         watch_idle_s=settings.kubernetes_watch_idle_s,
+        api_attempts=settings.kubernetes_api_attempts,
+        api_backoff_s=settings.kubernetes_api_backoff_s,
+        api_backoff_max_s=settings.kubernetes_api_backoff_max_s,
     )
 
 

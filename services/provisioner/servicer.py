@@ -91,7 +91,7 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
         return pb.CheckSpecResponse(
             problems=[
                 pb.SpecProblem(field=v.field, description=v.description)
-                for v in self._p.check_spec(convert.needs(request.spec))
+                for v in await self._p.check_spec(convert.needs(request.spec))
             ],
             accelerators=[f"{name.upper()}:{count:g}" for name, count in sorted((offered or {}).items())],
             accelerators_limited=offered is not None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ class StackError(Exception):
     """A step of the stack failed; the message says which and why."""
 
 
-resolve_workdir = specfile.resolve_workdir
+resolve_paths = specfile.resolve_paths
 read_spec = specfile.read_spec
 spec_name = specfile.spec_name
 WatchPrinter = watchlines.WatchPrinter
@@ -38,13 +37,7 @@ def _health_channel(addr: str, tls: bool) -> grpc.aio.Channel:
 
 
 async def wait_serving(
-    addr: str,
-    service: str,
-    *,
-    timeout: float,
-    alive: Callable[[], bool] = lambda: True,
-    tls: bool = False,
-    port_file: str = "",
+    addr: str, service: str, *, timeout: float, alive: Callable[[], bool] = lambda: True, tls: bool = False
 ) -> None:
     """Wait until the gRPC health check of `service` at `addr` says SERVING.
 
@@ -54,8 +47,6 @@ async def wait_serving(
         timeout: seconds to wait.
         alive: false once the process is gone.
         tls: check over mTLS with the credentials of security.client_tls().
-        port_file: if set, wait for this file too: the process writes it once it serves, which
-            a health answer alone does not prove (another process may hold the port).
 
     Raises:
         StackError: the process died (`alive()` is false) or `timeout` seconds passed.
@@ -66,11 +57,6 @@ async def wait_serving(
         while True:
             if not alive():
                 raise StackError(f"{service} at {addr} exited before it was serving")
-            if port_file and not await asyncio.to_thread(os.path.exists, port_file):
-                if time.monotonic() >= deadline:
-                    raise StackError(f"{service} at {addr} was not serving after {timeout:.0f} s")
-                await asyncio.sleep(0.1)
-                continue
             try:
                 resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -118,7 +104,10 @@ class Controller:
         Raises:
             StackError: the controller refused the spec or could not be reached.
         """
-        text = await asyncio.to_thread(read_spec, yaml_path)
+        try:
+            text = await asyncio.to_thread(read_spec, yaml_path)
+        except specfile.PathError as exc:
+            raise StackError(f"creating {yaml_path} failed: {exc}") from None
         request = pb.CreateServiceRequest(yaml=text, request_id=str(uuid.uuid4()))
         try:
             resp = await self._stub.CreateService(request, timeout=30)

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("--timeout", type=float, default=150.0, help="seconds the stack gets to clean up")
 
     create = sub.add_parser("create", help="create a service from YAML through a running controller")
-    create.add_argument("yaml", help="the service YAML; a relative workdir is resolved against its directory")
+    create.add_argument("yaml", help="the service YAML; a relative workdir is taken from the current directory")
     create.add_argument("--controller", default=plan.dial_addr(plan.config.CONTROLLER_ADDR))
     create.add_argument("--follow", action="store_true", help="print status changes until Ctrl-C")
 

@@ -36,13 +36,18 @@ class ProcessSpec:
     """One service process of the stack.
 
     Attributes:
-        name: unique process name: controller, provisioner, prober-1, prober-2, ..., loadbalancer.
-        component: the service package: controller, provisioner, prober or loadbalancer.
+        name: unique process name: controller, provisioner, prober-1, prober-2, ..., loadbalancer,
+            dashboard.
+        component: the service package: controller, provisioner, prober, loadbalancer or dashboard.
         argv: the command line.
         env: the REPLICAPLANE_* variables the process gets on top of the caller's environment.
-        addr: host:port it listens on.
-        grpc_service: full name of its gRPC service, for the health check.
-        url: the HTTP URL it serves users on, if any (the load balancer).
+        addr: host:port it listens on; port 0 lets the process pick one and report it.
+        grpc_service: full name of its gRPC service, for the health check ("" checks the whole
+            server: the dashboard has no gRPC API of its own).
+        url: the HTTP URL it serves users on, if any (the load balancer, the dashboard); port 0 as
+            in `addr`.
+        needs: env variable -> the processes whose addresses (comma-separated) it holds. `env`
+            has them for the planned ports; `resolve` puts in the ports actually bound.
     """
 
     name: str
@@ -52,15 +57,13 @@ class ProcessSpec:
     addr: str
     grpc_service: str
     url: str = ""
+    needs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 SOCKET_DIR = "sockets"
 """Where the internal services' Unix sockets live, inside the state dir."""
 TOKEN_FILE = "api-token"
 """The token the stack generates for the controller's API, inside the state dir (0600)."""
-CONTROLLER_PORT_FILE = "controller.port"
-"""Written by the stack's controller once it serves: proof that it, not another process, holds
-the API port, before anything sends the controller a token."""
 
 # Longest path a Unix socket may have (108 bytes with the terminating NUL on Linux).
 _MAX_SOCKET_PATH = 107
@@ -93,13 +96,15 @@ def dial_addr(listen_addr: str) -> str:
     return f"{host}:{port}"
 
 
-def _listen(environ: Mapping[str, str], section: str, default: str) -> str:
-    var = config.env_name(section, "listen_addr")
+def _listen(environ: Mapping[str, str], section: str, default: str, field: str = "listen_addr") -> str:
+    var = config.env_name(section, field)
     addr = environ.get(var) or default
     if is_unix(addr):
         return addr
-    if split_addr(addr)[1] == 0:
-        raise ValueError(f"{var}: the stack needs a fixed port, got {addr}")
+    try:
+        split_addr(addr)
+    except ValueError as exc:
+        raise ValueError(f"{var}: {exc}") from None
     return addr
 
 
@@ -136,6 +141,23 @@ def token_file(state_dir: str, environ: Mapping[str, str]) -> str:
     return os.path.join(state_dir, TOKEN_FILE)
 
 
+def _public(environ: Mapping[str, str], section: str, default: str) -> str:
+    """The HTTP address a user reaches a service on: TCP host:port."""
+    addr = _listen(environ, section, default, "http_addr")
+    if is_unix(addr):
+        raise ValueError(f"{config.env_name(section, 'http_addr')}: the stack serves it on TCP (host:port)")
+    return addr
+
+
+def resolve(spec: ProcessSpec, bound: Mapping[str, str]) -> dict[str, str]:
+    """`spec.env` with the addresses it needs taken from `bound` (process name -> host:port
+    it listens on, with the port it got, or unix:PATH)."""
+    env = dict(spec.env)
+    for var, names in spec.needs.items():
+        env[var] = ",".join(dial_addr(bound[n]) for n in names)
+    return env
+
+
 def plan(
     *,
     probers: int = 1,
@@ -143,13 +165,17 @@ def plan(
     environ: Mapping[str, str] | None = None,
     balanced_service: str = DEFAULT_BALANCED_SERVICE,
 ) -> list[ProcessSpec]:
-    """The processes of a local stack, in start order (provisioner, probers, controller, load balancer).
+    """The processes of a local stack, in start order (provisioner, probers, controller, load balancer,
+    dashboard).
 
-    The controller and the balancer's HTTP listen on REPLICAPLANE_<SERVICE>_LISTEN_ADDR (and
-    ..._HTTP_ADDR) in `environ`, else the shared defaults. The provisioner, the probers and the
-    balancer's admin API listen on Unix sockets under `state_dir`/sockets unless `environ` sets
-    theirs (TCP only with mTLS for the provisioner and probers); TCP probers take the prober
-    port and the ports after it, skipping the other services' ports.
+    The controller, the balancer's HTTP and the dashboard's page listen on
+    REPLICAPLANE_<SERVICE>_LISTEN_ADDR (or ..._HTTP_ADDR) in `environ`, else the shared defaults.
+    The provisioner, the probers, the balancer's admin API and the dashboard's health check
+    listen on Unix sockets under `state_dir`/sockets unless `environ` sets theirs (TCP only with
+    mTLS for the provisioner and probers); TCP probers take the prober port and the ports after
+    it, skipping the other services' ports. Port 0 (tests, several stacks on one machine) lets
+    each process pick a free port; the runner reads the ports they got before starting the
+    processes that dial them.
 
     Args:
         probers: number of prober processes, at least 1.
@@ -161,8 +187,8 @@ def plan(
         One ProcessSpec per process.
 
     Raises:
-        ValueError: probers < 1, an address without a fixed port, an internal service on TCP
-            without mTLS, or a state dir too long for Unix sockets.
+        ValueError: probers < 1, an address that is not host:port (or unix:PATH where allowed),
+            an internal service on TCP without mTLS, or a state dir too long for Unix sockets.
     """
     if probers < 1:
         raise ValueError(f"probers must be at least 1, got {probers}")
@@ -173,12 +199,12 @@ def plan(
     if is_unix(controller_addr):
         raise ValueError("REPLICAPLANE_CONTROLLER_LISTEN_ADDR: the stack's controller listens on TCP (host:port)")
     # The admin API has no mTLS, but the stack always gives the balancer a token it requires.
-    balancer_addr = env.get(config.env_name("loadbalancer", "listen_addr")) or _socket(state_dir, "loadbalancer")
-    balancer_addr = _listen(env, "loadbalancer", balancer_addr)
-    http_var = config.env_name("loadbalancer", "http_addr")
-    http_addr = env.get(http_var) or config.LOADBALANCER_HTTP_ADDR
-    if split_addr(http_addr)[1] == 0:
-        raise ValueError(f"{http_var}: the stack needs a fixed port, got {http_addr}")
+    balancer_addr = _listen(env, "loadbalancer", _socket(state_dir, "loadbalancer"))
+    http_addr = _public(env, "loadbalancer", config.LOADBALANCER_HTTP_ADDR)
+    # The dashboard's gRPC server answers health checks only: nothing to guard, but no reason
+    # to take a TCP port either.
+    dashboard_addr = _listen(env, "dashboard", _socket(state_dir, "dashboard"))
+    dashboard_http = _public(env, "dashboard", config.DASHBOARD_HTTP_ADDR)
     prober_listen = _internal(env, "prober", "")
     prober_addrs: list[str] = []
     if not prober_listen:
@@ -187,11 +213,12 @@ def plan(
         base = prober_listen.removesuffix(".sock")
         prober_addrs = [prober_listen] + [f"{base}-{i}.sock" for i in range(2, probers + 1)]
     else:
-        # TCP probers count up from the prober port, stepping over the other services' ports.
-        taken = {
-            split_addr(a)[1] for a in (provisioner_addr, controller_addr, balancer_addr, http_addr) if not is_unix(a)
-        }
+        # TCP probers count up from the prober port, stepping over the other services' ports;
+        # with port 0 each picks.
+        others = (provisioner_addr, controller_addr, balancer_addr, http_addr, dashboard_addr, dashboard_http)
+        taken = {split_addr(a)[1] for a in others if not is_unix(a)}
         prober_host, port = split_addr(prober_listen)
+        prober_addrs = [f"{prober_host}:0"] * probers if port == 0 else []
         while len(prober_addrs) < probers:
             if port not in taken:
                 prober_addrs.append(f"{prober_host}:{port}")
@@ -236,11 +263,14 @@ def plan(
                 "REPLICAPLANE_CONTROLLER_STATE_DIR": os.path.join(state_dir, "controller"),
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": dial_addr(provisioner_addr),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(dial_addr(a) for a in prober_addrs),
-                "REPLICAPLANE_CONTROLLER_PORT_FILE": os.path.join(state_dir, CONTROLLER_PORT_FILE),
                 **controller_auth,
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
+            needs={
+                "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
+                "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": tuple(f"prober-{i}" for i in range(1, probers + 1)),
+            },
         )
     )
     specs.append(
@@ -258,6 +288,24 @@ def plan(
             addr=balancer_addr,
             grpc_service=LOADBALANCER_SERVICE,
             url=f"http://{dial_addr(http_addr)}",
+            needs={"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)},
+        )
+    )
+    # The web dashboard: no token of its own, it passes on each page's (docs/observability.md).
+    specs.append(
+        ProcessSpec(
+            name="dashboard",
+            component="dashboard",
+            argv=(python, "-m", "services.dashboard"),
+            env={
+                "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": dashboard_addr,
+                "REPLICAPLANE_DASHBOARD_HTTP_ADDR": dashboard_http,
+                "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": dial_addr(controller_addr),
+            },
+            addr=dashboard_addr,
+            grpc_service="",
+            url=f"http://{dial_addr(dashboard_http)}",
+            needs={"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)},
         )
     )
     return specs

@@ -22,18 +22,25 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from services.common import security
+from services.common import config, security
 from services.stack import api, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STOP_TIMEOUT_S = 10.0
 """How long a service process gets to exit after SIGTERM before SIGKILL."""
+# The setting that names the service a load balancer process serves.
+_BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
 
 
 def say(line: str) -> None:
     """Print a progress line with the time of day."""
     print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+
+def dashboard_line(url: str) -> str:
+    """The line that tells the operator where the web dashboard is."""
+    return f"dashboard at {url}/ (services, replicas and events, live; `replicactl dashboard --open`)"
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -123,9 +130,10 @@ class StateFiles:
         return os.path.join(self.state_dir, plan.TOKEN_FILE)
 
     @property
-    def controller_port_path(self) -> str:
-        """Written by the controller once it serves (the stack waits for it)."""
-        return os.path.join(self.state_dir, plan.CONTROLLER_PORT_FILE)
+    def port_dir(self) -> str:
+        """Port files: each process writes the port it bound there (`<name>.port`, and
+        `<name>.http.port` for an HTTP port) once it serves."""
+        return os.path.join(self.state_dir, "ports")
 
     @property
     def result_path(self) -> str:
@@ -157,8 +165,8 @@ class StateFiles:
             return None
 
     def remove(self) -> None:
-        """Remove the pid, state, token and port files."""
-        for path in (self.pid_path, self.state_path, self.token_path, self.controller_port_path):
+        """Remove the pid, state and token files."""
+        for path in (self.pid_path, self.state_path, self.token_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -207,10 +215,18 @@ class Stack:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.created: list[str] = []
         self.ready = False
-        self.controller_addr = plan.dial_addr(next(s.addr for s in self.specs if s.component == "controller"))
+        # Where each process listens and serves HTTP; a planned port 0 becomes the bound one.
+        self.addrs = {s.name: s.addr for s in self.specs}
+        self.urls = {s.name: s.url for s in self.specs if s.url}
+        self._controller = next(s.name for s in self.specs if s.component == "controller")
         self.generated_token = bool(token)
         # The generated token, else the user's own (from the environment).
         self.token = token or security.client_token()
+
+    @property
+    def controller_addr(self) -> str:
+        """Where clients dial the controller (known once it bound its port)."""
+        return plan.dial_addr(self.addrs[self._controller])
 
     def save(self) -> None:
         """Record what is running, for `down` and for a waiting `up --detach`."""
@@ -220,31 +236,101 @@ class Stack:
             "controller": self.controller_addr,
             "token_file": self.files.token_path if self.generated_token else "",
             "services": self.created,
+            # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
             "processes": [
-                {"name": s.name, "pid": self.procs[s.name].pid, "addr": s.addr}
+                {
+                    "name": s.name,
+                    "component": s.component,
+                    "pid": self.procs[s.name].pid,
+                    "addr": self.addrs[s.name],
+                    "log": os.path.abspath(os.path.join(self.files.log_dir, f"{s.name}.log")),
+                }
+                | ({"url": self.urls[s.name]} if s.name in self.urls else {})
+                | ({"service": s.env[_BALANCED]} if _BALANCED in s.env else {})
                 for s in self.specs
                 if s.name in self.procs
             ],
         }
         self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
 
-    def start(self, specs: Sequence[plan.ProcessSpec]) -> None:
-        """Start `specs`, each in its own session, logging to the log dir."""
+    def _port_files(self, spec: plan.ProcessSpec) -> dict[str, str]:
+        files = {config.env_name(spec.component, "port_file"): os.path.join(self.files.port_dir, f"{spec.name}.port")}
+        if spec.url:
+            http = os.path.join(self.files.port_dir, f"{spec.name}.http.port")
+            files[config.env_name(spec.component, "http_port_file")] = http
+        return files
+
+    def _launch(self, spec: plan.ProcessSpec, env: dict[str, str]) -> None:
+        for path in self._port_files(spec).values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a stale port from an earlier run
+        log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
+        with open(log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
+            log.flush()
+            self.procs[spec.name] = subprocess.Popen(
+                spec.argv,
+                cwd=REPO,
+                env=child_env(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def start(self, timeout: float) -> None:
+        """Start every process, each in its own session, logging to the log dir.
+
+        A process that dials others starts once they have bound their TCP ports (with port 0 it
+        learns them from their port files); the others start at once. So the balancer and the
+        dashboard, which send tokens to the controller, start only once the stack's controller
+        holds its port, never while another process may hold it.
+
+        Raises:
+            api.StackError: a process it waits for exited or reported no port in `timeout` s.
+        """
         os.makedirs(self.files.log_dir, exist_ok=True)
-        for spec in specs:
-            log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
-            with open(log_path, "ab") as log:
-                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
-                log.flush()
-                self.procs[spec.name] = subprocess.Popen(
-                    spec.argv,
-                    cwd=REPO,
-                    env=child_env(dict(spec.env)),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+        os.makedirs(self.files.port_dir, exist_ok=True)
+        for spec in self.specs:
+            for name in {n for names in spec.needs.values() for n in names}:
+                await self.bound(name, timeout)
+            self._launch(spec, {**plan.resolve(spec, self.addrs), **self._port_files(spec)})
+            self.save()
+
+    async def bound(self, name: str, timeout: float) -> None:
+        """Wait until process `name` has bound its TCP ports (its address and URL) and serves,
+        and take the ports it got for a planned port 0. Its port files prove it: a health answer
+        alone does not (another process may hold a fixed port, and would collect the token of
+        every client that connects). A Unix socket's address is known in advance.
+
+        Raises:
+            api.StackError: it exited first, or wrote no port file in `timeout` s.
+        """
+        spec = next(s for s in self.specs if s.name == name)
+        files = self._port_files(spec)
+        addr_file = files[config.env_name(spec.component, "port_file")]
+        paths = [] if plan.is_unix(self.addrs[name]) else [addr_file]
+        if spec.url:
+            paths.append(files[config.env_name(spec.component, "http_port_file")])
+        deadline = time.monotonic() + timeout
+        while not _all_exist(paths):
+            if (code := self.procs[name].poll()) is not None:
+                log = os.path.join(self.files.log_dir, f"{name}.log")
+                raise api.StackError(f"{name} exited with code {code} before it served; see {log}")
+            if time.monotonic() > deadline:
+                raise api.StackError(f"{name} reported no port in {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+        changed = False
+        for path in paths:
+            port = int(await asyncio.to_thread(_read, path))
+            if path == addr_file:
+                host, planned = plan.split_addr(self.addrs[name])
+                self.addrs[name] = f"{host}:{port}"
+            else:
+                host, planned = plan.split_addr(self.urls[name].removeprefix("http://"))
+                self.urls[name] = f"http://{host}:{port}"
+            changed = changed or planned != port
+        if changed:
             self.save()
 
     def exited(self) -> str | None:
@@ -256,27 +342,22 @@ class Stack:
                 return f"{spec.name} exited with code {proc.returncode}; see {log}"
         return None
 
-    async def wait_serving(self, specs: Sequence[plan.ProcessSpec], timeout: float) -> None:
-        """Wait until the health check of each of `specs` says SERVING."""
-        for spec in specs:
+    async def wait_serving(self, timeout: float) -> None:
+        """Wait until every process's health check says SERVING."""
+        for spec in self.specs:
+            await self.bound(spec.name, timeout)
             proc = self.procs[spec.name]
             alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
             var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
             tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
-            # The controller's own port file proves it holds the port (not another process that
-            # took it first and would collect the token from every client that connects).
-            port_file = spec.env.get("REPLICAPLANE_CONTROLLER_PORT_FILE", "")
-            await api.wait_serving(
-                plan.dial_addr(spec.addr),
-                spec.grpc_service,
-                timeout=timeout,
-                alive=alive,
-                tls=tls,
-                port_file=port_file,
-            )
-            self.out(f"{spec.name} serving on {spec.addr} (log: {self.files.log_dir}/{spec.name}.log)")
-            if spec.url:
-                self.out(f"{spec.name}: {spec.env.get('REPLICAPLANE_LOADBALANCER_SERVICE_NAME', '')} at {spec.url}")
+            addr = self.addrs[spec.name]
+            await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
+            self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            if spec.component == "dashboard":
+                self.out(dashboard_line(self.urls[spec.name]))
+            elif spec.url:
+                service = spec.env.get("REPLICAPLANE_LOADBALANCER_SERVICE_NAME", "")
+                self.out(f"{spec.name}: {service} at {self.urls[spec.name]}")
 
     async def watch_exits(self) -> str:
         """Return once a process exits (bounded by the caller's cancellation)."""
@@ -304,8 +385,10 @@ class Stack:
 
     async def stop_processes(self) -> None:
         """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
-        # The balancer, then the controller, so nothing calls a stopped service; the provisioner last.
-        order = sorted(self.specs, key=lambda s: {"loadbalancer": -1, "controller": 0, "prober": 1}.get(s.component, 2))
+        # The dashboard and the balancer, then the controller, so nothing calls a stopped service;
+        # the provisioner last.
+        rank = {"dashboard": -2, "loadbalancer": -1, "controller": 0, "prober": 1}
+        order = sorted(self.specs, key=lambda s: rank.get(s.component, 2))
         pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
         await asyncio.to_thread(terminate_pids, pids, self.out)
         for proc in self.procs.values():
@@ -315,13 +398,8 @@ class Stack:
 
 
 async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
-    # The balancer sends the token to the controller: it starts once the controller serves.
-    first = [s for s in stack.specs if s.component != "loadbalancer"]
-    then = [s for s in stack.specs if s.component == "loadbalancer"]
-    stack.start(first)
-    await stack.wait_serving(first, ready_timeout)
-    stack.start(then)
-    await stack.wait_serving(then, ready_timeout)
+    await stack.start(ready_timeout)
+    await stack.wait_serving(ready_timeout)
     client = api.Controller(stack.controller_addr, token=stack.token)
     try:
         if example:
@@ -370,9 +448,8 @@ async def up(
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
     files.write(files.pid_path, f"{os.getpid()}\n")
-    for stale in (files.result_path, files.controller_port_path):  # left by an earlier stack
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(stale)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(files.result_path)  # a stale report of an earlier stack
     controller = next(s for s in specs if s.component == "controller")
     token = ""
     if controller.env.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE") == files.token_path:
@@ -453,6 +530,9 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
         state = files.read_state()
         if state and state.get("pid") == proc.pid and state.get("ready"):
             out(f"stack running in the background (pid {proc.pid}); controller at {state['controller']}")
+            for process in state.get("processes", []):
+                if process.get("name") == "dashboard" and process.get("url"):
+                    out(dashboard_line(process["url"]))
             out(f"output: {log_path}; stop it with `make down` (python -m services.stack down)")
             return 0
         time.sleep(0.1)
@@ -519,6 +599,15 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         return 1
     out("stack stopped")
     return 1 if failed else 0
+
+
+def _all_exist(paths: Sequence[str]) -> bool:
+    return all(os.path.exists(p) for p in paths)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().strip()
 
 
 def _read_result(files: StateFiles) -> list[str] | None:

@@ -33,6 +33,7 @@ async def test_grpcurl_cookbook_commands_work_in_order(guarded: tuple[cl.Cluster
     cluster, token_file = guarded
     addr = cluster.controller.addr
     seen: list[str] = []
+    reports: list[dict[str, object]] = []
     for command in cookbook_commands():
         target = command.split()[-1]
         if "/" in target:
@@ -66,9 +67,20 @@ async def test_grpcurl_cookbook_commands_work_in_order(guarded: tuple[cl.Cluster
             assert b"GET / HTTP/1.1" in text  # the probes, as http.server logs them
         elif method == "UpdateService":
             assert json.loads(out)["plan"]["in_place"] is True
+        elif method == "ReportLoad":
+            reports.append(json.loads(out))
+        elif method in ("ListOrphans", "ReapOrphans"):
+            answer = json.loads(out)
+            assert answer["controller_id"] and not answer.get("orphans") and not answer.get("reaped")
         elif method == "ListServices":
             assert [s["name"] for s in json.loads(out)["services"]] == ["cookbook"]
         elif method == "DeleteService":
             assert json.loads(out)["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN"
     assert "CreateService" in seen and "WatchService" in seen and "Check" in seen and "describe" in seen
+    assert "ListOrphans" in seen and "ReapOrphans" in seen
+    # The same report twice: counted once (int64 prints as a string; false and 0 are left out).
+    assert [(r.get("counted_requests"), r.get("already_applied", False)) for r in reports] == [
+        ("2", False),
+        (None, True),
+    ]
     assert provisioner_procs.wait_no_replicas(cluster.provisioner_state_dir, timeout=15) == []

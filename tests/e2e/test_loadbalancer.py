@@ -114,6 +114,42 @@ async def test_least_load_spreads_streams_and_stops_cancelled_work(
         await b.close()
 
 
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+async def test_large_uploads_stream_through_with_bounded_balancer_memory(
+    cluster: cl.Cluster, client: aiohttp.ClientSession
+) -> None:
+    await create(cluster, lb.lb_app_yaml("upload", cluster.tag, replicas=2))
+    b = await start_balancer(cluster, "upload")
+    try:
+        await b.until(lambda s: sum(r.ready for r in s.replicas) == 2)
+        pid = b.process.proc.pid
+        peak = base = rss_bytes(pid)
+        chunk, size = b"u" * (1 << 20), 60 << 20
+
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(size // len(chunk)):
+                yield chunk
+
+        async def upload() -> tuple[int, int]:
+            headers = {"Content-Length": str(size)}
+            async with client.post(b.url + "/sink", data=body(), headers=headers) as resp:
+                return resp.status, (await resp.json())["bytes"]
+
+        uploads = asyncio.gather(*(upload() for _ in range(4)))
+        while not uploads.done():
+            peak = max(peak, rss_bytes(pid))
+            await asyncio.sleep(0.01)
+        assert await uploads == [(200, size)] * 4
+        # Read whole, four 60 MiB bodies would add 240 MiB or more; streamed, a few chunks each.
+        assert peak - base < 48 << 20, f"balancer RSS grew {(peak - base) >> 20} MiB"
+    finally:
+        await b.close()
+
+
 async def test_no_ready_replica_answers_503_with_a_clear_message(
     cluster: cl.Cluster, client: aiohttp.ClientSession
 ) -> None:

@@ -36,7 +36,7 @@ def replicactl(addr: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 def write_bigger(v1: str, dest: pathlib.Path) -> None:
     text = pathlib.Path(v1).read_text().replace("replicas: 2", "replicas: 3")
-    dest.write_text(text.replace("../hello", EXAMPLES + "/hello"))
+    dest.write_text(text.replace("workdir: examples/hello", f"workdir: {EXAMPLES}/hello"))
 
 
 def start_cli(addr: str, *args: str) -> subprocess.Popen[str]:
@@ -88,10 +88,10 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     assert lines[2].split()[:2] == ["shop", "1"] and "READY" in lines[2] and "2/2" in lines[2]
     assert "SERVICE  ID  VERSION  ENDPOINT" in table.stdout
 
-    logs = await ctl(addr, "logs", "shop", "--replica-id", "1")
+    logs = await ctl(addr, "logs", "shop", "1", "--no-follow")
     assert logs.returncode == 0, logs.stderr
     assert "replica 1: serving on" in logs.stdout
-    follower = start_cli(addr, "logs", "shop", "--replica-id", "2", "--follow")
+    follower = start_cli(addr, "logs", "shop", "2")  # follows by default
     try:
         first = await asyncio.to_thread(follower.stdout.readline)  # type: ignore[union-attr]
         assert "replica 2: serving on" in first
@@ -123,7 +123,7 @@ async def test_replicactl_up_status_update_down(cluster: cl.Cluster, tmp_path) -
     assert after["services"][0]["ready_replicas"] == 2  # v1 keeps serving
     failed = [r for r in after["replicas"] if r["status"] == "REPLICA_STATUS_FAILED"]
     assert failed, after["replicas"]
-    why = await ctl(addr, "logs", "shop", "--replica-id", failed[0]["replica_id"])
+    why = await ctl(addr, "logs", "shop", failed[0]["replica_id"], "--no-follow")
     assert why.returncode == 0, why.stderr
     assert "cannot start: missing config file /etc/shop/v2.conf" in why.stdout
 
@@ -194,7 +194,7 @@ def test_replicactl_stack_up_and_down(tmp_path) -> None:
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "stack running in the background" in up.stdout
-        addr = env["REPLICAPLANE_CONTROLLER_LISTEN_ADDR"]
+        addr = json.loads(pathlib.Path(state, "stack.json").read_text())["controller"]
         env["REPLICAPLANE_API_TOKEN_FILE"] = os.path.join(state, "api-token")  # the stack's token
         status = run("--controller", addr, "status")
         assert (status.returncode, status.stdout.strip()) == (0, "No services.")

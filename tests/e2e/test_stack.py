@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc, resources_pb2
+from tests.helpers import ports
 
 pytestmark = pytest.mark.e2e
 
@@ -27,29 +27,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports (held together while picked, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def stack_env(probers: int = 1) -> dict[str, str]:
-    """The stack moved to free ports. Only the public ones (the controller's API, the balancer's
-    HTTP) are ports at all: the internal services listen on sockets in the state dir."""
-    controller, balancer_http = free_ports(2)
+def stack_env() -> dict[str, str]:
+    """The stack's public ports on port 0: each binds a free port and reports it (the stack
+    records them in stack.json), so no port is picked here and taken by another process before
+    the service binds it. The internal services listen on sockets in the state dir anyway."""
     return {
         **os.environ,
-        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{balancer_http}",
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
 
 
 def auth(state_dir) -> list[tuple[str, str]]:
     """Call metadata with the token the stack generated in `state_dir`."""
     return [("authorization", f"Bearer {(state_dir / 'api-token').read_text().strip()}")]
+
+
+def balancer_url(state: dict) -> str:
+    """The stack's load balancer URL, with the port it bound (from stack.json)."""
+    return next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
 
 
 def stack(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -118,7 +115,12 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
     state = json.loads((state_dir / "stack.json").read_text())
     assert state["services"] == ["hello"]
     pids = {p["name"]: p["pid"] for p in state["processes"]}
-    assert sorted(pids) == ["controller", "loadbalancer", "prober-1", "provisioner"]
+    assert sorted(pids) == ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
+    # The operator finds the page without reading docs: `up --detach` prints its URL.
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in up.stdout, up.stdout
+    with urllib.request.urlopen(f"{dashboard}/", timeout=10) as resp:
+        assert b"Replicaplane" in resp.read()
 
     endpoints: dict[int, str] = {}
     with grpc.insecure_channel(state["controller"]) as channel:
@@ -145,11 +147,15 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
             body = json.loads(resp.read())
         assert body["message"] == f"hello from replica {replica_id}"
     # One URL for the service: the stack's balancer reaches both replicas.
-    balancer_url = f"http://{env['REPLICAPLANE_LOADBALANCER_HTTP_ADDR']}"
+    url = balancer_url(state)
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+    assert len({p["addr"] for p in state["processes"]}) == 5 and all(
+        not p["addr"].endswith(":0") for p in state["processes"]
+    )
     seen = set()
     for _ in range(20):
         try:
-            with urllib.request.urlopen(f"{balancer_url}/", timeout=10) as resp:
+            with urllib.request.urlopen(f"{url}/", timeout=10) as resp:
                 seen.add(json.loads(resp.read())["message"])
         except urllib.error.HTTPError as exc:  # 503 until the balancer has the endpoints
             assert exc.code == 503, exc
@@ -173,7 +179,7 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
 
 
 def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> None:
-    env = stack_env(probers=2)
+    env = stack_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--probers", "2"],
         cwd=REPO,
@@ -197,12 +203,13 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             "prober-2",
             "controller",
             "loadbalancer",
+            "dashboard",
         ]
         # The container health check command, against a live and a dead address.
         service = "replicaplane.controller.v1.ControllerService"
         assert stack("health", state["controller"], "--service", service, env=env, timeout=30).returncode == 0
-        dead = f"127.0.0.1:{free_ports(1)[0]}"
-        assert stack("health", dead, "--timeout", "1", env=env, timeout=30).returncode == 1
+        with ports.Reserved() as dead:
+            assert stack("health", dead.addr, "--timeout", "1", env=env, timeout=30).returncode == 1
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -211,6 +218,8 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             proc.communicate()
     assert proc.returncode == 0, out
     assert "stack stopped" in out
+    dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    assert f"dashboard at {dashboard}/" in out, out
     assert not [p for p in state["processes"] if alive(p["pid"])]
     assert processes_touching(str(tmp_path), []) == []
     assert not (state_dir / "stack.json").exists()

@@ -95,14 +95,14 @@ def internal_commands() -> list[str]:
 
 
 def public_env(**extra: str) -> dict[str, str]:
-    """The default stack, moved to free ports only where other tests on this machine would clash
-    (the public API and the balancer's HTTP port); nothing else is set."""
-    controller, http = test_stack.free_ports(2)
+    """The default stack, with its public ports (the API, the balancer's and the dashboard's
+    HTTP) on port 0 so other tests on this machine cannot clash; nothing else is set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
     return {
         **env,
-        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": f"127.0.0.1:{controller}",
-        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{http}",
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
         **extra,
     }
 

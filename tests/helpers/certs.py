@@ -1,4 +1,5 @@
-"""Test certificates for mTLS: a CA and leaf certificates for 127.0.0.1 / localhost."""
+"""Test certificates for mTLS: a CA and leaf certificates for 127.0.0.1, localhost and this
+test process's private loopback address."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tests.helpers import ports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,8 @@ class Authority:
             fh.write(self._cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, cn: str) -> Identity:
-        """A leaf certificate named `cn`, valid for 127.0.0.1 and localhost, client and server."""
+        """A leaf certificate named `cn`, valid for 127.0.0.1, localhost and ports.private_host(),
+        client and server."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
@@ -86,7 +90,13 @@ class Authority:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.DNSName(cn), x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    [
+                        x509.DNSName(cn),
+                        x509.DNSName("localhost"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        # Where clusters run the services they restart (ports.private_host).
+                        x509.IPAddress(ipaddress.ip_address(ports.private_host())),
+                    ]
                 ),
                 critical=False,
             )

@@ -17,7 +17,7 @@ from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import security
 from services.provisioner import procs as proc_env
-from tests.helpers import procs, provisioner_procs
+from tests.helpers import ports, procs, provisioner_procs
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apps", "httpapp.py")
 
@@ -110,6 +110,9 @@ class Cluster:
             # unless allowed: test clusters run on a machine no one else uses.
             self.controller_env.setdefault("REPLICAPLANE_CONTROLLER_ALLOW_OPEN_INTERNAL", "true")
         self.tag = uuid.uuid4().hex[:12]
+        # Services are restarted on the address they had: on a loopback address of this test
+        # process, the port a kill frees is not taken by the connections tests open meanwhile.
+        self.host = ports.private_host()
         self.provisioner_env = {
             **PROVISIONER_ENV,
             "REPLICAPLANE_PROVISIONER_STATE_DIR": self.provisioner_state_dir,
@@ -129,10 +132,14 @@ class Cluster:
         return path
 
     def _start_provisioner(self, port: int = 0) -> procs.ServiceProcess:
-        return procs.start_service("provisioner", env=self.provisioner_env, workdir=self._dir("provisioner"), port=port)
+        return procs.start_service(
+            "provisioner", env=self.provisioner_env, workdir=self._dir("provisioner"), host=self.host, port=port
+        )
 
     def _start_prober(self, i: int, port: int = 0) -> procs.ServiceProcess:
-        return procs.start_service("prober", env=self.prober_env, workdir=self._dir(f"prober{i}"), port=port)
+        return procs.start_service(
+            "prober", env=self.prober_env, workdir=self._dir(f"prober{i}"), host=self.host, port=port
+        )
 
     def restart_provisioner(self, *, kill: bool = True) -> None:
         """Kill -9 (or SIGTERM) the provisioner and start it again on the same port."""
@@ -161,6 +168,7 @@ class Cluster:
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(p.addr for p in self.probers),
             },
             workdir=self._dir("controller" if state == "ctl" else f"controller-{state}"),
+            host=self.host,
             port=port,
         )
 

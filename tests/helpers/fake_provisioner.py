@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from aiohttp import web
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as res
@@ -33,6 +34,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.dead_endpoint = False
         self.launches: collections.Counter[str] = collections.Counter()
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
+        self.specs: dict[str, spec_pb2.ServiceSpec] = {}  # name -> the spec of its last Launch
         self.terminations: collections.Counter[str] = collections.Counter()
         self.running: dict[str, res.ProvisionedReplica] = {}
         self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
@@ -48,12 +50,18 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
         self.launch_times.setdefault(request.name, time.monotonic())
+        self.specs[request.name] = request.spec
         replica = self.running.get(request.name)
         if replica is None and self.capacity_refused:
             self.launches[request.name] += 1
             failed = res.ProvisionedReplica(name=request.name, state=res.REPLICA_STATE_FAILED)
             yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, failed))
-            refusal = {"message": "no capacity", "permanent": True, "capacity_unavailable": True}
+            # As the real one: capacity is the infrastructure's fault, never permanent.
+            refusal = {
+                "message": "no capacity",
+                "capacity_unavailable": True,
+                "cause": res.FAILURE_CAUSE_INFRASTRUCTURE,
+            }
             yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_FAILED, failed, **refusal))
             return
         if replica is None:
@@ -68,6 +76,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 endpoint="http://127.0.0.1:9" if self.dead_endpoint else self.endpoint,
                 zone="zone-a",
                 create_time=pbtime.timestamp(time.time()),
+                owner=request.owner,
             )
             self.running[request.name] = replica
         yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, replica))
@@ -97,6 +106,12 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
         )
+
+    async def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListReplicasResponse:
+        names = sorted(n for n, r in self.running.items() if not request.service or r.service == request.service)
+        return pb.ListReplicasResponse(replicas=[self.running[n] for n in names])
 
     async def WatchReplicas(
         self, request: pb.WatchReplicasRequest, context: grpc.aio.ServicerContext

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import yaml
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 from grpc_status import rpc_status
 from hypothesis import strategies as st
 
@@ -187,6 +187,13 @@ def _stamp(seconds: int, nanos: int) -> timestamp_pb2.Timestamp:
 
 stamps = st.builds(_stamp, ints, st.integers(-(2**31), 2**31 - 1))
 
+
+def _age(seconds: int, nanos: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=seconds, nanos=nanos)
+
+
+ages = st.builds(_age, ints, st.integers(-(2**31), 2**31 - 1))
+
 requests = st.one_of(
     st.builds(
         lambda n, y, r: ("CreateService", api.CreateServiceRequest(service_name=n, yaml=y, request_id=r)),
@@ -229,10 +236,32 @@ requests = st.one_of(
         st.lists(stamps, max_size=5),
         ints,
     ),
+    st.builds(
+        lambda n, a, b, q: (
+            "ReportLoad",
+            api.ReportLoadRequest(service_name=n, request_ages=a, balancer_id=b, sequence=q),
+        ),
+        names,
+        st.lists(ages, max_size=5),
+        texts,
+        ints,
+    ),
     st.builds(lambda n, v: ("WatchEndpoints", api.WatchEndpointsRequest(service_name=n, after_version=v)), names, ints),
+    st.builds(
+        lambda o, s, t: ("ListOrphans", api.ListOrphansRequest(owner=o, page_size=s, page_token=t)),
+        texts,
+        int32s,
+        texts,
+    ),
+    st.builds(
+        lambda n, o, a: ("ReapOrphans", api.ReapOrphansRequest(replica_names=n, owner=o, all_owners=a)),
+        st.lists(names, max_size=5),
+        texts,
+        st.booleans(),
+    ),
 )
 
-MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas"}
+MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans"}
 
 # ---- the controller under fuzz -----------------------------------------------------------
 

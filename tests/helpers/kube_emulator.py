@@ -1,12 +1,15 @@
-"""An in-memory Kubernetes API (kmock's emulator) on 127.0.0.1, with a fake kubelet.
+"""A Kubernetes API for tests (tests/helpers/kube_api.py) on 127.0.0.1, with a fake kubelet.
 
-The emulator runs in a daemon thread with its own event loop, so both in-process tests and
-provisioner processes (through a kubeconfig file) can talk to it. It has no scheduler,
-kubelet, grace periods, resourceVersions or selector filtering; the fake kubelet in the same
-loop plays scheduler and kubelet for the Pods of one namespace:
+The API server and the kubelet run in a daemon thread with its own event loop, so both
+in-process tests and provisioner processes (through a kubeconfig file) can talk to them. The
+API server keeps the real one's protocol (resourceVersions, watch resume, 410, bookmarks,
+graceful deletion, finalizers, ownerReferences garbage collection) and takes scripted faults;
+see its module docstring. The fake kubelet plays scheduler and kubelet for the Pods of one
+namespace, through the same API as any client (its requests are never faulted):
 
 - A Pod whose node selector names a label the fake node lacks, or that asks for more of a
   resource than the node has, stays Pending with `PodScheduled=False, reason=Unschedulable`.
+  Any other Pod is bound to the node (the binding subresource).
 - An image under `fake.invalid/` fails to pull (`ErrImagePull`, then `ImagePullBackOff`).
 - Otherwise the container's command runs as a local process group with the Pod's env
   (secret references resolved), in a directory of its own. The Pod "network" is loopback:
@@ -14,22 +17,18 @@ loop plays scheduler and kubelet for the Pods of one namespace:
   and env values as the local backend does), `PORT` and `HOST` follow, and the serving port
   is published in the `fake-kubelet.test/port` annotation. Paths under /tmp and the
   termination message path are mapped into the Pod's directory, as a container has its own.
-- Status goes Pending, then Running with podIP 127.0.0.1 (`started` once an exec startup
-  probe passes; probes run every 50 ms, whatever periodSeconds says), Ready once the port
-  accepts, and Succeeded or Failed with the exit code and termination message when it ends.
-- Graceful deletion: the fake kubelet puts a finalizer of its own on every Pod; a deleted Pod
-  stays terminating while its process group gets SIGTERM (SIGKILL after `kill_grace_s`) and
-  is removed once the process is gone, so "the Pod object is gone" implies "the app is dead",
-  as on a real node.
+- Status (through the status subresource) goes Pending, then Running with podIP 127.0.0.1
+  (`started` once an exec startup probe passes; probes run every 50 ms, whatever
+  periodSeconds says), Ready once the port accepts, and Succeeded or Failed with the exit code
+  and termination message when it ends.
+- A Pod being deleted gets SIGTERM, SIGKILL after its deletionGracePeriodSeconds, and once
+  the process is gone the kubelet deletes it with grace 0, so "the Pod object is gone"
+  implies "the app is dead", as on a real node.
 
 Chaos hooks model what others do to Pods: `delete_pod` (node loss, someone's kubectl),
 `evict` (kubelet eviction: Failed/Evicted with a DisruptionTarget condition), `hold` and
-`release` (a finalizer that keeps a deleted Pod terminating).
-
-kmock quirks (pinned kmock==0.8): resources must be declared before an empty list or watch
-works; lists say resourceVersion "..."; every watch replays all objects as ADDED and never
-ends by itself; DELETE removes at once unless a finalizer holds the object; patches are JSON
-merge patches (lists replaced, so whole status lists are sent each time).
+`release` (a finalizer that keeps a deleted Pod terminating). Faults of the API itself are
+`Emulator.api.fail`, `stall`, `compact` and `end_watches`, called through `Emulator.run`.
 """
 
 from __future__ import annotations
@@ -49,23 +48,26 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import kmock
+import aiohttp
 from kubernetes.aio import client as kc
 
 from services.provisioner import ports as port_rules
+from tests.helpers import kube_api
 
 T = TypeVar("T")
 
 PORT_ANNOTATION = "fake-kubelet.test/port"
+LOG_FILE = "container.log"
 HOLD_FINALIZER = "fake-kubelet.test/hold"
-KUBELET_FINALIZER = "fake-kubelet.test/running"
+KUBELET_AGENT = "fake-kubelet"
 NODE = "fake-node"
 NODE_LABELS = {"kubernetes.io/hostname": NODE, "topology.kubernetes.io/zone": "fake-zone-a"}
 NODE_CAPACITY = {"cpu": 8.0, "memory": 32 * 2**30, "nvidia.com/gpu": 0.0}
 BAD_IMAGE_PREFIX = "fake.invalid/"
+MERGE = {"_content_type": kube_api.MERGE_PATCH}
 
 
 def _now() -> str:
@@ -87,18 +89,38 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(command: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen[bytes]:
-    """Start a container's command as its own process group, output to container.log."""
-    with open(os.path.join(cwd, "container.log"), "ab") as log:
-        return subprocess.Popen(
-            command,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def _spawn(command: list[str], env: dict[str, str], cwd: str) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """Start a container's command as its own process group; a thread writes its output to
+    container.log, each line stamped with the time it was read (as the kubelet's CRI logs are)."""
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    pump = threading.Thread(
+        target=_pump, args=(proc.stdout, os.path.join(cwd, LOG_FILE)), name="fake-kubelet-log", daemon=True
+    )
+    pump.start()
+    return proc, pump
+
+
+def stamp(ns: int | None = None) -> str:
+    """An RFC 3339 time with nanoseconds, as the kubelet stamps log lines."""
+    ns = time.time_ns() if ns is None else ns
+    whole = datetime.datetime.fromtimestamp(ns // 1_000_000_000, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{whole}.{ns % 1_000_000_000:09d}Z"
+
+
+def _pump(stream: Any, path: str) -> None:
+    """Copy a container's output to its log file, line by line, each with its time."""
+    with stream, open(path, "ab") as out:
+        for line in iter(stream.readline, b""):
+            out.write(stamp().encode() + b" " + line)
+            out.flush()
 
 
 def _read(path: str) -> str:
@@ -113,48 +135,41 @@ class _FakePod:
     dir: str
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    pump: threading.Thread | None = None
     port: int = 0
     task: asyncio.Task[None] | None = None
     deleted: bool = False
 
 
+def _token(pod: dict[str, Any]) -> str:
+    return str(((pod.get("metadata") or {}).get("annotations") or {}).get("replicaplane.dev/token", ""))
+
+
 class FakeKubelet:
     """Plays scheduler and kubelet for the Pods of one namespace; see the module docstring."""
 
-    def __init__(self, url: str, namespace: str, workdir: str, *, kill_grace_s: float = 2.0) -> None:
+    def __init__(self, url: str, namespace: str, workdir: str) -> None:
         self.url = url
         self.namespace = namespace
         self.workdir = workdir
-        self.kill_grace_s = kill_grace_s
         self.pods: dict[str, _FakePod] = {}
         self._api: kc.ApiClient | None = None
         self._core: Any = None
 
     async def run(self) -> None:
-        """List and watch Pods forever (relisting on idle), acting on each."""
+        """List, then watch from the list's version (relisting on 410 and errors), forever."""
         self._api = kc.ApiClient(kc.Configuration(host=self.url))
+        self._api.user_agent = KUBELET_AGENT
         self._core = kc.CoreV1Api(self._api)
+        version = ""
         try:
             while True:
                 try:
-                    listing = await self._core.list_namespaced_pod_without_preload_content(self.namespace)
-                    try:
-                        pods = json.loads(await listing.read())
-                    finally:
-                        listing.release()
-                    for pod in pods.get("items") or []:
-                        await self._on_pod("ADDED", pod)
-                    resp = await self._core.list_namespaced_pod_without_preload_content(self.namespace, watch=True)
-                    try:
-                        while True:
-                            line = await asyncio.wait_for(resp.content.readline(), 2.0)
-                            if not line:
-                                break
-                            event = json.loads(line)
-                            await self._on_pod(event["type"], event["object"])
-                    finally:
-                        resp.release()
-                except (TimeoutError, OSError, kc.exceptions.ApiException):
+                    if not version:
+                        version = await self._relist()
+                    version = await self._watch(version)
+                except (TimeoutError, OSError, aiohttp.ClientError, kc.exceptions.ApiException, ValueError):
+                    version = ""
                     await asyncio.sleep(0.01)
         finally:
             tasks = [p.task for p in self.pods.values() if p.task is not None]
@@ -165,39 +180,74 @@ class FakeKubelet:
                 self._kill(pod, grace_s=0)
             await self._api.close()
 
+    async def _relist(self) -> str:
+        listing = await self._raw("list_namespaced_pod", self.namespace)
+        if listing is None:
+            raise ValueError("list failed")
+        listed = set()
+        for pod in listing.get("items") or []:
+            listed.add(pod["metadata"]["name"])
+            await self._on_pod("ADDED", pod)
+        for name in [n for n in self.pods if n not in listed]:
+            self._forget(name)
+        return str(listing["metadata"]["resourceVersion"])
+
+    async def _watch(self, version: str) -> str:
+        """One watch; returns the version to resume from ("" to relist)."""
+        resp = await self._core.list_namespaced_pod_without_preload_content(
+            self.namespace, watch=True, resource_version=version, allow_watch_bookmarks=True, timeout_seconds=30
+        )
+        try:
+            if resp.status >= 400:
+                return ""
+            while line := await asyncio.wait_for(resp.content.readline(), 35):
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    return ""
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if event.get("type") != "BOOKMARK":
+                    await self._on_pod(event["type"], obj)
+            return version
+        finally:
+            resp.release()
+
+    def _forget(self, name: str) -> None:
+        fake = self.pods.pop(name, None)
+        if fake is not None:
+            fake.deleted = True
+            if fake.task is not None:
+                fake.task.cancel()
+            self._kill(fake, grace_s=0)
+
     async def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         meta = pod.get("metadata") or {}
         name = meta.get("name", "")
-        token = (meta.get("annotations") or {}).get("replicaplane.dev/token", "")
         fake = self.pods.get(name)
-        if fake is not None and fake.token != token:
+        if fake is not None and fake.token != _token(pod):
             if kind == "DELETED":
                 return  # an older incarnation's last event
-            self._kill(fake, grace_s=0)
+            self._forget(name)
             fake = None
         if kind == "DELETED":
-            if fake is not None:
-                fake.deleted = True
-                self._kill(fake, grace_s=0)
-                self.pods.pop(name, None)
+            self._forget(name)
             return
         if meta.get("deletionTimestamp"):
             if fake is None or not fake.deleted:
-                # Graceful deletion: the object goes once the container is dead, as with a kubelet.
                 if fake is not None:
                     fake.deleted = True
-                asyncio.get_running_loop().create_task(self._terminate(name, fake))
+                grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+                asyncio.get_running_loop().create_task(self._terminate(name, fake, grace))
             return
-        if fake is not None or (pod.get("status") or {}).get("phase"):
-            return  # known, or already handled by an earlier fake kubelet
-        fake = _FakePod(name=name, token=token, dir=os.path.join(self.workdir, f"{name}-{token[:8]}"))
+        spec = pod.get("spec") or {}
+        if fake is not None or spec.get("nodeName") or (pod.get("status") or {}).get("conditions"):
+            return  # known, or handled by another kubelet
+        fake = _FakePod(name=name, token=_token(pod), dir=os.path.join(self.workdir, f"{name}-{_token(pod)[:8]}"))
         self.pods[name] = fake
-        finalizers = [*(meta.get("finalizers") or []), KUBELET_FINALIZER]
-        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": finalizers}})
         fake.task = asyncio.get_running_loop().create_task(self._run_pod(fake, pod))
 
     async def _raw(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
-        """Call the API without the client's models; None on 404 (or any error status)."""
+        """Call the API without the client's models; None on any error status."""
         resp = await getattr(self._core, f"{method}_without_preload_content")(*args, **kwargs)
         try:
             if resp.status >= 400:
@@ -206,31 +256,35 @@ class FakeKubelet:
         finally:
             resp.release()
 
-    async def _terminate(self, name: str, fake: _FakePod | None) -> None:
-        """SIGTERM, grace, SIGKILL; once the process is gone, drop our finalizer."""
+    async def _terminate(self, name: str, fake: _FakePod | None, grace_s: float) -> None:
+        """SIGTERM, SIGKILL after the grace period; once the process is gone, finish the deletion."""
         if fake is not None:
             if fake.task is not None:
                 fake.task.cancel()
-            self._kill(fake, grace_s=self.kill_grace_s)
+            self._kill(fake, grace_s=grace_s)
             while fake.proc is not None and fake.proc.poll() is None:
                 await asyncio.sleep(0.02)
-        await self._drop_finalizer(name, KUBELET_FINALIZER)
+        await self._raw("delete_namespaced_pod", name, self.namespace, grace_period_seconds=0)
 
-    async def _drop_finalizer(self, name: str, finalizer: str) -> None:
-        pod = await self._raw("read_namespaced_pod", name, self.namespace)
-        if pod is None:
-            return
-        left = [f for f in (pod["metadata"].get("finalizers") or []) if f != finalizer]
-        # An empty list would not do: this emulator deletes an object when finalizers go to null.
-        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": left or None}})
+    async def _bind(self, fake: _FakePod) -> None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": fake.name},
+            "target": {"kind": "Node", "name": NODE},
+        }
+        await self._raw("create_namespaced_pod_binding", fake.name, self.namespace, body)
 
     async def _patch(self, fake: _FakePod, body: dict[str, Any]) -> None:
         if not fake.deleted:
-            await self._raw("patch_namespaced_pod", fake.name, self.namespace, body)
+            await self._raw("patch_namespaced_pod", fake.name, self.namespace, body, **MERGE)
 
     async def _set_status(self, fake: _FakePod, **fields: Any) -> None:
         fake.status.update(fields)
-        await self._patch(fake, {"status": dict(fake.status)})
+        if not fake.deleted:
+            await self._raw(
+                "patch_namespaced_pod_status", fake.name, self.namespace, {"status": dict(fake.status)}, **MERGE
+            )
 
     async def _run_pod(self, fake: _FakePod, pod: dict[str, Any]) -> None:
         spec = pod.get("spec") or {}
@@ -244,7 +298,7 @@ class FakeKubelet:
                 conditions=[{**scheduled, "status": "False", "reason": "Unschedulable", "message": problem}],
             )
             return
-        await self._patch(fake, {"spec": {"nodeName": NODE}})
+        await self._bind(fake)
         base = {
             "name": container.get("name", "c"),
             "image": container.get("image", ""),
@@ -280,7 +334,7 @@ class FakeKubelet:
                 containerStatuses=[{**base, "ready": False, "started": False, "state": {"waiting": waiting}}],
             )
             return
-        fake.proc = _spawn(command, env, fake.dir)
+        fake.proc, fake.pump = _spawn(command, env, fake.dir)
         await self._patch(fake, {"metadata": {"annotations": {PORT_ANNOTATION: str(fake.port)}}})
         probe = container.get("startupProbe")
         started = probe is None
@@ -391,14 +445,11 @@ class FakeKubelet:
 
     # ---- chaos hooks (run on the emulator's loop) ---------------------------------------------
 
-    async def delete_pod(self, name: str) -> None:
+    async def delete_pod(self, name: str, grace_s: int = 0) -> None:
         """Someone else deletes the Pod (node loss, a spot reclaim, kubectl delete)."""
-        fake = self.pods.get(name)
-        if fake is not None:
-            fake.deleted = True
-            self._kill(fake, grace_s=0)
-        await self._raw("delete_namespaced_pod", name, self.namespace, grace_period_seconds=0)
-        await self._drop_finalizer(name, KUBELET_FINALIZER)
+        if grace_s == 0:
+            self._forget(name)
+        await self._raw("delete_namespaced_pod", name, self.namespace, grace_period_seconds=grace_s)
 
     async def evict(self, name: str) -> None:
         """The kubelet evicts the Pod under node pressure: Failed, reason Evicted."""
@@ -429,11 +480,25 @@ class FakeKubelet:
         """Add a finalizer: a delete then leaves the Pod terminating until release()."""
         pod = await self._raw("read_namespaced_pod", name, self.namespace)
         finalizers = [*((pod or {}).get("metadata", {}).get("finalizers") or []), HOLD_FINALIZER]
-        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": finalizers}})
+        await self._raw("patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": finalizers}}, **MERGE)
 
     async def release(self, name: str) -> None:
         """Remove the finalizer hold() added."""
-        await self._drop_finalizer(name, HOLD_FINALIZER)
+        pod = await self._raw("read_namespaced_pod", name, self.namespace)
+        left = [f for f in ((pod or {}).get("metadata", {}).get("finalizers") or []) if f != HOLD_FINALIZER]
+        await self._raw(
+            "patch_namespaced_pod", name, self.namespace, {"metadata": {"finalizers": left or None}}, **MERGE
+        )
+
+    def log_source(self, namespace: str, name: str) -> kube_api.LogSource | None:
+        """Where the API server reads Pod `name`'s log: None until its container started."""
+        fake = self.pods.get(name)
+        if namespace != self.namespace or fake is None or fake.proc is None:
+            return None
+        pump = fake.pump
+        return kube_api.LogSource(
+            path=os.path.join(fake.dir, LOG_FILE), done=lambda: pump is None or not pump.is_alive()
+        )
 
     def alive(self) -> list[str]:
         """Names of Pods whose process runs."""
@@ -441,18 +506,20 @@ class FakeKubelet:
 
 
 class Emulator:
-    """kmock's emulator plus a FakeKubelet, on 127.0.0.1 in a daemon thread; see the module docstring."""
+    """The API server plus a FakeKubelet, on 127.0.0.1 in a daemon thread; see the module docstring.
 
-    def __init__(self, workdir: str, *, namespace: str = "replicas") -> None:
+    Keyword arguments go to kube_api.KubeApi (history, bookmark_interval_s, watch_timeout_s, ...).
+    """
+
+    def __init__(self, workdir: str, *, namespace: str = "replicas", **api_options: Any) -> None:
         self.workdir = workdir
         self.namespace = namespace
         self.url = ""
+        self.api = kube_api.KubeApi(**api_options)
         self.kubelet: FakeKubelet | None = None
-        self.requests: list[tuple[str, str, dict[str, str]]] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
-        self._emu: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="kube-emulator", daemon=True)
 
@@ -476,19 +543,19 @@ class Emulator:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        emu = kmock.KubernetesEmulator()
-        for resource in ("v1/pods", "v1/services", "v1/secrets", "v1/events", "v1/namespaces"):
-            emu.resources[resource]
-        self._emu = emu
-        async with emu, kmock.Server(emu, host="127.0.0.1") as server:
-            self.url = str(server.url).rstrip("/")
-            self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"))
-            kubelet = asyncio.get_running_loop().create_task(self.kubelet.run())
-            self._ready.set()
+        self.api.add_namespace(self.namespace)
+        self.url = await self.api.start()
+        self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"))
+        self.api.log_source = self.kubelet.log_source
+        kubelet = asyncio.get_running_loop().create_task(self.kubelet.run())
+        self._ready.set()
+        try:
             await self._stop.wait()
+        finally:
             kubelet.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await kubelet
+            await self.api.stop()
 
     def stop(self) -> None:
         """Stop the kubelet (killing every Pod process) and the server."""
@@ -505,13 +572,30 @@ class Emulator:
         """Await `coro` run on the emulator's loop, from another loop."""
         return await asyncio.wrap_future(self.submit(coro))
 
-    def logged(self, method: str) -> list[tuple[str, dict[str, str]]]:
-        """Requests the API received with `method`: (path, query) pairs."""
-        out = []
-        for req in list(self._emu):
-            if str(req.method).upper().endswith(method.upper()):
-                out.append((req.url.path, dict(req.params)))
-        return out
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call `fn` on the emulator's loop (the API's state lives there) and return its result."""
+
+        async def call() -> T:
+            return fn(*args, **kwargs)
+
+        return self.submit(call()).result(timeout=10)
+
+    def logged(self, method: str, *, kubelet: bool = False) -> list[tuple[str, dict[str, str]]]:
+        """Requests the API received with `method`, as (path, query) pairs; the kubelet's only if asked."""
+        entries = self.run(lambda: list(self.api.log))
+        return [
+            (e.path, e.query)
+            for e in entries
+            if e.method == method.upper() and (kubelet or not e.agent.startswith(KUBELET_AGENT))
+        ]
+
+    def watches(self) -> list[dict[str, str]]:
+        """The queries of the watches clients other than the kubelet opened on Pods, in order."""
+        return [q for path, q in self.logged("GET") if q.get("watch") in ("true", "1") and path.endswith("/pods")]
+
+    def lists(self) -> list[dict[str, str]]:
+        """The queries of the Pod lists clients other than the kubelet made, in order."""
+        return [q for path, q in self.logged("GET") if q.get("watch") not in ("true", "1") and path.endswith("/pods")]
 
     def kubeconfig(self, path: str) -> str:
         """Write a kubeconfig for the emulator (no auth, no TLS) to `path`."""
@@ -528,31 +612,11 @@ class Emulator:
 
     async def pod(self, name: str) -> dict[str, Any] | None:
         """The Pod `name` as stored, or None."""
-
-        async def read() -> dict[str, Any] | None:
-            async with kc.ApiClient(kc.Configuration(host=self.url)) as api:
-                resp = await kc.CoreV1Api(api).read_namespaced_pod_without_preload_content(name, self.namespace)
-                try:
-                    return None if resp.status == 404 else dict(json.loads(await resp.read()))
-                finally:
-                    resp.release()
-
-        return await self.call(read())
+        return await asyncio.to_thread(self.run, self.api.get, "pods", self.namespace, name)
 
     async def names(self, kind: str = "pod") -> list[str]:
         """Names of the namespace's objects of `kind` (pod, service, secret)."""
-
-        async def read() -> list[str]:
-            async with kc.ApiClient(kc.Configuration(host=self.url)) as api:
-                method = getattr(kc.CoreV1Api(api), f"list_namespaced_{kind}_without_preload_content")
-                resp = await method(self.namespace)
-                try:
-                    items = json.loads(await resp.read()).get("items") or []
-                finally:
-                    resp.release()
-                return sorted(i["metadata"]["name"] for i in items)
-
-        return await self.call(read())
+        return await asyncio.to_thread(self.run, self.api.names, f"{kind}s", self.namespace)
 
     def wait_until(self, pred: Any, timeout: float = 10.0) -> None:
         """Poll `pred()` (bounded) until true; fail after `timeout`."""

@@ -61,13 +61,18 @@ class App:
             await asyncio.sleep(self.delay_s)
         return web.Response(status=self.status, text="ok")
 
-    async def start(self, port: int = 0) -> App:
-        """Start listening on `port` (0: a free one) and return self."""
+    async def start(self, *, sock: socket.socket | None = None) -> App:
+        """Start listening on a free port, or on `sock` (a bound socket, see ports.Reserved:
+        an address that refused connections until now), and return self."""
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port, reuse_address=True)
+        site: web.BaseSite
+        if sock is None:
+            site = web.TCPSite(self._runner, "127.0.0.1", 0, reuse_address=True)
+        else:
+            site = web.SockSite(self._runner, sock)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
@@ -77,13 +82,6 @@ class App:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for apps that start answering later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # The fast server -------------------------------------------------------------------------

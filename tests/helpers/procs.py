@@ -23,11 +23,12 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes]
     port: int
     log_path: str
+    host: str = "127.0.0.1"
 
     @property
     def addr(self) -> str:
         """host:port of the service."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Send `sig` and wait for exit; SIGKILL after `timeout`. Returns the exit code."""
@@ -55,16 +56,22 @@ def start_service(
     *,
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
+    host: str = "127.0.0.1",
     port: int = 0,
     timeout: float = 45.0,
 ) -> ServiceProcess:
     """Start service `name` (controller, provisioner, prober) and wait until it serves.
 
+    The service binds port 0 and writes the port it got to a port file, which is read here:
+    no port is picked first and bound later, so no other process can take it in between.
+
     Args:
         name: the service package under services/.
         env: extra environment, for example REPLICAPLANE_CONTROLLER_STATE_DIR.
         workdir: directory for the port file and log; a new temp dir by default.
-        port: port to listen on; 0 picks a free one.
+        host: loopback address to listen on; a ports.private_host() for a service that is
+            restarted on the same address.
+        port: 0 (the service picks); the old port only to restart a service on its address.
         timeout: seconds to wait for the port file.
     """
     workdir = workdir or tempfile.mkdtemp(prefix=f"rp-{name}-")
@@ -76,7 +83,7 @@ def start_service(
     full_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "gen", "python")]),
-        f"REPLICAPLANE_{upper}_LISTEN_ADDR": f"127.0.0.1:{port}",
+        f"REPLICAPLANE_{upper}_LISTEN_ADDR": f"{host}:{port}",
         f"REPLICAPLANE_{upper}_PORT_FILE": port_file,
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
@@ -94,7 +101,7 @@ def start_service(
     while time.monotonic() < deadline:
         if os.path.exists(port_file):
             with open(port_file, encoding="utf-8") as fh:
-                return ServiceProcess(name, proc, int(fh.read()), log_path)
+                return ServiceProcess(name, proc, int(fh.read()), log_path, host)
         if proc.poll() is not None:
             break
         time.sleep(0.02)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from google.protobuf import timestamp_pb2
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
@@ -52,17 +53,18 @@ async def env(tmp_path) -> AsyncIterator[tc.Env]:
         yield e
 
 
-async def test_report_load_refuses_negative_counts_and_future_times(env: tc.Env) -> None:
+async def test_report_load_refuses_negative_counts_and_malformed_times(env: tc.Env) -> None:
     await tc.create(env, scaling_yaml())
-    far = pbtime.timestamp(time.time() + 3600)
+    bad = timestamp_pb2.Timestamp(seconds=int(time.time()), nanos=-1)
     near = pbtime.timestamp(time.time())
     err = await tc.rpc_error(
-        env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=-1, request_times=[near, far]))
+        env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_count=-1, request_times=[near, bad]))
     )
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [field for field, _ in err.field_violations] == ["request_count", "request_times[1]"]
-    ok = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_times=[near]))
-    assert ok.qps == pytest.approx(1.0)  # the refused report recorded nothing
+    far = pbtime.timestamp(time.time() + 3600)  # the sender's clock runs ahead: counted at arrival
+    ok = await env.stub.ReportLoad(api.ReportLoadRequest(service_name="auto", request_times=[near, far]))
+    assert ok.qps == pytest.approx(2.0)  # the refused report recorded nothing
     err = await tc.rpc_error(env.stub.ReportLoad(api.ReportLoadRequest(service_name="nope", request_count=1)))
     assert err.code == grpc.StatusCode.NOT_FOUND
 

@@ -19,10 +19,30 @@ BAD_SPECS = [
     ("integer over 4300 digits", PROBE.replace("replicas: 1", "replicas: " + "9" * 5000), "yaml"),
     ("integer over 4300 digits in envs", PROBE + "envs:\n  BIG: " + "9" * 5000 + "\n", "yaml"),
     ("deeply nested post_data", PROBE.replace("/health", "{path: /, post_data: " + "[" * 400 + "]" * 400 + "}"), ""),
+    (
+        "post_data JSON string nested 1,000 deep",
+        PROBE.replace("/health", "{path: /, post_data: '" + "[" * 1000 + "]" * 1000 + "'}"),
+        "service.readiness_probe.post_data",
+    ),
+    (
+        "post_data JSON object nested 1,000 deep",
+        PROBE.replace("/health", "{path: /, post_data: '" + '{"a": ' * 1000 + "1" + "}" * 1000 + "'}"),
+        "service.readiness_probe.post_data",
+    ),
+    (
+        "post_data mapping nested 100 deep",
+        PROBE.replace("/health", "{path: /, post_data: " + "{a: " * 100 + "1" + "}" * 100 + "}"),
+        "service.readiness_probe.post_data",
+    ),
     ("NUL byte in an env value", PROBE + 'envs:\n  A: "x\\0y"\n', "envs.A"),
     ("NUL byte in a secret", PROBE + 'secrets:\n  A: "x\\0y"\n', "secrets.A"),
     ("NUL byte in run", PROBE + 'run: "echo \\0"\n', "run"),
     ("lone surrogate escape", PROBE + 'run: "\\ud800"\n', "run"),
+    (
+        "a bad port in an any_of entry",
+        PROBE.replace("ports: 8080", "any_of: [{ports: web}, {ports: 8080}]"),
+        "resources.any_of[0].ports",
+    ),
     ("replicas over the cap", PROBE.replace("replicas: 1", "replicas: 1001"), "service.replicas"),
     (
         "max_replicas over the cap",
@@ -82,9 +102,14 @@ async def test_errors_quote_at_most_about_200_characters_of_input(env: Env) -> N
         (api.ListServicesRequest(page_token="garbage!"), "page_token"),
         (api.ListServicesRequest(page_token="-5"), "page_token"),
         (api.ListServicesRequest(page_token="9" * 5000), "page_token"),
+        (api.ListServicesRequest(page_token="zzz"), "page_token"),
+        (api.ListServicesRequest(page_token="abc"), "page_token"),
+        (api.ListServicesRequest(page_token="keep"), "page_token"),
         (api.ListReplicasRequest(service_name="keep", page_size=-3), "page_size"),
         (api.ListReplicasRequest(service_name="keep", page_token="%%%"), "page_token"),
         (api.ListReplicasRequest(service_name="keep", page_token="-1"), "page_token"),
+        (api.ListReplicasRequest(service_name="keep", page_token="1"), "page_token"),
+        (api.ListReplicasRequest(service_name="keep", page_token="zzz"), "page_token"),
     ],
     ids=lambda v: str(v).replace("\n", " ")[:40] if not isinstance(v, str) else v,
 )
@@ -98,6 +123,36 @@ async def test_bad_page_tokens_and_sizes_are_invalid_argument(env: Env, request_
     err = await rpc_error(call)
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (err.code, err.message)
     assert [f for f, _ in err.field_violations] == [field]
+
+
+async def test_a_page_token_works_only_for_the_listing_that_made_it(env: Env) -> None:
+    for name in ("a", "b", "c"):
+        await env.stub.CreateService(api.CreateServiceRequest(service_name=name, yaml=spec(name, replicas=3)))
+    names: list[str] = []
+    token = ""
+    for _ in range(5):
+        page = await env.stub.ListServices(api.ListServicesRequest(page_size=1, page_token=token))
+        names += [s.name for s in page.services]
+        token = page.next_page_token
+        if not token:
+            break
+    assert names == ["a", "b", "c"]
+    services_token = (await env.stub.ListServices(api.ListServicesRequest(page_size=1))).next_page_token
+    replicas_token = (
+        await env.stub.ListReplicas(api.ListReplicasRequest(service_name="a", page_size=1))
+    ).next_page_token
+    assert services_token and replicas_token
+    wrong = [
+        env.stub.ListReplicas(api.ListReplicasRequest(service_name="a", page_token=services_token)),
+        env.stub.ListReplicas(api.ListReplicasRequest(service_name="b", page_token=replicas_token)),
+        env.stub.ListServices(api.ListServicesRequest(page_token=replicas_token)),
+        env.stub.ListServices(api.ListServicesRequest(page_token=services_token[:-2])),
+        env.stub.ListServices(api.ListServicesRequest(page_token=services_token + "A")),
+    ]
+    for call in wrong:
+        err = await rpc_error(call)
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (err.code, err.message)
+        assert [f for f, _ in err.field_violations] == ["page_token"]
 
 
 async def test_update_mode_out_of_range_is_invalid_argument(env: Env) -> None:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.common import errors, grpc_errors, grpc_server
-from tests.helpers import procs
+from tests.helpers import ports, procs
 
 GRPCURL = os.path.join(os.path.dirname(sys.executable), "grpcurl")
 
@@ -30,12 +29,6 @@ SERVICES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
     """Run grpcurl without any proto files: everything comes from server reflection."""
     return subprocess.run([GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False)
@@ -44,12 +37,12 @@ def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_service_process_serves_health_and_reflection_and_stops_cleanly(name: str, tmp_path) -> None:
     # Never the default peer ports: a controller dialing 127.0.0.1:50052 would join (and reap
-    # the replicas of) a `make up` stack running on this machine.
-    nowhere = f"127.0.0.1:{_free_port()}"
+    # the replicas of) a `make up` stack running on this machine. A reserved port refuses.
+    nowhere = ports.Reserved()
     env = {
         "REPLICAPLANE_CONTROLLER_STATE_DIR": str(tmp_path / "controller"),
-        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": nowhere,
-        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": nowhere,
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": nowhere.addr,
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": nowhere.addr,
         "REPLICAPLANE_PROVISIONER_STATE_DIR": str(tmp_path / "provisioner"),
     }
     svc = procs.start_service(name, env=env, workdir=str(tmp_path))
@@ -75,6 +68,7 @@ def test_service_process_serves_health_and_reflection_and_stops_cleanly(name: st
         assert "Traceback" not in svc.log()
     finally:
         svc.stop()
+        nowhere.close()
     assert svc.proc.poll() is not None
 
 

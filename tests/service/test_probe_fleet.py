@@ -14,7 +14,7 @@ import pytest
 from replicaplane.prober.v1 import prober_service_pb2 as pb
 from services.common import probe_fleet
 from services.prober import server
-from tests.helpers import prober_apps, procs
+from tests.helpers import ports, prober_apps, procs
 from tests.helpers.prober_stream import target
 
 
@@ -47,8 +47,8 @@ async def app() -> AsyncIterator[prober_apps.App]:
     await a.stop()
 
 
-async def start_prober(port: int = 0, prober_id: str = "") -> server.Built:
-    built = await server.build_server(server.Settings(listen_addr=f"127.0.0.1:{port}", prober_id=prober_id))
+async def start_prober(prober_id: str = "") -> server.Built:
+    built = await server.build_server(server.Settings(listen_addr="127.0.0.1:0", prober_id=prober_id))
     await built.start()
     return built
 
@@ -69,7 +69,8 @@ def ids(n: int) -> list[str]:
 async def test_three_prober_processes_spread_survive_a_kill_and_never_invent_failures(
     app: prober_apps.App,
 ) -> None:
-    probers = [procs.start_service("prober") for _ in range(3)]
+    # On this process's own loopback address: the victim comes back on the port it had.
+    probers = [procs.start_service("prober", host=ports.private_host()) for _ in range(3)]
     rec = Recorder()
     fleet = fleet_of(",".join(p.addr for p in probers), rec, streams_per_prober=4)
     targets = ids(30)
@@ -106,7 +107,7 @@ async def test_three_prober_processes_spread_survive_a_kill_and_never_invent_fai
         assert not fleet.stale
 
         # It comes back on the same address: rebalanced targets use it again.
-        probers[0] = procs.start_service("prober", port=victim.port)
+        probers[0] = procs.start_service("prober", host=victim.host, port=victim.port)
         back_id = f":{probers[0].proc.pid}"
         await rec.wait(lambda: any(r.prober_id.endswith(back_id) for _, r in rec.results), timeout=5)
         await rec.wait(lambda: sorted(fleet.prober_loads().values()) == [10, 10, 10], timeout=5)
@@ -158,10 +159,12 @@ async def test_streams_are_spread_evenly_over_one_prober(app: prober_apps.App) -
         await built.stop(0)
 
 
-async def test_no_prober_means_stale_and_unavailable_then_recovery(app: prober_apps.App) -> None:
-    port = prober_apps.free_port()
+async def test_no_prober_means_stale_and_unavailable_then_recovery(app: prober_apps.App, tmp_path) -> None:
+    # The prober comes up later at an address the fleet already dials: a Unix socket path,
+    # which no other process can take in the meantime (as it could a free TCP port).
+    address = f"unix:{tmp_path}/prober.sock"
     rec = Recorder()
-    fleet = fleet_of(f"127.0.0.1:{port}", rec, start_wait_s=0.3)
+    fleet = fleet_of(address, rec, start_wait_s=0.3)
     built = None
     try:
         fleet.upsert(target("early", app.url, interval=0.1))
@@ -175,7 +178,8 @@ async def test_no_prober_means_stale_and_unavailable_then_recovery(app: prober_a
             assert not r.ready
             assert r.error == "no prober reachable"
 
-        built = await start_prober(port)
+        built = await server.build_server(server.Settings(listen_addr=address))
+        await built.start()
         await rec.wait(lambda: not fleet.stale, timeout=5)
         assert rec.stale == [True, False]
         back = time.monotonic()

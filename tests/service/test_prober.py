@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb
 from services.prober import server
-from tests.helpers import prober_apps
+from tests.helpers import ports, prober_apps
 from tests.helpers.prober_stream import ProbeSession, target
 
 SECRET = "Bearer hunter2-very-secret"
@@ -117,10 +117,10 @@ async def test_timeout_is_a_replica_failure_that_says_so(prober: server.Built, a
 
 
 async def test_refused_connection_is_a_replica_failure(prober: server.Built) -> None:
-    url = f"http://127.0.0.1:{prober_apps.free_port()}"
-    async with ProbeSession(addr(prober)) as session:
-        await session.send([target("gone", url, interval=10)])
-        result = await session.wait_for(of("gone"))
+    with ports.Reserved() as nowhere:
+        async with ProbeSession(addr(prober)) as session:
+            await session.send([target("gone", nowhere.url, interval=10)])
+            result = await session.wait_for(of("gone"))
     assert result.outcome == pb.PROBE_OUTCOME_REPLICA_FAILURE
     assert result.error == "connection refused"
 
@@ -181,20 +181,19 @@ async def test_interval_change_and_removal_on_a_live_stream(prober: server.Built
 
 async def test_starting_replica_is_seen_ready_within_150_ms_of_answering(prober: server.Built) -> None:
     """The latency bound the fast startup interval exists for (default fast interval 100 ms)."""
-    ports = [prober_apps.free_port() for _ in range(5)]
+    # Addresses that refuse connections until each app listens on its reserved socket.
+    reserved = [ports.Reserved() for _ in range(5)]
     apps: list[prober_apps.App] = []
     async with ProbeSession(addr(prober)) as session:
-        await session.send(
-            [target(f"s{i}", f"http://127.0.0.1:{p}", starting=True, interval=10) for i, p in enumerate(ports)]
-        )
-        for i in range(len(ports)):
+        await session.send([target(f"s{i}", r.url, starting=True, interval=10) for i, r in enumerate(reserved)])
+        for i in range(len(reserved)):
             await session.wait_for(of(f"s{i}", pb.PROBE_OUTCOME_REPLICA_FAILURE))
         delays = []
-        for i, port in enumerate(ports):
+        for i, port in enumerate(reserved):
             await asyncio.sleep(0.037 * (i + 1))  # different phases of the fast interval
             app = prober_apps.App()
             answering = time.perf_counter()
-            apps.append(await app.start(port))
+            apps.append(await app.start(sock=port.take()))
             await session.wait_for(of(f"s{i}", pb.PROBE_OUTCOME_READY), since=answering, timeout=2)
             seen = next(t for t, r in session.results if r.target_id == f"s{i}" and r.ready)
             delays.append(seen - answering)
@@ -229,18 +228,18 @@ async def test_header_values_never_reach_logs_or_results(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     app.status = 401
-    gone = f"http://127.0.0.1:{prober_apps.free_port()}"
-    async with ProbeSession(addr(prober)) as session:
-        await session.send(
-            [
-                target("a", app.url, headers={"Authorization": SECRET}, interval=10),
-                target("b", gone, headers={"Authorization": SECRET}, interval=10),
-                target("c", "ftp://x", headers={"Authorization": SECRET}),
-                target("d", app.url, headers={"Authorization": SECRET + "\r\nX: y"}),
-            ]
-        )
-        for name in "abcd":
-            await session.wait_for(of(name))
+    with ports.Reserved() as gone:
+        async with ProbeSession(addr(prober)) as session:
+            await session.send(
+                [
+                    target("a", app.url, headers={"Authorization": SECRET}, interval=10),
+                    target("b", gone.url, headers={"Authorization": SECRET}, interval=10),
+                    target("c", "ftp://x", headers={"Authorization": SECRET}),
+                    target("d", app.url, headers={"Authorization": SECRET + "\r\nX: y"}),
+                ]
+            )
+            for name in "abcd":
+                await session.wait_for(of(name))
     assert all("hunter2" not in r.SerializeToString().decode("latin-1") for _, r in session.results)
     assert "hunter2" not in caplog.text
 

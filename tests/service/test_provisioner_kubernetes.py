@@ -1,12 +1,17 @@
-"""The provisioner over gRPC with the kubernetes backend, against the in-memory API emulator.
+"""The provisioner over gRPC with the kubernetes backend: what only this backend does.
 
-The fake kubelet (tests/helpers/kube_emulator.py) runs each Pod's command as a local process,
-so replicas really serve; the chaos hooks play whoever else deletes or evicts Pods.
+Launch, events, teardown, app exit, preemption and adoption are the backend contract
+(test_backend_contract.py); the API server's protocol and failures are in
+test_provisioner_kubernetes_api.py. Here: the objects a replica is made of, spot and eviction
+semantics, scheduling and image failures, Pods stuck terminating, other instances' Pods, and
+settings. The fake kubelet (tests/helpers/kube_emulator.py) runs each Pod's command as a local
+process, so replicas really serve; its chaos hooks play whoever else deletes or evicts Pods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -16,9 +21,9 @@ import pytest
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
-from replicaplane.provisioner.v1 import resources_pb2
 from services.provisioner import kube_objects, server
 from tests.helpers import kube_emulator
+from tests.helpers import kube_provisioner as kp
 from tests.helpers import provisioner_client as client
 
 L, T, R = client.L, client.T, client.R
@@ -38,51 +43,9 @@ def instance() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
-def _settings(tmp_path, emulator: kube_emulator.Emulator, instance: str, **overrides: object) -> server.Settings:
-    values: dict[str, object] = {
-        "listen_addr": "127.0.0.1:0",
-        "state_dir": str(tmp_path / "state"),
-        "backend": "kubernetes",
-        "kubernetes_kubeconfig": emulator.kubeconfig(str(tmp_path / "kubeconfig")),
-        "kubernetes_namespace": emulator.namespace,
-        "kubernetes_instance": instance,
-        "kubernetes_port_annotation": kube_emulator.PORT_ANNOTATION,
-        "kubernetes_schedule_timeout_s": 0.3,
-        "kubernetes_delete_timeout_s": 0.5,
-        "kubernetes_watch_timeout_s": 1,
-        "kubernetes_watch_idle_s": 1,
-        "launch_backoff_initial_s": 0.05,
-        "launch_backoff_max_s": 0.1,
-        "teardown_backoff_initial_s": 0.05,
-        "teardown_backoff_max_s": 0.1,
-        "kill_grace_s": 1.0,
-    }
-    values.update(overrides)
-    return server.Settings(**values)  # type: ignore[arg-type]
-
-
-class _Running:
-    """A started provisioner server and a stub to it."""
-
-    def __init__(self, srv: server.Server, channel: grpc.aio.Channel) -> None:
-        self.server = srv
-        self.channel = channel
-        self.stub = pb_grpc.ProvisionerServiceStub(channel)
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-
-
-async def _start(settings: server.Settings) -> _Running:
-    srv = await server.build_server(settings)
-    await srv.start()
-    return _Running(srv, grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}"))
-
-
 @pytest.fixture
-async def prov(tmp_path, emulator, instance) -> AsyncIterator[_Running]:
-    running = await _start(_settings(tmp_path, emulator, instance, kubernetes_service_type="ClusterIP"))
+async def prov(tmp_path, emulator, instance) -> AsyncIterator[kp.Running]:
+    running = await kp.start(kp.settings(str(tmp_path), emulator, instance, kubernetes_service_type="ClusterIP"))
     try:
         yield running
     finally:
@@ -145,48 +108,15 @@ async def test_replica_runs_as_a_pod_with_service_and_secret_and_teardown_remove
     await _until(lambda: not emulator.kubelet.alive())
 
 
-async def test_failing_setup_is_retried_then_fails_with_its_exit_code(prov) -> None:
-    request = client.launch_request(1, spec_=client.spec("true", setup="echo preparing; exit 7"))
-    events = await _launch(prov.stub, request)
-    assert client.types(events) == [
-        "QUEUED",
-        "PROVISIONING",
-        "ATTEMPT_FAILED",
-        "RETRYING",
-        "PROVISIONING",
-        "ATTEMPT_FAILED",
-        "RETRYING",
-        "PROVISIONING",
-        "ATTEMPT_FAILED",
-        "FAILED",
-    ]
-    assert events[-1].message == "setup exited with code 7"
-    assert not events[-1].permanent
-
-
-async def test_app_exit_is_reported_with_its_code(prov) -> None:
-    watch = await _watch(prov.stub)
-    events = await _launch(prov.stub, client.launch_request(1, spec_=client.spec("sleep 0.3; exit 3")))
-    assert client.types(events)[-1] == "RUNNING"
-    exited = await client.next_event(watch, R.REPLICA_EVENT_TYPE_APP_EXITED)
-    assert (exited.replica.name, exited.replica.exit_code) == ("svc-1", 3)
-    assert exited.message == "app exited with code 3"
-    watch.cancel()
-
-
-async def test_deletion_by_others_is_preemption_for_spot_and_vanishing_otherwise(prov, emulator) -> None:
+async def test_a_spot_pod_deleted_by_others_is_preempted(prov, emulator) -> None:
+    # A non-spot replica's Pod deleted by others VANISHES: the backend contract.
     await _launch(prov.stub, client.launch_request(1, use_spot=True))
-    await _launch(prov.stub, client.launch_request(2))
     watch = await _watch(prov.stub)
     await emulator.call(emulator.kubelet.delete_pod("svc-1"))
     preempted = await client.next_event(watch, R.REPLICA_EVENT_TYPE_PREEMPTED)
+    watch.cancel()
     assert preempted.replica.name == "svc-1" and preempted.replica.is_spot
     assert "deleted by someone else" in preempted.message
-    await emulator.call(emulator.kubelet.delete_pod("svc-2"))
-    vanished = await client.next_event(watch, R.REPLICA_EVENT_TYPE_VANISHED)
-    assert vanished.replica.name == "svc-2"
-    watch.cancel()
-    # A replica whose Pod is gone still tears down cleanly.
     teardown = await client.collect(prov.stub.Terminate(pb.TerminateRequest(name="svc-1")))
     assert client.types(teardown)[-1] == "TERMINATED"
 
@@ -239,71 +169,32 @@ async def test_pod_stuck_terminating_fails_teardown_and_is_reported(prov, emulat
     assert client.types(teardown)[-1] == "TERMINATED"
 
 
-async def test_watch_survives_idle_timeouts(prov, emulator) -> None:
-    await _launch(prov.stub, client.launch_request(1, use_spot=True))
-    watch = await _watch(prov.stub)
-    before = len([q for _, q in emulator.logged("GET") if q.get("watch") == "true"])
-    await asyncio.sleep(2.5)  # more than two idle periods of 1 s: the watch is re-opened
-    after = len([q for _, q in emulator.logged("GET") if q.get("watch") == "true"])
-    assert after >= before + 2
-    await emulator.call(emulator.kubelet.delete_pod("svc-1"))
-    event = await client.next_event(watch, R.REPLICA_EVENT_TYPE_PREEMPTED)
-    assert event.replica.name == "svc-1"
-    watch.cancel()
-
-
-async def test_restart_readopts_pods_reports_what_ended_and_leaves_foreign_pods(tmp_path, emulator, instance) -> None:
-    settings = _settings(tmp_path, emulator, instance)
-    first = await _start(settings)
-    try:
-        await _launch(first.stub, client.launch_request(1))
-        events = await _launch(first.stub, client.launch_request(2))
-        endpoint_2 = events[-1].endpoint
-        await _launch(first.stub, client.launch_request(3, spec_=client.spec("sleep 1; exit 4")))
-    finally:
-        await first.stop()
-    # Another provisioner's Pod in the same namespace; while we are down, one of our Pods is
-    # deleted and another one's app exits.
+async def test_pods_of_another_instance_are_never_adopted_or_touched(tmp_path, emulator, instance) -> None:
+    # Adoption after a restart is the backend contract; here: another provisioner's Pods in the
+    # same namespace (another instance label). One of the same name as ours is in the API tests.
     (tmp_path / "other").mkdir()
-    other = await _start(_settings(tmp_path / "other", emulator, "someone-else"))
+    other = await kp.start(kp.settings(str(tmp_path / "other"), emulator, "someone-else"))
     try:
         await _launch(other.stub, client.launch_request(1, service="theirs"))
+        await _launch(other.stub, client.launch_request(2))
     finally:
         await other.stop()
-    await emulator.call(emulator.kubelet.delete_pod("svc-1"))
-    pod_3 = await emulator.pod("svc-3")
-    async with asyncio.timeout(10):
-        while (pod_3 or {}).get("status", {}).get("phase") != "Failed":
-            await asyncio.sleep(0.05)
-            pod_3 = await emulator.pod("svc-3")
-
-    second = await _start(settings)
+    ours = await kp.start(kp.settings(str(tmp_path), emulator, instance))
     try:
-
-        async def app_state(name: str) -> int:
-            return (await second.stub.GetReplica(pb.GetReplicaRequest(name=name))).replica.app_state
-
-        async with asyncio.timeout(10):
-            while await app_state("svc-3") != resources_pb2.APP_STATE_EXITED:
-                await asyncio.sleep(0.05)
-        assert (await second.stub.GetReplica(pb.GetReplicaRequest(name="svc-3"))).replica.exit_code == 4
-        assert await app_state("svc-1") == resources_pb2.APP_STATE_VANISHED
-        replica = (await second.stub.GetReplica(pb.GetReplicaRequest(name="svc-2"))).replica
-        assert replica.state == resources_pb2.REPLICA_STATE_RUNNING
-        assert replica.app_state == resources_pb2.APP_STATE_RUNNING
-        assert replica.endpoint == endpoint_2
-        assert json.loads(await client.wait_http(endpoint_2 + "/health"))["replica_id"] == "2"
-        assert await emulator.names("pod") == ["svc-2", "svc-3", "theirs-1"]
-        for name in ("svc-1", "svc-2", "svc-3"):
-            await client.collect(second.stub.Terminate(pb.TerminateRequest(name=name)))
-        assert await emulator.names("pod") == ["theirs-1"]  # never touched
+        assert not (await ours.stub.ListReplicas(pb.ListReplicasRequest())).replicas
+        assert await emulator.names("pod") == ["svc-2", "theirs-1"]
+        events = await _launch(ours.stub, client.launch_request(1))
+        assert client.types(events)[-1] == "RUNNING"
+        await client.collect(ours.stub.Terminate(pb.TerminateRequest(name="svc-1")))
+        assert await emulator.names("pod") == ["svc-2", "theirs-1"]  # never touched
+        assert sorted(emulator.kubelet.alive()) == ["svc-2", "theirs-1"]
     finally:
-        await second.stop()
+        await ours.stop()
 
 
 async def test_bad_kubernetes_settings_are_reported_by_field(tmp_path, emulator, instance) -> None:
-    settings = _settings(
-        tmp_path,
+    settings = kp.settings(
+        str(tmp_path),
         emulator,
         instance,
         kubernetes_namespace="Not_A_Namespace",
@@ -318,3 +209,62 @@ async def test_bad_kubernetes_settings_are_reported_by_field(tmp_path, emulator,
         "provisioner.kubernetes_spot_tolerations",
         "provisioner.kubernetes_service_type",
     }
+
+
+async def test_node_port_endpoints_are_the_node_and_its_node_port(tmp_path, emulator, instance) -> None:
+    values = kp.settings(
+        str(tmp_path), emulator, instance, kubernetes_service_type="NodePort", kubernetes_endpoint="node_port"
+    )
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(1))
+        assert client.types(events)[-1] == "RUNNING"
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-1")
+        (port,) = service["spec"]["ports"]
+        assert 30000 <= port["nodePort"] <= 32767
+        pod = await emulator.pod("svc-1")
+        assert events[-1].endpoint == f"http://{pod['status']['hostIP']}:{port['nodePort']}"
+    finally:
+        await running.stop()
+    # A fixed node address (a DNS name for the nodes, an external load balancer in front of them).
+    values = dataclasses.replace(values, kubernetes_node_address="nodes.example.test")
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(2))
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-2")
+        assert events[-1].endpoint == f"http://nodes.example.test:{service['spec']['ports'][0]['nodePort']}"
+        for name in ("svc-1", "svc-2"):
+            await client.collect(running.stub.Terminate(pb.TerminateRequest(name=name)))
+    finally:
+        await running.stop()
+
+
+async def test_load_balancer_endpoints_wait_for_the_ingress_address(tmp_path, emulator, instance) -> None:
+    emulator.run(setattr, emulator.api, "load_balancer_delay_s", 0.5)  # a cloud takes a while
+    values = kp.settings(
+        str(tmp_path), emulator, instance, kubernetes_service_type="LoadBalancer", kubernetes_endpoint="load_balancer"
+    )
+    running = await kp.start(values)
+    try:
+        events = await _launch(running.stub, client.launch_request(1))
+        assert client.types(events)[-1] == "RUNNING"
+        service = await asyncio.to_thread(emulator.run, emulator.api.get, "services", emulator.namespace, "svc-1")
+        (ingress,) = service["status"]["loadBalancer"]["ingress"]
+        assert events[-1].endpoint == f"http://{ingress['ip']}:8080"
+        await running.stop()
+        running = await kp.start(values)
+        replica = (await running.stub.GetReplica(pb.GetReplicaRequest(name="svc-1"))).replica
+        assert replica.endpoint == events[-1].endpoint  # re-found after a restart
+        await client.collect(running.stub.Terminate(pb.TerminateRequest(name="svc-1")))
+    finally:
+        await running.stop()
+
+
+async def test_external_endpoints_need_a_service_type_that_has_them(tmp_path, emulator, instance) -> None:
+    for endpoint, service_type in [("node_port", "ClusterIP"), ("load_balancer", "NodePort"), ("node_port", "")]:
+        settings = kp.settings(
+            str(tmp_path), emulator, instance, kubernetes_service_type=service_type, kubernetes_endpoint=endpoint
+        )
+        with pytest.raises(Exception) as caught:
+            await server.build_server(settings)
+        assert {v.field for v in caught.value.violations} == {"provisioner.kubernetes_endpoint"}  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SERVICES = ("controller", "provisioner", "prober", "loadbalancer", "stack", "cli")
+SERVICES = ("controller", "provisioner", "prober", "loadbalancer", "dashboard", "stack", "cli")
 
 
 def imports_of(path: str) -> set[str]:
@@ -37,6 +37,22 @@ def test_no_service_imports_another_service(service: str) -> None:
     for path in python_files(f"services/{service}"):
         bad = sorted(n for n in imports_of(path) if any(n == o or n.startswith(o + ".") for o in others))
         assert not bad, f"{path} imports {bad}"
+
+
+def test_spec_package_parts_are_small() -> None:
+    # The spec parser is split by concern; each part should stay readable in one sitting.
+    assert not os.path.exists(os.path.join(REPO, "services/common/spec.py")), "spec.py became the spec/ package"
+    files = python_files("services/common/spec")
+    assert files, "services/common/spec/ is missing"
+    for path in files:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        lines = len(text.splitlines())
+        assert lines <= 400, f"{path} has {lines} lines (limit ~400)"
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                assert size <= 250, f"{path}: class {node.name} has {size} lines (limit ~250)"
 
 
 def test_common_imports_no_service() -> None:

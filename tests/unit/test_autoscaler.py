@@ -281,6 +281,10 @@ def test_placer_problems_name_the_field_of_each_unknown_place() -> None:
         "resources.any_of[3].region",
     ]
     assert "zone-x" in got[0][1] and "us-west-2a" in got[0][1]
+    # A spec made for a cloud says how to run it on the local backend's simulated zones.
+    assert "REPLICAPLANE_PROVISIONER_ZONES=zone-x:1.00" in got[0][1]
+    assert "REPLICAPLANE_PROVISIONER_ZONES=eu-west-1-a:1.00" in got[1][1]
+    assert placer.allowed([("eu-west-1-a", 1.0)], [("", "eu-west-1")])  # and that zone would do
     assert placer.problems([], places) == []  # zones unknown: nothing to check against
 
 

@@ -184,3 +184,36 @@ def test_all_adds_the_autoscaler_status() -> None:
     assert line in render.status_text([svc], [], tty=False, show_all=True, now=NOW)
     assert "autoscaler" not in render.status_text([svc], [], tty=False, now=NOW)
     assert render.autoscaler_line(service()) == ""
+
+
+def test_orphans_table_shows_owner_age_and_why() -> None:
+    mine = res.Orphan(
+        replica_name="web-3-ab12cd34",
+        service_name="web",
+        replica_id=3,
+        version=2,
+        owner="ctl-me",
+        owned_by_this_controller=True,
+        state="RUNNING",
+        reason='no service "web"',
+        create_time=timestamp_pb2.Timestamp(seconds=1_000),
+    )
+    theirs = res.Orphan(replica_name="api-1-00ff00ff", service_name="api", replica_id=1, owner="ctl-other")
+    text = render.orphans_text([mine, theirs], "ctl-me", tty=False, now=1_065)
+    lines = text.splitlines()
+    assert lines[0] == "controller id: ctl-me"
+    assert lines[2].split() == ["NAME", "SERVICE", "ID", "VERSION", "STATE", "AGE", "OWNER", "REASON"]
+    assert "web-3-ab12cd34" in lines[3] and "1m 5s" in lines[3] and "this controller" in lines[3]
+    assert "ctl-other" in lines[4] and lines[4].split()[5] == "-"
+    assert render.orphans_text([], "ctl-me", tty=False) == "controller id: ctl-me\nNo orphans.\n"
+
+
+def test_orphans_options_that_only_go_with_reap_exit_2() -> None:
+    args = main.parser().parse_args(["orphans", "--reap", "--owner", "ctl-x", "--name", "a-1", "--name", "b-2"])
+    assert (args.reap, args.owner, args.name, args.all_owners) == (True, "ctl-x", ["a-1", "b-2"], False)
+    with pytest.raises(SystemExit) as exit_:
+        main.parser().parse_args(["orphans", "--reap", "--owner", "x", "--all-owners"])
+    assert exit_.value.code == main.BAD_INPUT
+    out, err = io.StringIO(), io.StringIO()
+    assert main.run(["--controller", "127.0.0.1:1", "orphans", "--all-owners"], out=out, err=err) == main.BAD_INPUT
+    assert err.getvalue() == "error: --all-owners, --name and --wait go with --reap\n"

@@ -67,3 +67,25 @@ def test_unexpected_exception_is_internal_and_reveals_nothing() -> None:
 def test_not_implemented_is_unimplemented() -> None:
     status = grpc_errors.to_status(NotImplementedError("Method not implemented!"), domain="d")
     assert status.code == code_pb2.UNIMPLEMENTED
+
+
+def test_a_thousand_violations_answer_a_short_list_and_the_total() -> None:
+    violations = [errors.FieldViolation(f"request_times[{i}]", "nanos must be 0..999,999,999") for i in range(1000)]
+    status = grpc_errors.to_status(errors.ValidationError(violations, subject="load report"), domain="d")
+    # Statuses travel in a trailer; clients refuse trailers over 8 KB (base64 on the wire).
+    assert len(status.SerializeToString()) < 4096
+    (bad,) = unpack(status, error_details_pb2.BadRequest)
+    fields = [v.field for v in bad.field_violations]
+    assert 1 <= len(fields) <= errors.MAX_LISTED_VIOLATIONS
+    assert fields == [f"request_times[{i}]" for i in range(len(fields))]
+    (info,) = unpack(status, error_details_pb2.ErrorInfo)
+    assert info.metadata["violation_count"] == "1000"
+    assert status.message.endswith("(1000 violations)")
+
+
+def test_long_violations_are_listed_within_a_byte_budget() -> None:
+    violations = [errors.FieldViolation("f" * 300, "d" * 300) for _ in range(50)]
+    status = grpc_errors.to_status(errors.ValidationError(violations), domain="d")
+    assert len(status.SerializeToString()) < 4096
+    (bad,) = unpack(status, error_details_pb2.BadRequest)
+    assert len(bad.field_violations) >= 1

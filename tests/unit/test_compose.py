@@ -30,7 +30,8 @@ def compose_binary() -> str:
     return path
 
 
-def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+def run_compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("REPLICAPLANE_")}
     return subprocess.run(
         [compose_binary(), "-f", COMPOSE_FILE, *args],
         capture_output=True,
@@ -38,6 +39,7 @@ def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
         cwd=REPO,
+        env={**environ, **(env or {})},
     )
 
 
@@ -113,8 +115,14 @@ def test_compose_services_listen_on_all_interfaces_and_have_grpc_health_checks()
     }
 
 
-def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() -> None:
+def test_compose_publishes_only_the_controller_the_balancer_and_the_dashboard_on_loopback() -> None:
     services = compose_config()["services"]
+    assert [(p["host_ip"], p["published"], p["target"]) for p in services["dashboard"]["ports"]] == [
+        ("127.0.0.1", "30080", 30080)
+    ]
+    assert {k: v["condition"] for k, v in services["dashboard"]["depends_on"].items()} == {
+        "controller": "service_healthy"
+    }
     assert [(p["host_ip"], p["published"], p["target"]) for p in services["controller"]["ports"]] == [
         ("127.0.0.1", "50051", 50051)
     ]
@@ -122,8 +130,53 @@ def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() ->
         ("127.0.0.1", "30001", 30001)
     ]
     assert not services["provisioner"].get("ports")
+    assert not services["prober"].get("ports")
     waits = services["loadbalancer"]["depends_on"]
     assert {k: v["condition"] for k, v in waits.items()} == {"controller": "service_healthy"}
+
+
+def test_compose_builds_on_the_base_image_the_environment_names_or_python_slim() -> None:
+    for env, base in [({}, "python:3.11-slim"), ({"REPLICAPLANE_BASE_IMAGE": "replicaplane-base:bookworm"}, None)]:
+        result = run_compose("config", "--format", "json", env=env)
+        assert result.returncode == 0, result.stderr
+        for name, svc in json.loads(result.stdout)["services"].items():
+            assert svc["build"]["args"] == {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"]}, name
+    with open(os.path.join(REPO, "Dockerfile")) as fh:
+        lines = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+    # The ARG comes before FROM (so FROM can use it) and keeps the image users elsewhere get.
+    assert lines[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE}"]
+
+
+def test_compose_gives_the_build_ca_bundle_to_the_build_as_a_secret_only() -> None:
+    result = run_compose("config", "--format", "json", env={"REPLICAPLANE_BUILD_CA_FILE": "/etc/some-ca.pem"})
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert resolved["secrets"]["build_ca"]["file"] == "/etc/some-ca.pem"
+    for name, svc in resolved["services"].items():
+        assert [s["source"] for s in svc["build"]["secrets"]] == ["build_ca"], name
+        assert "build_ca" not in json.dumps(svc["build"].get("args", {})), name
+        assert not svc.get("secrets"), "not a runtime secret of any container"
+    assert compose_config()["secrets"]["build_ca"]["file"] == "/dev/null", "no bundle unless one is named"
+    with open(os.path.join(REPO, "Dockerfile")) as fh:
+        dockerfile = fh.read()
+    # Mounted for the pip step only; never copied, added, or kept in the environment.
+    assert dockerfile.count("--mount=type=secret,id=build_ca,required=false") == 1
+    assert not re.search(r"^(COPY|ADD|ENV|ARG)\b.*(build_ca|CERT)", dockerfile, re.MULTILINE)
+
+
+def test_documented_compose_run_commands_leave_the_other_services_alone() -> None:
+    # `docker compose run` without --no-deps brings the dependencies back to their default
+    # scale, stopping the extra probers of `--scale prober=3`.
+    docs = [os.path.join(REPO, "README.md")] + [
+        os.path.join(REPO, "docs", name) for name in sorted(os.listdir(os.path.join(REPO, "docs")))
+    ]
+    commands = []
+    for path in docs:
+        with open(path) as fh:
+            commands += [(path, m) for m in re.findall(r"docker compose(?: -\S+ \S+)* run [^\n`]*", fh.read())]
+    assert commands, "the docs show how to create the example in compose"
+    for path, command in commands:
+        assert "--no-deps" in command.split(), (path, command)
 
 
 # --- the local stack's plan ---------------------------------------------------------------
@@ -131,7 +184,16 @@ def test_compose_publishes_only_the_controller_and_the_balancer_on_loopback() ->
 
 def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_api() -> None:
     specs = {s.name: s for s in plan.plan(state_dir="/st", environ={})}
-    assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer"]
+    assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer", "dashboard"]
+    assert specs["dashboard"].env == {
+        # Its gRPC server answers health checks only: a socket, no TCP port to take.
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "unix:/st/sockets/dashboard.sock",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": config.DASHBOARD_HTTP_ADDR,
+        "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+    }
+    assert specs["dashboard"].url == "http://127.0.0.1:30080"
+    assert specs["dashboard"].needs == {"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)}
+    assert "REPLICAPLANE_DASHBOARD_API_TOKEN" not in specs["dashboard"].env, "it passes on each page's token"
     assert specs["loadbalancer"].env == {
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "unix:/st/sockets/loadbalancer.sock",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": config.LOADBALANCER_HTTP_ADDR,
@@ -145,7 +207,6 @@ def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_a
         "REPLICAPLANE_CONTROLLER_STATE_DIR": "/st/controller",
         "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": "unix:/st/sockets/provisioner.sock",
         "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": "unix:/st/sockets/prober-1.sock",
-        "REPLICAPLANE_CONTROLLER_PORT_FILE": "/st/controller.port",
         "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE": "/st/api-token",
     }
     assert specs["provisioner"].addr == "unix:/st/sockets/provisioner.sock"
@@ -216,18 +277,58 @@ def test_plan_tcp_probers_skip_the_ports_of_the_other_services() -> None:
     assert len(ports) == len(set(ports)), ports
     probers = [s.addr for s in specs if s.component == "prober"]
     assert probers == ["127.0.0.1:50053", "127.0.0.1:50055", "127.0.0.1:50056"]
+    # Nine probers reach the dashboard's 50059 (when it is on TCP) and step over it.
+    environ[config.env_name("dashboard", "listen_addr")] = config.DASHBOARD_ADDR
+    specs = plan.plan(probers=9, environ=environ)
+    ports = [plan.split_addr(s.addr)[1] for s in specs if not plan.is_unix(s.addr)]
+    assert len(ports) == len(set(ports)), ports
+    assert plan.split_addr(config.DASHBOARD_ADDR)[1] in ports
+
+
+def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_serve() -> None:
+    environ = {
+        config.env_name(section, "listen_addr"): "127.0.0.1:0"
+        for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard")
+    }
+    # TCP for the provisioner and probers needs mTLS.
+    environ |= {config.env_name(section, "tls_cert_file"): "/pki/cert.pem" for section in ("provisioner", "prober")}
+    environ[config.env_name("loadbalancer", "http_addr")] = "127.0.0.1:0"
+    environ[config.env_name("dashboard", "http_addr")] = "127.0.0.1:0"
+    specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
+    assert [s.addr for s in specs.values()] == ["127.0.0.1:0"] * 6
+    assert specs["dashboard"].url == "http://127.0.0.1:0"
+    # Addresses of peers are filled in at start, from the ports the peers report.
+    assert specs["controller"].needs == {
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ("prober-1", "prober-2"),
+    }
+    assert specs["loadbalancer"].needs == {"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)}
+    assert specs["loadbalancer"].url == "http://127.0.0.1:0"
+    assert not specs["provisioner"].needs
+
+
+def test_peer_addresses_come_from_the_ports_the_peers_bound() -> None:
+    environ = {config.env_name("prober", "listen_addr"): "127.0.0.1:0", "REPLICAPLANE_PROBER_TLS_CERT_FILE": "c"}
+    specs = plan.plan(probers=2, environ=environ)
+    bound = {"provisioner": "0.0.0.0:50052", "prober-1": "127.0.0.1:41001", "prober-2": "127.0.0.1:41002"}
+    controller = next(s for s in specs if s.name == "controller")
+    env = plan.resolve(controller, bound)
+    assert env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "127.0.0.1:50052"
+    assert env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == "127.0.0.1:41001,127.0.0.1:41002"
+    assert env["REPLICAPLANE_CONTROLLER_STATE_DIR"] == controller.env["REPLICAPLANE_CONTROLLER_STATE_DIR"]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"probers": 0}, "at least 1"),
-        ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0"}}, "fixed port"),
         (
             {"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere", "REPLICAPLANE_PROBER_TLS_CERT_FILE": "c"}},
             "host:port",
         ),
-        ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0"}}, "fixed port"),
+        ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1"}}, "host:port"),
+        ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "unix:/tmp/c.sock"}}, "TCP"),
+        ({"environ": {"REPLICAPLANE_DASHBOARD_HTTP_ADDR": "unix:/tmp/d.sock"}}, "TCP"),
     ],
 )
 def test_plan_rejects_what_cannot_run(kwargs, message) -> None:
@@ -243,17 +344,6 @@ def test_dial_addr_turns_wildcards_into_loopback() -> None:
 
 
 # --- example YAML and workdir resolution --------------------------------------------------
-
-
-def test_relative_workdir_is_resolved_against_the_yaml_directory_keeping_comments() -> None:
-    text = "# hello\nname: hello\nworkdir: .  # the app\nrun: python3 app.py --port 8080\n"
-    resolved = api.resolve_workdir(text, "/srv/examples/hello")
-    assert resolved == '# hello\nname: hello\nworkdir: "/srv/examples/hello"\nrun: python3 app.py --port 8080\n'
-
-
-@pytest.mark.parametrize("text", ["name: x\nrun: true\n", "name: x\nworkdir: /abs/dir\n", "name: x\nworkdir: ~/dir\n"])
-def test_absolute_or_missing_workdir_is_left_alone(text: str) -> None:
-    assert api.resolve_workdir(text, "/elsewhere") == text
 
 
 def test_example_service_yaml_points_at_the_app() -> None:

@@ -90,6 +90,27 @@ def test_in_flight_never_goes_negative_and_forgets_drained_replicas() -> None:
     assert flight.totals == {7: 1}
 
 
+async def test_request_totals_forget_replicas_that_left_the_ready_set() -> None:
+    b = bal.Balancer("web", hold_timeout_s=0, hold_max=1)
+    for version, ids in enumerate([(1, 2), (3, 4), (5, 6)], start=1):
+        b.set_endpoints(replicas(*ids), version=version)
+        for _ in range(2):
+            b.release(await b.pick())
+    assert b.in_flight.totals == {5: 1, 6: 1}
+    # A replica that leaves with a request still running keeps its total until that request ends.
+    running = await b.pick(frozenset({6}))
+    assert running.replica_id == 5
+    b.set_endpoints(replicas(6, 7), version=4)
+    assert b.in_flight.totals == {5: 2, 6: 1}
+    b.release(running)
+    assert b.in_flight.totals == {6: 1}
+    # Churn leaves no trace.
+    for version in range(5, 1005):
+        b.set_endpoints(replicas(version), version=version)
+        b.release(await b.pick())
+    assert list(b.in_flight.totals) == [1004]
+
+
 def test_least_load_counts_survive_replica_removal_and_return() -> None:
     flight = policies.InFlight()
     ll = policies.LeastLoad(flight)

@@ -70,3 +70,9 @@ def test_missing_workdir_and_file_mount_sources(tmp_path) -> None:
     assert [v.field for v in capability.path_problems(convert.needs(spec))] == ["workdir", "file_mounts./b"]
     spec.workdir = str(tmp_path)
     assert [v.field for v in capability.path_problems(convert.needs(spec))] == ["file_mounts./b"]
+
+
+def test_a_refusal_says_how_to_run_the_first_choice_here() -> None:
+    spec = spec_pb2.ServiceSpec(resources=spec_pb2.Resources(accelerators="l4:8,A100:4"))
+    problem = capability.accelerator_problems(convert.needs(spec), {}, hint=lambda wanted: f"try {wanted}")[0]
+    assert problem.description == "this provisioner's backend does not offer l4:8,A100:4 (it offers: none); try L4:8"

@@ -95,13 +95,20 @@ def test_secrets_are_referenced_from_a_secret_never_inlined() -> None:
     assert "hunter2" not in repr(pod)
     ref = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "TOKEN")
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "web-1", "key": "TOKEN"}
-    assert ko.secret_manifest(launch, ko.PodConfig())["data"] == {"TOKEN": "aHVudGVyMg=="}
+    secret = ko.secret_manifest(launch, ko.PodConfig(), token="t")
+    assert secret["data"] == {"TOKEN": "aHVudGVyMg=="}
+    assert secret["metadata"]["annotations"][ko.ANNOTATION_TOKEN] == "t"
 
 
-def test_service_selects_exactly_its_pod() -> None:
-    svc = ko.service_manifest(_launch(), ko.PodConfig(service_type="ClusterIP", instance="i1"))
+def test_service_selects_exactly_its_pod_and_is_owned_by_it() -> None:
+    pod = {"metadata": {"name": "web-1", "uid": "u-1", "namespace": "ns"}}
+    owner = ko.owner_reference(pod)
+    assert owner == {"apiVersion": "v1", "kind": "Pod", "name": "web-1", "uid": "u-1"}
+    svc = ko.service_manifest(_launch(), ko.PodConfig(service_type="ClusterIP", instance="i1"), token="t", owner=owner)
     assert svc["spec"]["selector"] == {ko.MANAGED_BY: "replicaplane", ko.LABEL_INSTANCE: "i1", ko.LABEL_POD: "web-1"}
     assert svc["spec"]["ports"][0]["port"] == 8080
+    assert svc["metadata"]["ownerReferences"] == [owner]
+    assert ko.owner_reference({"metadata": {"name": "web-1"}}) is None  # no uid: nothing to own it by
 
 
 def test_status_reading() -> None:
@@ -153,6 +160,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
         kubernetes_instance="",
         kubernetes_endpoint="service",
         kubernetes_watch_idle_s=0,
+        kubernetes_api_attempts=0,
+        kubernetes_api_backoff_s=-1,
     )
     with pytest.raises(errors.ValidationError) as caught:
         server.make_backend(settings)
@@ -168,6 +177,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
             "instance",
             "endpoint",
             "watch_idle_s",
+            "api_attempts",
+            "api_backoff_s",
         )
     }
 
@@ -194,3 +205,25 @@ def test_pod_carries_its_owner_in_an_annotation() -> None:
     launch = dataclasses.replace(_launch(), owner="ctl-a")
     pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
     assert pod["metadata"]["annotations"][ko.ANNOTATION_OWNER] == "ctl-a"
+
+
+def test_log_times_are_read_to_the_nanosecond_whatever_their_precision() -> None:
+    assert ko.log_time_ns("2026-01-02T03:04:05.000000007Z") == 1767323045_000000007
+    assert ko.log_time_ns("2026-01-02T03:04:05.1Z") == 1767323045_100000000
+    assert ko.log_time_ns("2026-01-02T03:04:05Z") == 1767323045_000000000
+    assert ko.log_time_ns("not a time") is None
+
+
+def test_log_position_copies_each_line_once_across_reads_even_lines_sharing_a_time() -> None:
+    t1, t2 = "2026-01-02T03:04:05.1Z", "2026-01-02T03:04:05.2Z"
+    lines = [f"{t1} a\n".encode(), f"{t2} b\n".encode(), f"{t2} c\n".encode()]
+    position = ko.LogPosition(token="x")
+    assert [position.take(line) for line in lines[:2]] == [b"a\n", b"b\n"]
+    # The stream was cut after b; the next read starts earlier and sees a, b again, then c.
+    position.restart()
+    assert [position.take(line) for line in lines] == [None, None, b"c\n"]
+    # Kept across a provisioner restart.
+    again = ko.LogPosition.from_dict(position.to_dict())
+    again.restart()
+    assert [again.take(line) for line in [*lines, f"{t2} d\n".encode()]] == [None, None, None, b"d\n"]
+    assert again.take(b"unstamped\n") == b"unstamped\n"  # never dropped

@@ -8,6 +8,7 @@ import textwrap
 from typing import Any
 
 import pytest
+import yaml
 from google.protobuf import duration_pb2
 from google.protobuf.internal import containers
 
@@ -514,6 +515,14 @@ BAD = {
         "resources: {ports: 80, use_spot: true}\n",
         {"service.replica_policy.dynamic_ondemand_fallback"},
     ),
+    "bad_ports_in_any_of_entry": (
+        "service: {}\nresources: {any_of: [{ports: abc}, {ports: 80}]}\n",
+        {"resources.any_of[0].ports"},
+    ),
+    "bad_port_range_in_ordered_entry": (
+        "service: {}\nresources: {ports: 80, ordered: [{ports: '90-70'}]}\n",
+        {"resources.ordered[0].ports"},
+    ),
     "mixed_spot_any_of": (
         "service: {}\nresources: {ports: 80, any_of: [{use_spot: true}, {use_spot: false}]}\n",
         {"resources.use_spot"},
@@ -738,6 +747,50 @@ def test_redacted_masks_secrets_substituted_into_any_field() -> None:
     assert shown.service.readiness_probe.path == "/health?key=<redacted>"
     assert shown.workdir == "/srv/<redacted>"
     assert dict(shown.file_mounts) == {"/data/<redacted>": "s3://bucket/<redacted>"}
+
+
+@pytest.mark.parametrize("as_string", [True, False], ids=["json string", "yaml mapping"])
+def test_post_data_may_nest_up_to_the_limit(as_string: bool) -> None:
+    def probe(depth: int) -> str:
+        body = '{"a": ' * (depth - 1) + "[1]" + "}" * (depth - 1)
+        shown = json.dumps(body) if as_string else body
+        return f"service:\n  readiness_probe: {{path: /, post_data: {shown}}}\n" + PORT
+
+    limit = spec.MAX_POST_DATA_DEPTH
+    parsed = spec.parse(probe(limit), name="svc")
+    assert json.loads(parsed.service.readiness_probe.post_data_json)["a"]
+    violations = _violations(probe(limit + 1), name="svc")
+    assert [v.field for v in violations] == ["service.readiness_probe.post_data"]
+    assert f"more than {limit} levels" in violations[0].description
+
+
+def test_shown_yaml_is_re_emitted_without_comments_or_secret_spellings() -> None:
+    text = _yaml("""
+        # deploy with token zz-secret-42 (a comment is never shown)
+        service:
+          readiness_probe: {path: /, headers: {X-Key: &key "zz\\u002dsecret-42"}}
+          replicas: 1
+        resources: {ports: 80}
+        secrets: {TOKEN: *key, PIN: 4711}
+        envs: {COPY: 'zz-secret-42''s', PIN_AGAIN: 4711, KEEP: 12}
+        run: |
+          echo start
+          python3 -m http.server 80
+        """)
+    shown = spec.redacted(spec.parse(text, name="svc")).yaml
+    assert "zz" not in shown and "4711" not in shown and "#" not in shown
+    doc = yaml.safe_load(shown)
+    assert doc["secrets"] == {"TOKEN": "<redacted>", "PIN": "<redacted>"}
+    assert doc["service"]["readiness_probe"]["headers"] == {"X-Key": "<redacted>"}
+    assert doc["envs"] == {"COPY": "<redacted>'s", "PIN_AGAIN": "<redacted>", "KEEP": 12}
+    assert doc["run"] == "echo start\npython3 -m http.server 80\n"
+    assert "run: |\n" in shown  # scripts stay readable
+
+
+def test_shown_yaml_of_text_that_does_not_load_is_empty() -> None:
+    assert spec.shown_yaml("run: [unclosed", ["x"]) == ""
+    assert spec.shown_yaml("- a list\n", []) == ""
+    assert spec.shown_yaml("", []) == ""
 
 
 def test_a_secret_substituted_into_a_bad_field_is_not_quoted_in_the_error() -> None:

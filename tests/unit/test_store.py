@@ -506,6 +506,33 @@ def test_busy_past_timeout_is_unavailable(db_path: str, store: store_mod.Store, 
     other.close()
 
 
+def test_a_damaged_file_is_unavailable_in_the_users_words_with_the_detail_logged(
+    db_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with store_mod.Store(db_path) as s:
+        s.create_service("svc", make_spec(), now=NOW)
+        s.put_replicas([make_replica("svc", i) for i in range(1, 50)])
+        page = s._db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'replicas'").fetchone()[0]
+        size = s._db.execute("PRAGMA page_size").fetchone()[0]
+    # Closing checkpointed the WAL into the file; damage the replicas table's root page.
+    with open(db_path, "r+b") as fh:
+        fh.seek((page - 1) * size)
+        fh.write(b"\xff" * size)
+    with store_mod.Store(db_path) as s:
+        with pytest.raises(errors.UnavailableError) as info:
+            s.list_replicas("svc")
+        assert info.value.reason == "STORE_UNAVAILABLE"
+        assert info.value.message == (
+            "the controller could not read its state: its state store is damaged; try again later"
+        )
+        assert info.value.metadata == {"cause": "damaged", "operation": "read"}
+        with pytest.raises(errors.UnavailableError) as info:
+            s.put_replica(make_replica("svc", 60))
+        assert info.value.message.startswith("the controller could not save the change: its state store is damaged")
+        assert "malformed" not in info.value.message and "DatabaseError" not in info.value.message
+    assert "database disk image is malformed" in caplog.text
+
+
 async def test_transaction_held_across_await_is_refused(store: store_mod.Store, svc: str) -> None:
     entered = asyncio.Event()
     done = asyncio.Event()
@@ -617,3 +644,15 @@ def test_controller_id_is_created_once_and_kept(tmp_path) -> None:
         assert s.controller_id() == first
     with store_mod.Store.in_state_dir(str(tmp_path / "b")) as s:
         assert s.controller_id() != first
+
+
+def test_an_error_that_ended_the_whole_transaction_is_reported_as_itself(tmp_path) -> None:
+    # Some I/O errors make SQLite roll the whole transaction back, savepoints included; the
+    # nested block must then report that error, not fail on its own "no such savepoint".
+    original = sqlite3.OperationalError("disk I/O error")
+    with store_mod.Store(str(tmp_path / "state.db")) as db:
+        with pytest.raises(errors.UnavailableError) as info, db.transaction(), db.transaction():
+            db._db.execute("ROLLBACK")  # what SQLite does on such an error
+            raise original
+        assert info.value.__cause__ is original
+        assert db.check_writable()  # and the store works on

@@ -94,7 +94,7 @@ class Decision:
 # ---- load ------------------------------------------------------------------------------------
 
 
-def add_load(window: dict[int, int], times: Sequence[float], count: int, now: float, *, window_s: float) -> None:
+def add_load(window: dict[int, int], times: Sequence[float], count: int, now: float, *, window_s: float) -> int:
     """Add requests to a per-second bucket window and drop buckets older than `window_s`.
 
     Args:
@@ -103,16 +103,23 @@ def add_load(window: dict[int, int], times: Sequence[float], count: int, now: fl
         count: requests without times, counted at `now`.
         now: the current time.
         window_s: the window length.
+
+    Returns:
+        The requests added (times older than the window are not).
     """
     horizon = now - window_s
+    added = 0
     for t in times:
         if t >= horizon:
             key = int(t)
             window[key] = window.get(key, 0) + 1
+            added += 1
     if count > 0:
         window[int(now)] = window.get(int(now), 0) + count
+        added += count
     for key in [k for k in window if k + 1 <= horizon]:
         del window[key]
+    return added
 
 
 def qps(window: Mapping[int, int], now: float, *, window_s: float) -> float:

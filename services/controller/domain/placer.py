@@ -61,18 +61,27 @@ def problems(zones: Sequence[tuple[str, float]], places: Sequence[tuple[str, Pla
     if not zones:
         return []
     names = [name for name, _ in zones]
-    have = ", ".join(names)
+    have = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     out: list[tuple[str, str]] = []
     for path, (zone, region) in places:
         if zone and zone not in names:
-            out.append((f"{path}.zone", f"the provisioner has no zone {zone!r} (it has: {have})"))
+            why = f"the provisioner has no zone {zone!r} (it has: {have}); {_zones_hint(zone)}"
+            out.append((f"{path}.zone", why))
         elif region and not any(in_place(name, (zone, region)) for name in names):
             if zone:
                 why = f"zone {zone!r} is not in region {region!r} (a zone's name starts with its region's)"
             else:
-                why = f"no zone of the provisioner is in region {region!r} (it has: {have})"
+                why = (
+                    f"no zone of the provisioner is in region {region!r} (it has: {have}); {_zones_hint(region + '-a')}"
+                )
             out.append((f"{path}.region", why))
     return out
+
+
+def _zones_hint(zone: str) -> str:
+    # Only a local provisioner lists zones, and they are simulated: say how to have this one.
+    # Short: a violation's description is clipped at 240 characters.
+    return f"to run this here: REPLICAPLANE_PROVISIONER_ZONES={zone}:1.00 (its zones setting, name:price,...)"
 
 
 def select(zones: Sequence[tuple[str, float]], marks: Mapping[str, str], used: Collection[str]) -> str:

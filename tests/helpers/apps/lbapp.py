@@ -10,6 +10,7 @@ Paths:
                           streams a tick every S seconds; writes "done N" or "cancelled N" (ticks
                           sent) to PATH, so a test sees whether a client disconnect stopped the work
   /echo                   JSON of method, path, query, headers and body
+  /sink                   reads the body as it arrives (keeping none of it) and answers its size
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def make_app(replica: str) -> web.Application:
             }
         )
 
+    async def sink(request: web.Request) -> web.Response:
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+        return web.json_response({"replica": replica, "bytes": size})
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/whoami", whoami)
@@ -92,6 +99,7 @@ def make_app(replica: str) -> web.Application:
     app.router.add_route("*", "/status/{code}", status)
     app.router.add_get("/work", work)
     app.router.add_route("*", "/echo", echo)
+    app.router.add_route("*", "/sink", sink)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     return app
 

@@ -158,7 +158,10 @@ class ServiceSpec(_message.Message):
     num_nodes: _builtins.int
     """Number of nodes per replica; only 1 is supported."""
     yaml: _builtins.str
-    """The original YAML text, kept for display and for the in-place update comparison."""
+    """The YAML text the spec was parsed from. In controller responses it is the document
+    re-emitted from the redacted values (header and secret values replaced, comments and
+    layout not kept), never the text as sent.
+    """
     @_builtins.property
     def service(self) -> Global___ServiceSection:
         """The `service:` section."""

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -18,6 +19,11 @@ if sys.version_info >= (3, 11):
     from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -51,25 +57,84 @@ class CreateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name. If empty, the YAML's `name:` is used."""
     yaml: _builtins.str
     """The SkyPilot-style task YAML."""
     request_id: _builtins.str
     """Optional idempotency key: a retried create with the same key returns the same service."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the YAML's `envs:` before it is validated (SkyPilot's
+        `--env`): a key the YAML lists with no value is filled, one it lists with a value is
+        replaced, a new one is added. Keys are environment variable names
+        (`[A-Za-z_][A-Za-z0-9_]*`); a bad one is INVALID_ARGUMENT on `env_overrides.KEY`.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the YAML's `secrets:` the same way (SkyPilot's `--secret`). Their
+        values are redacted wherever the spec is shown and never logged; a bad key is
+        INVALID_ARGUMENT on `secret_overrides.KEY`.
+        """
+
     def __init__(
         self,
         *,
         service_name: _builtins.str = ...,
         yaml: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env_overrides", b"env_overrides", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -156,7 +221,9 @@ class ListServicesRequest(_message.Message):
     page_size: _builtins.int
     """Maximum services per page; default 100, maximum 1000."""
     page_token: _builtins.str
-    """Token from a previous response's `next_page_token`."""
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
     def __init__(
         self,
         *,
@@ -205,11 +272,53 @@ class UpdateServiceRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EnvOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SecretOverridesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SERVICE_NAME_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ENV_OVERRIDES_FIELD_NUMBER: _builtins.int
+    SECRET_OVERRIDES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     yaml: _builtins.str
@@ -220,6 +329,16 @@ class UpdateServiceRequest(_message.Message):
     """Return the plan without applying it."""
     request_id: _builtins.str
     """Optional idempotency key."""
+    @_builtins.property
+    def env_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Environment variables set on top of the new YAML's `envs:`, as in
+        `CreateServiceRequest.env_overrides`. Overrides are not carried over from earlier versions.
+        """
+
+    @_builtins.property
+    def secret_overrides(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Secrets set on top of the new YAML's `secrets:`, as in `CreateServiceRequest.secret_overrides`."""
+
     def __init__(
         self,
         *,
@@ -228,10 +347,12 @@ class UpdateServiceRequest(_message.Message):
         mode: _resources_pb2.UpdateMode.ValueType = ...,
         dry_run: _builtins.bool = ...,
         request_id: _builtins.str = ...,
+        env_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_overrides: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "mode", b"mode", "request_id", b"request_id", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "env_overrides", b"env_overrides", "mode", b"mode", "request_id", b"request_id", "secret_overrides", b"secret_overrides", "service_name", b"service_name", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,7 +452,9 @@ class ListReplicasRequest(_message.Message):
     page_size: _builtins.int
     """Maximum replicas per page; default 100, maximum 1000."""
     page_token: _builtins.str
-    """Token from a previous response's `next_page_token`."""
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
     def __init__(
         self,
         *,
@@ -601,7 +724,20 @@ Global___WatchServiceResponse: _TypeAlias = WatchServiceResponse  # noqa: Y015
 
 @_typing.final
 class ReportLoadRequest(_message.Message):
-    """ReportLoadRequest carries the requests a load balancer received."""
+    """ReportLoadRequest carries the requests a load balancer received.
+
+    A report is applied exactly once when it carries `balancer_id` and `sequence`: the controller
+    remembers the last sequence it applied from each balancer (with the load window, so across
+    restarts too) and answers a report at or below it with `already_applied` and no change. A
+    balancer resends a report whose answer it did not get unchanged, with the same sequence. Without
+    `balancer_id`, a report is applied every time it arrives (a retried report counts again).
+
+    Arrival times need no shared clock: `request_ages` are measured on the balancer's clock at send
+    time, and the controller places each request at its own clock minus the age. Entries older than
+    the load window count nothing. A malformed entry (a time or duration out of protobuf's range, a
+    negative age) refuses the whole report with INVALID_ARGUMENT and changes nothing; sending it
+    again cannot succeed, so a balancer drops a refused report.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -609,15 +745,38 @@ class ReportLoadRequest(_message.Message):
     REQUEST_TIMES_FIELD_NUMBER: _builtins.int
     REQUEST_COUNT_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
+    BALANCER_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    REQUEST_AGES_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     request_count: _builtins.int
-    """Requests since the last report without individual times, counted at report time."""
+    """Requests since the last report without individual times, counted when the report arrives."""
     load_balancer_url: _builtins.str
     """URL of the reporting load balancer, shown as the service's endpoint; empty to leave it."""
+    balancer_id: _builtins.str
+    """Identifies the sending balancer: a new random id each time it starts (or a stable id whose
+    `sequence` survives restarts). At most 128 printable characters, no spaces. Requires
+    `sequence`.
+    """
+    sequence: _builtins.int
+    """This report's number from `balancer_id`: 1 for the first, higher for each new report, the same
+    for a resend. Required (at least 1) with `balancer_id`, and must be 0 without it.
+    """
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def request_times(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
-        """Arrival times of requests since the last report."""
+        """Deprecated: use `request_ages`, which clock skew cannot distort. Arrival times of requests
+        since the last report, on the sender's clock, compared with the controller's: a time ahead of
+        the controller's clock is counted at arrival, and a time older than the load window counts
+        nothing. Still accepted; both fields may be used in one report.
+        """
+
+    @_builtins.property
+    def request_ages(self) -> _containers.RepeatedCompositeFieldContainer[_duration_pb2.Duration]:
+        """For each request since the last report, how long before this report was sent it arrived
+        (not negative).
+        """
 
     def __init__(
         self,
@@ -626,10 +785,13 @@ class ReportLoadRequest(_message.Message):
         request_times: _abc.Iterable[_timestamp_pb2.Timestamp] | None = ...,
         request_count: _builtins.int = ...,
         load_balancer_url: _builtins.str = ...,
+        balancer_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        request_ages: _abc.Iterable[_duration_pb2.Duration] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_balancer_url", b"load_balancer_url", "request_count", b"request_count", "request_times", b"request_times", "service_name", b"service_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -642,16 +804,28 @@ class ReportLoadResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QPS_FIELD_NUMBER: _builtins.int
+    ALREADY_APPLIED_FIELD_NUMBER: _builtins.int
+    COUNTED_REQUESTS_FIELD_NUMBER: _builtins.int
     qps: _builtins.float
     """Requests per second the controller now sees for the service."""
+    already_applied: _builtins.bool
+    """True when a report from this balancer with this sequence (or a later one) was applied before;
+    nothing was counted again.
+    """
+    counted_requests: _builtins.int
+    """Requests of this report counted into the load window (entries older than the window, and
+    everything in an already applied report, are not).
+    """
     def __init__(
         self,
         *,
         qps: _builtins.float = ...,
+        already_applied: _builtins.bool = ...,
+        counted_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["qps", b"qps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_applied", b"already_applied", "counted_requests", b"counted_requests", "qps", b"qps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -770,3 +944,167 @@ class StreamReplicaLogsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamReplicaLogsResponse: _TypeAlias = StreamReplicaLogsResponse  # noqa: Y015
+
+@_typing.final
+class ListOrphansRequest(_message.Message):
+    """ListOrphansRequest filters and pages orphans."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Only replicas of this owner (a controller id, at most 128 printable characters); empty for
+    every owner.
+    """
+    page_size: _builtins.int
+    """Maximum orphans per page; default 100, maximum 1000."""
+    page_token: _builtins.str
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOrphansRequest: _TypeAlias = ListOrphansRequest  # noqa: Y015
+
+@_typing.final
+class ListOrphansResponse(_message.Message):
+    """ListOrphansResponse is one page of orphans."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORPHANS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    CONTROLLER_ID_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    controller_id: _builtins.str
+    """This controller's id: the `owner` of every replica it launches."""
+    @_builtins.property
+    def orphans(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Orphan]:
+        """The orphans, in replica name order."""
+
+    def __init__(
+        self,
+        *,
+        orphans: _abc.Iterable[_resources_pb2.Orphan] | None = ...,
+        next_page_token: _builtins.str = ...,
+        controller_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_id", b"controller_id", "next_page_token", b"next_page_token", "orphans", b"orphans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListOrphansResponse: _TypeAlias = ListOrphansResponse  # noqa: Y015
+
+@_typing.final
+class ReapOrphansRequest(_message.Message):
+    """ReapOrphansRequest says which orphans to tear down."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_NAMES_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    ALL_OWNERS_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Reap the orphans of this owner (another controller's id, at most 128 printable
+    characters) instead of this controller's own. Make sure no live controller has that id.
+    """
+    all_owners: _builtins.bool
+    """Reap the orphans of every owner. Not together with `owner`."""
+    @_builtins.property
+    def replica_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only these replicas (full names, as ListOrphans shows them), at most 1000; empty for every
+        orphan of the chosen owners. A name that is not such an orphan is reported in `skipped`.
+        """
+
+    def __init__(
+        self,
+        *,
+        replica_names: _abc.Iterable[_builtins.str] | None = ...,
+        owner: _builtins.str = ...,
+        all_owners: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_owners", b"all_owners", "owner", b"owner", "replica_names", b"replica_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapOrphansRequest: _TypeAlias = ReapOrphansRequest  # noqa: Y015
+
+@_typing.final
+class ReapOrphansResponse(_message.Message):
+    """ReapOrphansResponse says which teardowns were started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REAPED_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    CONTROLLER_ID_FIELD_NUMBER: _builtins.int
+    controller_id: _builtins.str
+    """This controller's id."""
+    @_builtins.property
+    def reaped(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Orphan]:
+        """The orphans whose teardown was started (or joined, when one was already in progress)."""
+
+    @_builtins.property
+    def skipped(self) -> _containers.RepeatedCompositeFieldContainer[Global___SkippedOrphan]:
+        """Replicas named in the request that were not reaped, and why."""
+
+    def __init__(
+        self,
+        *,
+        reaped: _abc.Iterable[_resources_pb2.Orphan] | None = ...,
+        skipped: _abc.Iterable[Global___SkippedOrphan] | None = ...,
+        controller_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_id", b"controller_id", "reaped", b"reaped", "skipped", b"skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapOrphansResponse: _TypeAlias = ReapOrphansResponse  # noqa: Y015
+
+@_typing.final
+class SkippedOrphan(_message.Message):
+    """SkippedOrphan is a replica named in a ReapOrphans request that was not reaped."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    replica_name: _builtins.str
+    """The replica name as given."""
+    reason: _builtins.str
+    """Why, for example `no such replica at the provisioner`, `a record of service "web" refers
+    to it`, or `owned by controller X: pass owner or all_owners`.
+    """
+    def __init__(
+        self,
+        *,
+        replica_name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "replica_name", b"replica_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkippedOrphan: _TypeAlias = SkippedOrphan  # noqa: Y015

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class ControllerServiceStub:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def __init__(self, channel):
@@ -101,11 +102,22 @@ class ControllerServiceStub:
                 request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
                 _registered_method=True)
+        self.ListOrphans = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ListOrphans',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.FromString,
+                _registered_method=True)
+        self.ReapOrphans = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ReapOrphans',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def CreateService(self, request, context):
@@ -177,13 +189,17 @@ class ControllerServiceServicer:
 
     def WatchService(self, request, context):
         """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+        A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportLoad(self, request, context):
-        """Reports requests a load balancer received, for request-rate autoscaling.
+        """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+        the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+        for a malformed report, NOT_FOUND for an unknown service.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -191,6 +207,8 @@ class ControllerServiceServicer:
 
     def WatchEndpoints(self, request, context):
         """Streams the READY endpoints of a service's active versions: the full set on every change.
+        A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,6 +219,30 @@ class ControllerServiceServicer:
         with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
         empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
         UNAVAILABLE when the provisioner cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListOrphans(self, request, context):
+        """Lists the replicas the provisioner manages that no replica record of this controller refers
+        to, in replica name order: this controller's orphans (left by a lost or restored store) and
+        replicas of other owners (controllers sharing the provisioner, or this controller under an
+        earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+        UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReapOrphans(self, request, context):
+        """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+        shows them until they are gone. By default only this controller's own orphans; another
+        owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+        controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+        Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+        malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+        provisioner cannot be reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +316,16 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.FromString,
                     response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.SerializeToString,
             ),
+            'ListOrphans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOrphans,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.SerializeToString,
+            ),
+            'ReapOrphans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReapOrphans,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'replicaplane.controller.v1.ControllerService', rpc_method_handlers)
@@ -284,7 +336,8 @@ def add_ControllerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ControllerService:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @staticmethod
@@ -628,6 +681,60 @@ class ControllerService:
             '/replicaplane.controller.v1.ControllerService/StreamReplicaLogs',
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsRequest.SerializeToString,
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.StreamReplicaLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOrphans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ListOrphans',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListOrphansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReapOrphans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ReapOrphans',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
             options,
             channel_credentials,
             insecure,

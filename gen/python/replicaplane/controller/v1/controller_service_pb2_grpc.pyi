@@ -28,7 +28,8 @@ GRPC_VERSION: str
 
 class ControllerServiceStub:
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @_typing.overload
@@ -62,22 +63,48 @@ class ControllerServiceStub:
     PurgeReplicas: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.PurgeReplicasRequest, _controller_service_pb2.PurgeReplicasResponse]
     """Removes every failed replica record of a service, tearing down what is left."""
     WatchService: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]
-    """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+    """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+    A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+    """
     ReportLoad: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]
-    """Reports requests a load balancer received, for request-rate autoscaling."""
+    """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+    the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+    for a malformed report, NOT_FOUND for an unknown service.
+    """
     WatchEndpoints: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]
-    """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    """Streams the READY endpoints of a service's active versions: the full set on every change.
+    A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+    """
     StreamReplicaLogs: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]
     """Streams a replica's log (app output by default, or the launch log) from the provisioner;
     with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
     empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
     UNAVAILABLE when the provisioner cannot be reached.
     """
+    ListOrphans: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListOrphansRequest, _controller_service_pb2.ListOrphansResponse]
+    """Lists the replicas the provisioner manages that no replica record of this controller refers
+    to, in replica name order: this controller's orphans (left by a lost or restored store) and
+    replicas of other owners (controllers sharing the provisioner, or this controller under an
+    earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+    UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+    """
+    ReapOrphans: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ReapOrphansRequest, _controller_service_pb2.ReapOrphansResponse]
+    """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+    shows them until they are gone. By default only this controller's own orphans; another
+    owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+    controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+    Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+    malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+    provisioner cannot be reached.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -108,21 +135,47 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     PurgeReplicas: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.PurgeReplicasRequest, _controller_service_pb2.PurgeReplicasResponse]  # type: ignore[assignment]
     """Removes every failed replica record of a service, tearing down what is left."""
     WatchService: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchServiceRequest, _controller_service_pb2.WatchServiceResponse]  # type: ignore[assignment]
-    """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+    """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+    A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+    """
     ReportLoad: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ReportLoadRequest, _controller_service_pb2.ReportLoadResponse]  # type: ignore[assignment]
-    """Reports requests a load balancer received, for request-rate autoscaling."""
+    """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+    the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+    for a malformed report, NOT_FOUND for an unknown service.
+    """
     WatchEndpoints: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchEndpointsRequest, _controller_service_pb2.WatchEndpointsResponse]  # type: ignore[assignment]
-    """Streams the READY endpoints of a service's active versions: the full set on every change."""
+    """Streams the READY endpoints of a service's active versions: the full set on every change.
+    A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+    (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+    """
     StreamReplicaLogs: _aio.UnaryStreamMultiCallable[_controller_service_pb2.StreamReplicaLogsRequest, _controller_service_pb2.StreamReplicaLogsResponse]  # type: ignore[assignment]
     """Streams a replica's log (app output by default, or the launch log) from the provisioner;
     with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
     empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
     UNAVAILABLE when the provisioner cannot be reached.
     """
+    ListOrphans: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListOrphansRequest, _controller_service_pb2.ListOrphansResponse]  # type: ignore[assignment]
+    """Lists the replicas the provisioner manages that no replica record of this controller refers
+    to, in replica name order: this controller's orphans (left by a lost or restored store) and
+    replicas of other owners (controllers sharing the provisioner, or this controller under an
+    earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+    UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+    """
+    ReapOrphans: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ReapOrphansRequest, _controller_service_pb2.ReapOrphansResponse]  # type: ignore[assignment]
+    """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+    shows them until they are gone. By default only this controller's own orphans; another
+    owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+    controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+    Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+    malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+    provisioner cannot be reached.
+    """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     """ControllerService is Replicaplane's public API. It owns every service's desired state and
-    reports how the replicas are doing.
+    reports how the replicas are doing. A call that changes state returns UNAVAILABLE (reason
+    `STORE_UNAVAILABLE`) when the controller could not save the change; nothing was changed.
     """
 
     @_abc_1.abstractmethod
@@ -211,7 +264,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.WatchServiceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchServiceResponse], _abc.AsyncIterator[_controller_service_pb2.WatchServiceResponse]]:
-        """Streams a service: a snapshot, then every change. Resumable from a sequence number."""
+        """Streams a service: a snapshot, then every change. Resumable from a sequence number.
+        A stream whose client falls 10,000 changes behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_sequence`): call again with it.
+        """
 
     @_abc_1.abstractmethod
     def ReportLoad(
@@ -219,7 +275,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.ReportLoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_service_pb2.ReportLoadResponse, _abc.Awaitable[_controller_service_pb2.ReportLoadResponse]]:
-        """Reports requests a load balancer received, for request-rate autoscaling."""
+        """Reports requests a load balancer received, for request-rate autoscaling. Safe to retry when
+        the report carries `balancer_id` and `sequence`. Returns INVALID_ARGUMENT (changing nothing)
+        for a malformed report, NOT_FOUND for an unknown service.
+        """
 
     @_abc_1.abstractmethod
     def WatchEndpoints(
@@ -227,7 +286,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_service_pb2.WatchEndpointsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchEndpointsResponse], _abc.AsyncIterator[_controller_service_pb2.WatchEndpointsResponse]]:
-        """Streams the READY endpoints of a service's active versions: the full set on every change."""
+        """Streams the READY endpoints of a service's active versions: the full set on every change.
+        A stream whose client falls 10,000 versions behind ends with RESOURCE_EXHAUSTED
+        (ErrorInfo reason WATCH_FELL_BEHIND, metadata `after_version`): call again with it.
+        """
 
     @_abc_1.abstractmethod
     def StreamReplicaLogs(
@@ -239,6 +301,34 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         with `follow`, keeps streaming while the replica runs. Returns INVALID_ARGUMENT for an
         empty service name or a replica id below 1, NOT_FOUND for an unknown service or replica,
         UNAVAILABLE when the provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def ListOrphans(
+        self,
+        request: _controller_service_pb2.ListOrphansRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListOrphansResponse, _abc.Awaitable[_controller_service_pb2.ListOrphansResponse]]:
+        """Lists the replicas the provisioner manages that no replica record of this controller refers
+        to, in replica name order: this controller's orphans (left by a lost or restored store) and
+        replicas of other owners (controllers sharing the provisioner, or this controller under an
+        earlier id). Returns INVALID_ARGUMENT for a malformed `owner`, `page_size` or `page_token`,
+        UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def ReapOrphans(
+        self,
+        request: _controller_service_pb2.ReapOrphansRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ReapOrphansResponse, _abc.Awaitable[_controller_service_pb2.ReapOrphansResponse]]:
+        """Starts the teardown (no drain, logs removed) of orphans and returns at once; ListOrphans
+        shows them until they are gone. By default only this controller's own orphans; another
+        owner's only when `owner` names it, every owner's only with `all_owners`, since another live
+        controller may still use its replicas. Safe to repeat: a teardown in progress is joined.
+        Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
+        malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
+        provisioner cannot be reached.
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

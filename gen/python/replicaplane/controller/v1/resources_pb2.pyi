@@ -359,7 +359,10 @@ class Replica(_message.Message):
     replica_id: _builtins.int
     """Per-service id, starting at 1, never reused."""
     replica_name: _builtins.str
-    """Backend name of the replica: `{service}-{replica_id}`."""
+    """Backend name of the replica: `{service}-{replica_id}-{uid}`, `uid` being 8 hex digits
+    unique to this incarnation of the service name (services created before uids existed
+    keep `{service}-{replica_id}`). The provisioner knows the replica by this name only.
+    """
     version: _builtins.int
     """The service version this replica runs."""
     status: Global___ReplicaStatus.ValueType
@@ -635,3 +638,70 @@ class AutoscalerStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AutoscalerStatus: _TypeAlias = AutoscalerStatus  # noqa: Y015
+
+@_typing.final
+class Orphan(_message.Message):
+    """Orphan is a replica the provisioner manages that no replica record of this controller refers
+    to. This controller's own orphans are leaks (it lost their records); another owner's may be
+    in use by a live controller sharing the provisioner.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_NAME_FIELD_NUMBER: _builtins.int
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    OWNED_BY_THIS_CONTROLLER_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    replica_name: _builtins.str
+    """The replica's full name at the provisioner, `{service}-{replica_id}-{uid}`."""
+    service_name: _builtins.str
+    """The service it was launched for."""
+    replica_id: _builtins.int
+    """The replica id it was launched with."""
+    version: _builtins.int
+    """The service version it runs."""
+    owner: _builtins.str
+    """Id of the controller that launched it; empty for replicas launched without one."""
+    owned_by_this_controller: _builtins.bool
+    """True when `owner` is this controller's id or empty: then this controller reaps it by
+    default, and on each of its starts.
+    """
+    state: _builtins.str
+    """Where it stands at the provisioner: QUEUED, PROVISIONING, RUNNING, TERMINATING,
+    TERMINATED (a cancelled launch) or FAILED.
+    """
+    endpoint: _builtins.str
+    """Base URL of its app; empty unless running."""
+    reason: _builtins.str
+    """Why no record of this controller refers to it, for example `no service "web"`."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When its launch was requested."""
+
+    def __init__(
+        self,
+        *,
+        replica_name: _builtins.str = ...,
+        service_name: _builtins.str = ...,
+        replica_id: _builtins.int = ...,
+        version: _builtins.int = ...,
+        owner: _builtins.str = ...,
+        owned_by_this_controller: _builtins.bool = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        state: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "endpoint", b"endpoint", "owned_by_this_controller", b"owned_by_this_controller", "owner", b"owner", "reason", b"reason", "replica_id", b"replica_id", "replica_name", b"replica_name", "service_name", b"service_name", "state", b"state", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Orphan: _TypeAlias = Orphan  # noqa: Y015

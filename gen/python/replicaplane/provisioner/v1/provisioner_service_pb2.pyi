@@ -277,7 +277,9 @@ class ListReplicasRequest(_message.Message):
     page_size: _builtins.int
     """Maximum replicas per page; default 1000, maximum 10000."""
     page_token: _builtins.str
-    """Token from a previous response's `next_page_token`."""
+    """Token from a previous response's `next_page_token` of the same listing (same filter);
+    any other value is INVALID_ARGUMENT naming `page_token`.
+    """
     def __init__(
         self,
         *,

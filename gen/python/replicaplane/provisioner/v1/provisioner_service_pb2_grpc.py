@@ -126,7 +126,8 @@ class ProvisionerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetReplica(self, request, context):
-        """Gets a replica. Returns NOT_FOUND.
+        """Gets a replica by its full name. Returns NOT_FOUND (naming the full name when a bare
+        `{service}-{replica_id}` matches a replica).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,7 +156,8 @@ class ProvisionerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PreemptReplica(self, request, context):
-        """Chaos and test tool: preempts a replica (kills it and reports it preempted).
+        """Chaos and test tool: preempts a replica, named in full (kills it and reports it
+        preempted). Returns NOT_FOUND, FAILED_PRECONDITION while its launch is in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,7 +45,9 @@ class ProvisionerServiceStub:
     CancelLaunch: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelLaunchRequest, _provisioner_service_pb2.CancelLaunchResponse]
     """Cancels an in-flight launch; returns once its leftovers are torn down (bounded wait)."""
     GetReplica: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.GetReplicaRequest, _provisioner_service_pb2.GetReplicaResponse]
-    """Gets a replica. Returns NOT_FOUND."""
+    """Gets a replica by its full name. Returns NOT_FOUND (naming the full name when a bare
+    `{service}-{replica_id}` matches a replica).
+    """
     ListReplicas: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListReplicasRequest, _provisioner_service_pb2.ListReplicasResponse]
     """Lists the replicas the provisioner manages, optionally of one service."""
     WatchReplicas: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.WatchReplicasRequest, _provisioner_service_pb2.WatchReplicasResponse]
@@ -55,7 +57,9 @@ class ProvisionerServiceStub:
     Returns NOT_FOUND if no log exists.
     """
     PreemptReplica: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.PreemptReplicaRequest, _provisioner_service_pb2.PreemptReplicaResponse]
-    """Chaos and test tool: preempts a replica (kills it and reports it preempted)."""
+    """Chaos and test tool: preempts a replica, named in full (kills it and reports it
+    preempted). Returns NOT_FOUND, FAILED_PRECONDITION while its launch is in flight.
+    """
     SetZoneAvailability: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.SetZoneAvailabilityRequest, _provisioner_service_pb2.SetZoneAvailabilityResponse]
     """Chaos and test tool: makes a zone refuse launches for a while."""
     ListZones: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListZonesRequest, _provisioner_service_pb2.ListZonesResponse]
@@ -87,7 +91,9 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     CancelLaunch: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelLaunchRequest, _provisioner_service_pb2.CancelLaunchResponse]  # type: ignore[assignment]
     """Cancels an in-flight launch; returns once its leftovers are torn down (bounded wait)."""
     GetReplica: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.GetReplicaRequest, _provisioner_service_pb2.GetReplicaResponse]  # type: ignore[assignment]
-    """Gets a replica. Returns NOT_FOUND."""
+    """Gets a replica by its full name. Returns NOT_FOUND (naming the full name when a bare
+    `{service}-{replica_id}` matches a replica).
+    """
     ListReplicas: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListReplicasRequest, _provisioner_service_pb2.ListReplicasResponse]  # type: ignore[assignment]
     """Lists the replicas the provisioner manages, optionally of one service."""
     WatchReplicas: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.WatchReplicasRequest, _provisioner_service_pb2.WatchReplicasResponse]  # type: ignore[assignment]
@@ -97,7 +103,9 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     Returns NOT_FOUND if no log exists.
     """
     PreemptReplica: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.PreemptReplicaRequest, _provisioner_service_pb2.PreemptReplicaResponse]  # type: ignore[assignment]
-    """Chaos and test tool: preempts a replica (kills it and reports it preempted)."""
+    """Chaos and test tool: preempts a replica, named in full (kills it and reports it
+    preempted). Returns NOT_FOUND, FAILED_PRECONDITION while its launch is in flight.
+    """
     SetZoneAvailability: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.SetZoneAvailabilityRequest, _provisioner_service_pb2.SetZoneAvailabilityResponse]  # type: ignore[assignment]
     """Chaos and test tool: makes a zone refuse launches for a while."""
     ListZones: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.ListZonesRequest, _provisioner_service_pb2.ListZonesResponse]  # type: ignore[assignment]
@@ -150,7 +158,9 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _provisioner_service_pb2.GetReplicaRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_provisioner_service_pb2.GetReplicaResponse, _abc.Awaitable[_provisioner_service_pb2.GetReplicaResponse]]:
-        """Gets a replica. Returns NOT_FOUND."""
+        """Gets a replica by its full name. Returns NOT_FOUND (naming the full name when a bare
+        `{service}-{replica_id}` matches a replica).
+        """
 
     @_abc_1.abstractmethod
     def ListReplicas(
@@ -184,7 +194,9 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _provisioner_service_pb2.PreemptReplicaRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_provisioner_service_pb2.PreemptReplicaResponse, _abc.Awaitable[_provisioner_service_pb2.PreemptReplicaResponse]]:
-        """Chaos and test tool: preempts a replica (kills it and reports it preempted)."""
+        """Chaos and test tool: preempts a replica, named in full (kills it and reports it
+        preempted). Returns NOT_FOUND, FAILED_PRECONDITION while its launch is in flight.
+        """
 
     @_abc_1.abstractmethod
     def SetZoneAvailability(

@@ -19,6 +19,34 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _FailureCause:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FailureCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FailureCause.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAILURE_CAUSE_UNSPECIFIED: _FailureCause.ValueType  # 0
+    """Not known (for example, from an older provisioner); treated as the user's."""
+    FAILURE_CAUSE_USER: _FailureCause.ValueType  # 1
+    """The user's: setup or run exited non-zero, an image is missing, a command is bad."""
+    FAILURE_CAUSE_INFRASTRUCTURE: _FailureCause.ValueType  # 2
+    """The infrastructure's: API server 5xx/429/409, timeouts, capacity, quota, a provisioner
+    restart. Retried with bounded backoff; never stops a version.
+    """
+
+class FailureCause(_FailureCause, metaclass=_FailureCauseEnumTypeWrapper):
+    """FailureCause says whose fault a failure was."""
+
+FAILURE_CAUSE_UNSPECIFIED: FailureCause.ValueType  # 0
+"""Not known (for example, from an older provisioner); treated as the user's."""
+FAILURE_CAUSE_USER: FailureCause.ValueType  # 1
+"""The user's: setup or run exited non-zero, an image is missing, a command is bad."""
+FAILURE_CAUSE_INFRASTRUCTURE: FailureCause.ValueType  # 2
+"""The infrastructure's: API server 5xx/429/409, timeouts, capacity, quota, a provisioner
+restart. Retried with bounded backoff; never stops a version.
+"""
+Global___FailureCause: _TypeAlias = FailureCause  # noqa: Y015
+
 class _ReplicaState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -267,7 +295,10 @@ class ProvisionedReplica(_message.Message):
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Replica name, the launch key: `{service}-{replica_id}`."""
+    """Replica name, the launch key (the `LaunchRequest.name` it was launched with). The
+    controller names replicas `{service}-{replica_id}-{uid}`, `uid` being 8 hex digits unique to
+    the service's incarnation; a bare `{service}-{replica_id}` is a different name.
+    """
     service: _builtins.str
     """The service name."""
     replica_id: _builtins.int
@@ -387,6 +418,7 @@ class LaunchEvent(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     PERMANENT_FIELD_NUMBER: _builtins.int
     CAPACITY_UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Sequence number within this replica's launch; starts at 1."""
     type: Global___LaunchEventType.ValueType
@@ -401,6 +433,10 @@ class LaunchEvent(_message.Message):
     """For FAILED: true if retrying could not help (bad spec, no access, resource mismatch)."""
     capacity_unavailable: _builtins.bool
     """For FAILED: true if the failure was a lack of (spot) capacity in the zone."""
+    cause: Global___FailureCause.ValueType
+    """For ATTEMPT_FAILED and FAILED: whose fault the failure was. Only a user-caused failure
+    counts toward a version's stop rule; infrastructure failures are retried.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the step happened."""
@@ -426,10 +462,11 @@ class LaunchEvent(_message.Message):
         replica: Global___ProvisionedReplica | None = ...,
         permanent: _builtins.bool = ...,
         capacity_unavailable: _builtins.bool = ...,
+        cause: Global___FailureCause.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica", "retry_delay", b"retry_delay", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "capacity_unavailable", b"capacity_unavailable", "endpoint", b"endpoint", "message", b"message", "permanent", b"permanent", "replica", b"replica", "retry_delay", b"retry_delay", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "capacity_unavailable", b"capacity_unavailable", "cause", b"cause", "endpoint", b"endpoint", "message", b"message", "permanent", b"permanent", "replica", b"replica", "retry_delay", b"retry_delay", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -492,12 +529,17 @@ class ReplicaEvent(_message.Message):
     TYPE_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Sequence number across all replicas of this provisioner; strictly increasing."""
     type: Global___ReplicaEventType.ValueType
     """What happened."""
     message: _builtins.str
     """Human-readable detail."""
+    cause: Global___FailureCause.ValueType
+    """For APP_EXITED, VANISHED and PREEMPTED: whose fault the change was (an app exit with a
+    non-zero code is the user's; a vanished or preempted replica is the infrastructure's).
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the change happened."""
@@ -514,10 +556,11 @@ class ReplicaEvent(_message.Message):
         type: Global___ReplicaEventType.ValueType = ...,
         replica: Global___ProvisionedReplica | None = ...,
         message: _builtins.str = ...,
+        cause: Global___FailureCause.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "replica", b"replica", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "message", b"message", "replica", b"replica", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

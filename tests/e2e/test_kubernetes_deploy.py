@@ -1,0 +1,127 @@
+"""The control plane as deploy/kubernetes runs it, end to end against the Kubernetes emulator.
+
+The controller, the provisioner (kubernetes backend), a prober and the load balancer run as
+processes with the settings of the manifests' ConfigMaps (read from deploy/kubernetes, so the
+two cannot drift). Only what says where things are is replaced: listen addresses, peers'
+addresses, state directories, and the cluster (the emulator's kubeconfig and namespace instead
+of the in-cluster service account). Then a user's round trip: create the service the balancer
+serves, READY, a request through the balancer, `replicactl logs`, delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from tests.helpers import balancer as lb
+from tests.helpers import cluster as cl
+from tests.helpers import kube_emulator, kube_manifests
+
+pytestmark = pytest.mark.e2e
+
+READY = res.REPLICA_STATUS_READY
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where things are: the only settings of the manifests a run on one machine replaces.
+LOCATION = {
+    "controller": {"LISTEN_ADDR", "STATE_DIR", "PROVISIONER_ADDR", "PROBER_ADDRS"},
+    "provisioner": {"LISTEN_ADDR", "STATE_DIR", "KUBERNETES_IN_CLUSTER", "KUBERNETES_NAMESPACE"},
+    "prober": {"LISTEN_ADDR"},
+    "loadbalancer": {"LISTEN_ADDR", "HTTP_ADDR", "CONTROLLER_ADDR", "ADVERTISE_URL"},
+}
+
+
+def manifest_env(component: str) -> dict[str, str]:
+    """The manifests' settings of `component` less the location ones, which must exist there."""
+    env = kube_manifests.service_env(component)
+    prefix = f"REPLICAPLANE_{component.upper()}_"
+    for key in LOCATION[component]:
+        assert prefix + key in env, f"the manifests no longer set {prefix + key}"
+        del env[prefix + key]
+    return env
+
+
+@pytest.fixture
+def emulator(tmp_path) -> Iterator[kube_emulator.Emulator]:
+    emu = kube_emulator.Emulator(str(tmp_path / "emu")).start()
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+@pytest.fixture
+async def deployed(tmp_path, emulator: kube_emulator.Emulator) -> AsyncIterator[tuple[cl.Cluster, lb.Balancer]]:
+    provisioner_env = {
+        **manifest_env("provisioner"),
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_KUBECONFIG": emulator.kubeconfig(str(tmp_path / "kubeconfig")),
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_NAMESPACE": emulator.namespace,
+        # The emulator's Pods share this machine's loopback: it publishes each serving port.
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_PORT_ANNOTATION": kube_emulator.PORT_ANNOTATION,
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_INSTANCE": f"e2e-{uuid.uuid4().hex[:8]}",
+    }
+    assert provisioner_env["REPLICAPLANE_PROVISIONER_BACKEND"] == "kubernetes"
+    c = cl.Cluster(
+        str(tmp_path),
+        provisioner_env=provisioner_env,
+        controller_env=manifest_env("controller"),
+        prober_env=manifest_env("prober"),
+    )
+    balancer = None
+    try:
+        lb_env = manifest_env("loadbalancer")
+        service = lb_env.pop("REPLICAPLANE_LOADBALANCER_SERVICE_NAME")
+        extra = {
+            k.removeprefix("REPLICAPLANE_LOADBALANCER_").lower(): v
+            for k, v in lb_env.items()
+            if k.startswith("REPLICAPLANE_LOADBALANCER_")
+        }
+        balancer = await lb.start(c.controller.addr, service, str(tmp_path / "lb"), **extra)
+        yield c, balancer
+    finally:
+        if balancer is not None:
+            await balancer.close()
+        await c.close()
+
+
+async def test_the_deployed_settings_run_a_service_from_create_to_delete(deployed, emulator, tmp_path) -> None:
+    c, balancer = deployed
+    service = kube_manifests.service_env("loadbalancer")["REPLICAPLANE_LOADBALANCER_SERVICE_NAME"]
+    run = f'echo "{service} app starting"; exec {sys.executable} {cl.APP} --port 8080 --tag {c.tag}'
+    await c.stub.CreateService(api.CreateServiceRequest(yaml=cl.app_yaml(service, c.tag, run=run)))
+    w = cl.Watch(c.stub, service)
+    await w.until(lambda w: w.count(READY) == 2, timeout=60)
+    w.cancel()
+    assert len(await emulator.names("pod")) == 2
+
+    # A request through the balancer the manifests configure.
+    await balancer.until(lambda s: sum(r.ready for r in s.replicas) == 2)
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(balancer.url + "/health", timeout=5).read())
+    assert body.startswith(b"hello from replica ")
+
+    # The replica's app log, from its Pod's log, through replicactl.
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "--controller", c.controller.addr, "logs", service, "1", "--no-follow"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "gen", "python")])},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"{service} app starting" in out.stdout
+
+    await c.stub.DeleteService(api.DeleteServiceRequest(service_name=service))
+    async with asyncio.timeout(30):
+        while await emulator.names("pod"):
+            await asyncio.sleep(0.1)

@@ -1,0 +1,134 @@
+"""The test Kubernetes API server keeps the real one's protocol where the backend relies on it.
+
+These pin down tests/helpers/kube_api.py itself (the kubernetes backend's tests trust it):
+versions, watch resume, 410, bookmarks, server-side timeouts, selectors, graceful deletion,
+finalizers, garbage collection and scripted faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import kube_api
+
+NS = "/api/v1/namespaces/ns"
+
+
+class _Client:
+    def __init__(self, api: kube_api.KubeApi, session: aiohttp.ClientSession) -> None:
+        self.api = api
+        self.session = session
+
+    async def call(self, method: str, path: str, body: Any = None, **params: str) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": kube_api.MERGE_PATCH if method == "PATCH" else "application/json"}
+        data = json.dumps(body) if body is not None else None
+        async with self.session.request(method, self.api.url + path, data=data, params=params, headers=headers) as r:
+            return r.status, await r.json()
+
+    async def watch(self, path: str, **params: str) -> list[dict[str, Any]]:
+        """Every event of one watch, until the server ends it."""
+        events = []
+        async with self.session.get(self.api.url + path, params={"watch": "true", **params}) as r:
+            async for line in r.content:
+                events.append(json.loads(line))
+        return events
+
+
+@pytest.fixture
+async def kc() -> AsyncIterator[_Client]:
+    api = kube_api.KubeApi(bookmark_interval_s=0.2, gc_delay_s=0.01)
+    api.add_namespace("ns")
+    await api.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            yield _Client(api, session)
+    finally:
+        await api.stop()
+
+
+def _pod(name: str, **labels: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": labels}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+
+
+async def test_watches_resume_from_a_version_and_expire_once_compacted(kc: _Client) -> None:
+    status, a = await kc.call("POST", f"{NS}/pods", _pod("a", app="x"))
+    assert status == 201 and a["metadata"]["uid"] and a["status"] == {"phase": "Pending"}
+    _, listing = await kc.call("GET", f"{NS}/pods")
+    version = listing["metadata"]["resourceVersion"]
+    await kc.call("POST", f"{NS}/pods", _pod("b", app="x"))
+    await kc.call("PATCH", f"{NS}/pods/a", {"metadata": {"labels": {"app": "y"}}})
+    # From the list's version: only what came after, and a change out of the selector is DELETED.
+    events = await kc.watch(f"{NS}/pods", resourceVersion=version, labelSelector="app=x", timeoutSeconds="1")
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "b"), ("DELETED", "a")]
+    # Without a version: the current objects as ADDED.
+    events = await kc.watch(f"{NS}/pods", labelSelector="app=x", timeoutSeconds="1")
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "b")]
+    kc.api.compact()
+    (expired,) = await kc.watch(f"{NS}/pods", resourceVersion=version, timeoutSeconds="1")
+    assert expired["type"] == "ERROR" and expired["object"]["code"] == 410
+    assert expired["object"]["reason"] == "Expired"
+
+
+async def test_quiet_watches_get_bookmarks_and_end_at_their_timeout(kc: _Client) -> None:
+    _, listing = await kc.call("GET", f"{NS}/pods")
+    await kc.call("POST", f"{NS}/secrets", {"metadata": {"name": "s"}})  # not a Pod: only the version moves
+    events = await kc.watch(
+        f"{NS}/pods",
+        resourceVersion=listing["metadata"]["resourceVersion"],
+        allowWatchBookmarks="true",
+        timeoutSeconds="1",
+    )
+    # It ended: a watch the server kept open would have hit the session's 10 s timeout and raised.
+    assert events and {e["type"] for e in events} == {"BOOKMARK"}
+    assert int(events[-1]["object"]["metadata"]["resourceVersion"]) == kc.api.rv
+
+
+async def test_bound_pods_are_deleted_gracefully_and_finalizers_hold_any_object(kc: _Client) -> None:
+    await kc.call("POST", f"{NS}/pods", _pod("a"))
+    await kc.call("POST", f"{NS}/pods/a/binding", {"target": {"name": "node-1"}})
+    status, pod = await kc.call("DELETE", f"{NS}/pods/a", gracePeriodSeconds="5")
+    assert status == 200 and pod["metadata"]["deletionGracePeriodSeconds"] == 5
+    assert kc.api.get("pods", "ns", "a") is not None  # terminating until the kubelet is done
+    await kc.call("DELETE", f"{NS}/pods/a", gracePeriodSeconds="0")
+    assert kc.api.get("pods", "ns", "a") is None
+
+    await kc.call("POST", f"{NS}/secrets", {"metadata": {"name": "s", "finalizers": ["x/hold"]}})
+    await kc.call("DELETE", f"{NS}/secrets/s")
+    assert kc.api.get("secrets", "ns", "s")["metadata"]["deletionTimestamp"]
+    await kc.call("PATCH", f"{NS}/secrets/s", {"metadata": {"finalizers": None}})
+    assert kc.api.get("secrets", "ns", "s") is None
+    status, _ = await kc.call("PATCH", f"{NS}/pods/gone", {"metadata": {"labels": {"a": "b"}}})
+    assert status == 404
+
+
+async def test_owned_objects_go_with_their_owner(kc: _Client) -> None:
+    _, pod = await kc.call("POST", f"{NS}/pods", _pod("a"))
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "a", "uid": pod["metadata"]["uid"]}
+    await kc.call("POST", f"{NS}/secrets", {"metadata": {"name": "owned", "ownerReferences": [owner]}})
+    await kc.call("POST", f"{NS}/secrets", {"metadata": {"name": "free"}})
+    await kc.call("DELETE", f"{NS}/pods/a")  # never bound: goes at once
+    async with asyncio.timeout(5):
+        while kc.api.get("secrets", "ns", "owned") is not None:
+            await asyncio.sleep(0.01)
+    assert kc.api.names("secrets", "ns") == ["free"]
+
+
+async def test_errors_are_status_objects_and_faults_are_scripted(kc: _Client) -> None:
+    assert (await kc.call("POST", f"{NS}/pods", _pod("Bad_Name")))[0] == 422
+    assert (await kc.call("POST", "/api/v1/namespaces/none/pods", _pod("a")))[0] == 404
+    await kc.call("POST", f"{NS}/pods", _pod("a"))
+    status, body = await kc.call("POST", f"{NS}/pods", _pod("a"))
+    assert (status, body["reason"]) == (409, "AlreadyExists")
+    kc.api.fail("create", "pods", 500, after_commit=True)
+    assert (await kc.call("POST", f"{NS}/pods", _pod("b")))[0] == 500
+    assert kc.api.get("pods", "ns", "b") is not None  # applied, answer lost
+    kc.api.fail("get", "pods", 429, retry_after=2)
+    async with kc.session.get(kc.api.url + f"{NS}/pods/a") as r:
+        assert (r.status, r.headers["Retry-After"]) == (429, "2")
+    assert (await kc.call("GET", f"{NS}/pods/a"))[0] == 200  # the fault was used up
