@@ -10,7 +10,11 @@ p50 and p99 latencies. Throughput: BENCH_CONCURRENCY clients send GETs through t
 BENCH_MEASURE seconds; on a 2-core machine the balancer, both replicas and the client share them.
 Scale from zero: one request to a `min_replicas: 0` service with no replica, held by a second
 balancer until the replica its arrival launched is READY; the figure is its response time.
-BENCH_SMOKE=1 (or --smoke) sends 50 pairs and 4 clients for 1 s.
+Canary split: a balancer process follows a stand-in controller (tests/helpers/weighted_controller.py;
+the real one cannot set weights yet) that gives version 1 (three replicas) weight 90 and version 2
+(one replica) weight 10; BENCH_SPLIT_REQUESTS GETs, 16 at a time, go through the balancer, and the
+figure is the largest difference, in percentage points, between a version's weight and its share.
+BENCH_SMOKE=1 (or --smoke) sends 50 pairs, 4 clients for 1 s and 200 requests for the canary split.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E4
 from tests.helpers import balancer as lb  # noqa: E402
 from tests.helpers import bench  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
+from tests.helpers import weighted_controller as wc  # noqa: E402
 
 REQUESTS = int(os.environ.get("BENCH_REQUESTS", bench.pick("2000", "50")))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", bench.pick("32", "4")))
 MEASURE_S = float(os.environ.get("BENCH_MEASURE", bench.pick("5", "1")))
 WARMUP = bench.pick(200, 10)
+SPLIT_REQUESTS = int(os.environ.get("BENCH_SPLIT_REQUESTS", bench.pick("2000", "200")))
 
 
 def pct(values: list[float], p: float) -> float:
@@ -66,6 +72,35 @@ async def scale_from_zero(c: cl.Cluster, tmp: str) -> float:
             return time.perf_counter() - start
     finally:
         await b.close()
+
+
+async def canary_split_error_pct(tmp: str) -> float:
+    """Weights 90/10 between two versions; the largest weight-minus-share error, in points."""
+    weights = {1: 900, 2: 100}
+    replicas = wc.Replicas()
+    try:
+        async with wc.serving("canary") as ctl:
+            endpoints = [await replicas.start(1) for _ in range(3)] + [await replicas.start(2)]
+            ctl.publish(endpoints, weights)
+            b = await lb.start(ctl.addr, "canary", os.path.join(tmp, "lb-canary"))
+            try:
+                await b.until(lambda s: sum(r.ready for r in s.replicas) == len(endpoints))
+                seen = {1: 0, 2: 0}
+                left = iter(range(SPLIT_REQUESTS))
+
+                async def client(session: aiohttp.ClientSession) -> None:
+                    for _ in left:
+                        async with session.get(b.url + "/x") as resp:
+                            assert resp.status == 200, resp.status
+                            seen[int((await resp.text()).split()[1])] += 1
+
+                async with aiohttp.ClientSession() as session:
+                    await asyncio.gather(*(client(session) for _ in range(16)))
+            finally:
+                await b.close()
+    finally:
+        await replicas.close()
+    return max(abs(100 * seen[v] / SPLIT_REQUESTS - w / 10) for v, w in weights.items())
 
 
 async def main() -> None:
@@ -109,6 +144,8 @@ async def main() -> None:
             print(f"figure: proxy_overhead_p99_ms {pct(via_ms, 99) - pct(direct_ms, 99):.2f} ms")
             print(f"figure: proxy_rps {rps:.0f} requests/s ({CONCURRENCY} concurrent clients)")
             print(f"figure: scale_from_zero_first_response_s {await scale_from_zero(c, tmp):.2f} s")
+            error = await canary_split_error_pct(tmp)
+            print(f"figure: canary_split_error_pct {error:.2f} points ({SPLIT_REQUESTS} requests, weights 90/10)")
         finally:
             if b is not None:
                 await b.close()

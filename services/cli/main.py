@@ -102,6 +102,13 @@ def _add_wait(p: argparse.ArgumentParser, what: str, default: float) -> None:
     )
 
 
+_UPDATE_MODES = {
+    "rolling": res.UPDATE_MODE_ROLLING,
+    "blue_green": res.UPDATE_MODE_BLUE_GREEN,
+    "canary": res.UPDATE_MODE_CANARY,
+}
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     p = _Parser(
@@ -155,10 +162,11 @@ def parser() -> argparse.ArgumentParser:
     update.add_argument("spec", metavar="SPEC.yaml", help="the new task YAML")
     update.add_argument(
         "--mode",
-        choices=["rolling", "blue_green"],
-        default="rolling",
-        help="rolling: replace replicas a few at a time; blue_green: switch once the new version is ready "
-        "(default rolling)",
+        choices=list(_UPDATE_MODES),
+        default=None,
+        help="rolling: replace replicas a few at a time; blue_green: switch once the new version is ready; "
+        "canary: move traffic in weighted steps (refused by the controller until canary rollouts are "
+        "available). Default: the new spec's service.rollout.strategy, else rolling",
     )
     update.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     _add_overrides(update)
@@ -371,7 +379,7 @@ def cmd_update(args: argparse.Namespace, client: client_mod.Client, out: TextIO)
     """Update a service, or print the plan on a dry run."""
     text = _read_spec(args.spec)
     envs, secrets = _overrides(args)
-    mode = res.UPDATE_MODE_BLUE_GREEN if args.mode == "blue_green" else res.UPDATE_MODE_ROLLING
+    mode = _UPDATE_MODES[args.mode] if args.mode else res.UPDATE_MODE_UNSPECIFIED
     request = pb.UpdateServiceRequest(
         service_name=args.name,
         yaml=text,

@@ -43,6 +43,9 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
 ]
 
 
+_RETRY_OPTIONS = frozenset({"grpc.enable_retries", "grpc.service_config"})
+
+
 def channel(
     target: str,
     *,
@@ -50,6 +53,7 @@ def channel(
     credentials: grpc.ChannelCredentials | None = None,
     server_name: str = "",
     interceptors: list[grpc.aio.ClientInterceptor] | None = None,
+    retries: bool = True,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `target` (host:port, dns:///name:port, ipv4:a,b).
 
@@ -60,8 +64,11 @@ def channel(
         server_name: the name the server's certificate must carry, when it is not the target host
             (for unix: targets, UNIX_SERVER_NAME).
         interceptors: client interceptors, for example security.token_interceptors().
+        retries: False for a caller that retries at its own layer (and must know how many
+            attempts were made), so gRPC does not retry underneath it.
     """
-    options = CHANNEL_OPTIONS + (extra_options or [])
+    shared = CHANNEL_OPTIONS if retries else [o for o in CHANNEL_OPTIONS if o[0] not in _RETRY_OPTIONS]
+    options = shared + [("grpc.enable_retries", 0)] * (not retries) + (extra_options or [])
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     if not server_name and target.startswith("unix:"):

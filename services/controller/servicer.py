@@ -9,7 +9,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from services.common import overrides
-from services.controller import controller
+from services.controller import controller, rollout_api
 
 
 class ControllerServicer(api_grpc.ControllerServiceServicer):
@@ -40,9 +40,8 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        svc, plan = await self._ctl.update_service(
-            request.service_name, text, mode=request.mode, dry_run=request.dry_run
-        )
+        mode = rollout_api.update_mode(request.mode, text)  # refuses canary until rollouts land
+        svc, plan = await self._ctl.update_service(request.service_name, text, mode=mode, dry_run=request.dry_run)
         return api.UpdateServiceResponse(service=svc, plan=plan)
 
     async def DeleteService(
@@ -81,6 +80,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
+        rollout_api.version_samples(request)  # checked; kept per version once rollouts land
         return self._ctl.report_load(request)
 
     async def WatchEndpoints(

@@ -5,7 +5,9 @@ endpoint set meanwhile; load that could not be reported stays counted and goes l
 
 Load reports are exactly once and need no shared clock: each carries this balancer's random id and
 a sequence number, and a report that got no answer is sent again unchanged, with the same number
-(the controller drops a report it already applied); requests go as their ages at send time.
+(the controller drops a report it already applied); requests go as their ages at send time. The
+per-version outcomes of the attempts that ended since the last report ride in the same report, so
+they too count once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -26,7 +28,7 @@ from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import pbtime
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import policies
+from services.loadbalancer import policies, versions
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class Report:
     """Arrival times on the balancer's clock."""
     count: int
     """Arrivals without a time."""
+    stats: Mapping[int, versions.Stats] = dataclasses.field(default_factory=dict)
+    """Outcomes of attempts per version that ended before the report was taken."""
 
     @property
     def requests(self) -> int:
@@ -80,6 +84,19 @@ def request_of(report: Report, *, service: str, balancer_id: str, url: str, now:
         request_ages=ages,
         request_count=report.count,
         load_balancer_url=url,
+        version_stats=[version_stats_of(v, s) for v, s in sorted(report.stats.items())],
+    )
+
+
+def version_stats_of(version: int, stats: versions.Stats) -> res.VersionStats:
+    """One version's outcomes as sent in a report."""
+    return res.VersionStats(
+        version=version,
+        requests=stats.requests,
+        server_errors=stats.server_errors,
+        transport_errors=stats.transport_errors,
+        latency_buckets=stats.latency_buckets,
+        latency_sum=pbtime.duration(min(stats.latency_sum_s, pbtime.MAX_DURATION_S)),
     )
 
 
@@ -142,7 +159,7 @@ class ControllerLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             await self.report_once(timeout=1.0)
-            if self.unreported:  # that was an unanswered report; newer arrivals go in another
+            if self.unreported or self.balancer.has_stats:  # that was an unanswered report; newer ones go too
                 await self.report_once(timeout=1.0)
 
     @property
@@ -181,7 +198,8 @@ class ControllerLink:
                     replicas = replicas_of(msg)
                     if any(r.version > self._spec_version for r in replicas):
                         await self._refresh_config()  # a new version may change the policy settings
-                    self.balancer.set_endpoints(replicas, msg.version)
+                    weights = {w.version: w.weight for w in msg.version_weights}
+                    self.balancer.set_endpoints(replicas, msg.version, weights)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     if self.balancer.policy.replicas:
@@ -213,7 +231,7 @@ class ControllerLink:
         if self._unanswered is None:
             times, count = self.balancer.take_report()
             self._sequence += 1
-            self._unanswered = Report(self._sequence, times, count)
+            self._unanswered = Report(self._sequence, times, count, self.balancer.take_stats())
             self._attempts = 0
         report = self._unanswered
         self._attempts += 1
@@ -228,7 +246,7 @@ class ControllerLink:
                     self.balancer_id,
                 )
                 self.balancer_id, self._sequence = uuid.uuid4().hex, 1
-                report = self._unanswered = Report(1, report.times, report.count)
+                report = self._unanswered = dataclasses.replace(report, sequence=1)
                 response = await self.stub.ReportLoad(self._request(report), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -262,7 +280,7 @@ class ControllerLink:
                     await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
             self._report_now.clear()
             now = time.monotonic()
-            if not self.unreported and now - last_sent < self.heartbeat_s:
+            if not self.unreported and not self.balancer.has_stats and now - last_sent < self.heartbeat_s:
                 hurry = False
                 continue  # nothing new; an empty report only every heartbeat, to keep the URL shown
             resending = self._unanswered is not None
@@ -272,7 +290,8 @@ class ControllerLink:
                 if failing:
                     log.info("load reports to the controller go through again")
                 failing = False
-                hurry = resending and self.balancer.unreported > 0  # newer arrivals: send them now
+                # Newer arrivals or outcomes: send them now.
+                hurry = resending and (self.balancer.unreported > 0 or self.balancer.has_stats)
             except grpc.aio.AioRpcError as exc:
                 hurry = False
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

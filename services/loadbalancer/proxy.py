@@ -7,6 +7,10 @@ out only if its method is idempotent, since the replica may have acted on it. Ei
 must still be at hand (see bodies.py). An upstream HTTP error is returned as it is. A client that
 goes away cancels the handler (aiohttp's handler cancellation), which closes the upstream
 connection, so the replica sees the disconnect at once.
+
+Each attempt's outcome is counted for its replica's version (see `Balancer.record_answer`): the
+answer's status and how long its headers took, or a transport error. An attempt the client
+abandoned counts nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import logging
 import re
 import ssl
+import time
 
 import aiohttp
 import yarl
@@ -219,6 +224,7 @@ class Proxy:
             except bal.NoReplicaError as exc:
                 return _text(503, str(exc), headers={"Retry-After": "1"})
             failure: Exception
+            sent = time.monotonic()
             try:
                 upstream = await self.session.request(
                     request.method,
@@ -233,6 +239,7 @@ class Proxy:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError) as exc:
                 reached, failure = True, exc  # the request (or part of it) went out, or the answer was garbled
             except TimeoutError:
+                self.balancer.record_transport_error(replica)
                 self.balancer.release(replica)
                 return _text(504, f"replica {replica.replica_id} did not answer in time")
             except BaseException:
@@ -240,7 +247,8 @@ class Proxy:
                 raise
             else:
                 body.release()  # an answer has started: no attempt will need the body again
-                return await self._relay(request, replica, upstream)
+                return await self._relay(request, replica, upstream, time.monotonic() - sent)
+            self.balancer.record_transport_error(replica)
             self.balancer.release(replica)
             tried.add(replica.replica_id)
             if body.error is not None:
@@ -275,9 +283,13 @@ class Proxy:
         )
 
     async def _relay(
-        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse, latency_s: float
     ) -> web.StreamResponse:
-        """Stream the replica's response back; always release the replica and the connection."""
+        """Stream the replica's response back; always release the replica and the connection.
+
+        The outcome is counted when the answer ends: a break from the replica's side midway is a
+        transport error, whatever the status was.
+        """
         finished = False
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -292,11 +304,14 @@ class Proxy:
                 # The replica or the client broke off after the headers went out: all that is left
                 # is to cut both connections.
                 log.info("response from replica %d not completed: %s", replica.replica_id, exc)
+                if request.transport is not None and not request.transport.is_closing():
+                    self.balancer.record_transport_error(replica)  # the replica's side broke, not the client's
                 if request.transport is not None:
                     request.transport.close()
                 return resp
             await resp.write_eof()
             finished = True
+            self.balancer.record_answer(replica, upstream.status, latency_s)
             return resp
         finally:
             if finished:

@@ -217,7 +217,9 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
     token = api_token(settings)
-    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(token))
+    # The link retries every call itself (a load report must know whether it was sent before), so
+    # gRPC must not retry underneath it.
+    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(token), retries=False)
     link = ctl_link.ControllerLink(
         controller_service_pb2_grpc.ControllerServiceStub(channel),
         balancer,

@@ -40,4 +40,17 @@ class LoadBalancerServicer(api_grpc.LoadBalancerServiceServicer):
             held_requests=b.held,
             unreported_requests=self._link.unreported,
             controller_connected=self._link.connected,
+            versions=[
+                api.VersionTraffic(
+                    version=v.version,
+                    weight=v.weight,
+                    share_per_mille=v.share_per_mille,
+                    ready_replicas=v.ready_replicas,
+                    requests_total=v.totals.requests,
+                    server_errors_total=v.totals.server_errors,
+                    transport_errors_total=v.totals.transport_errors,
+                )
+                for v in b.versions_view()
+            ],
+            split_by_version=b.split is not None,
         )

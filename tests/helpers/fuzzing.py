@@ -194,6 +194,18 @@ def _age(seconds: int, nanos: int) -> duration_pb2.Duration:
 
 ages = st.builds(_age, ints, st.integers(-(2**31), 2**31 - 1))
 
+version_stats = st.builds(
+    lambda v, r, e, t, b, s: res.VersionStats(
+        version=v, requests=r, server_errors=e, transport_errors=t, latency_buckets=b, latency_sum=s
+    ),
+    ints,
+    ints,
+    ints,
+    ints,
+    st.dictionaries(st.integers(-(2**31), 2**31 - 1), ints, max_size=4),
+    ages,
+)
+
 requests = st.one_of(
     st.builds(
         lambda n, y, r: ("CreateService", api.CreateServiceRequest(service_name=n, yaml=y, request_id=r)),
@@ -245,6 +257,12 @@ requests = st.one_of(
         st.lists(ages, max_size=5),
         texts,
         ints,
+    ),
+    st.builds(
+        lambda n, c, v: ("ReportLoad", api.ReportLoadRequest(service_name=n, request_count=c, version_stats=v)),
+        names,
+        ints,
+        st.lists(version_stats, max_size=4),
     ),
     st.builds(lambda n, v: ("WatchEndpoints", api.WatchEndpointsRequest(service_name=n, after_version=v)), names, ints),
     st.builds(

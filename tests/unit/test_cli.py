@@ -217,3 +217,39 @@ def test_orphans_options_that_only_go_with_reap_exit_2() -> None:
     out, err = io.StringIO(), io.StringIO()
     assert main.run(["--controller", "127.0.0.1:1", "orphans", "--all-owners"], out=out, err=err) == main.BAD_INPUT
     assert err.getvalue() == "error: --all-owners, --name and --wait go with --reap\n"
+
+
+class _UpdateRecorder:
+    """Stands in for the client: records the UpdateService request, answers an empty plan."""
+
+    def __init__(self) -> None:
+        self.requests: list[object] = []
+
+    def call(self, name: str, request: object) -> object:
+        from replicaplane.controller.v1 import controller_service_pb2 as pb
+
+        assert name == "UpdateService"
+        self.requests.append(request)
+        return pb.UpdateServiceResponse(plan=res.UpdatePlan(new_version=2))
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"),
+    [
+        ([], res.UPDATE_MODE_UNSPECIFIED),  # the spec's service.rollout.strategy, else rolling
+        (["--mode", "rolling"], res.UPDATE_MODE_ROLLING),
+        (["--mode", "blue_green"], res.UPDATE_MODE_BLUE_GREEN),
+        (["--mode", "canary"], res.UPDATE_MODE_CANARY),
+    ],
+)
+def test_update_sends_the_mode_asked_for_and_none_by_default(
+    tmp_path: os.PathLike[str], flags: list[str], mode: int
+) -> None:
+    path = os.path.join(tmp_path, "v2.yaml")
+    with open(path, "w") as fh:
+        fh.write("service:\n  replicas: 1\nresources:\n  ports: 8080\nrun: serve\n")
+    args = main.parser().parse_args(["update", "hello", path, "--json", *flags])
+    client = _UpdateRecorder()
+    assert main.cmd_update(args, client, io.StringIO()) == main.OK  # type: ignore[arg-type]
+    (request,) = client.requests
+    assert request.mode == mode  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ The parts, by concern:
 - `schema`: accepted keys, refused SkyPilot keys, defaults and limits.
 - `loading`: safe YAML loading (size, alias bombs, duplicate keys, unstorable strings).
 - `parsing`: `parse()`, the task-level fields and service names.
-- `service`, `probe`, `resources`: one section each.
+- `service`, `probe`, `resources`, `rollout`: one section each.
 - `checks`: the violation collector the section readers share.
 - `redact`: masking header and secret values for display.
 - `compare`: the in-place update rule; `derived`: answers read off a parsed spec.

@@ -21,6 +21,16 @@ DEFAULT_DOWNSCALE_DELAY_S = 1200.0
 DEFAULT_LB_STREAM_TIMEOUT_S = 120.0
 DEFAULT_LOAD_BALANCING_POLICY = spec_pb2.LOAD_BALANCING_POLICY_LEAST_LOAD
 
+# Rollout defaults: a rollout that is not READY in 10 minutes fails, a failed one goes back, and a
+# new version fails with 5 points more errors than the stable one over 30 s and 20 requests.
+DEFAULT_PROGRESS_DEADLINE_S = 600.0
+DEFAULT_CANARY_STEPS = ((10, 60.0), (50, 60.0))
+DEFAULT_STEP_PAUSE_S = 60.0
+DEFAULT_MAX_ERROR_RATE_INCREASE_PCT = 5.0
+DEFAULT_ANALYSIS_WINDOW_S = 30.0
+DEFAULT_ANALYSIS_MIN_REQUESTS = 20
+MAX_ANALYSIS_WINDOW_S = 3600.0
+
 # Input limits: a spec is a small document; these stop accidental or hostile giants.
 MAX_YAML_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
@@ -42,6 +52,11 @@ LOAD_BALANCING_POLICIES = {
     "instance_aware_least_load": spec_pb2.LOAD_BALANCING_POLICY_INSTANCE_AWARE_LEAST_LOAD,
 }
 SPOT_PLACERS = {"dynamic_fallback": spec_pb2.SPOT_PLACER_DYNAMIC_FALLBACK}
+ROLLOUT_STRATEGIES = {
+    "rolling": spec_pb2.ROLLOUT_STRATEGY_ROLLING,
+    "blue_green": spec_pb2.ROLLOUT_STRATEGY_BLUE_GREEN,
+    "canary": spec_pb2.ROLLOUT_STRATEGY_CANARY,
+}
 
 # Keys per section. A key in an `UNSUPPORTED_*` table is a SkyPilot key Replicaplane rejects
 # with the reason given; any other key outside the accepted set is "unknown".
@@ -49,7 +64,7 @@ TOP_KEYS = frozenset(
     {"name", "workdir", "setup", "run", "envs", "secrets", "file_mounts", "resources", "service", "num_nodes"}
 )
 SERVICE_KEYS = frozenset(
-    {"readiness_probe", "replica_policy", "replicas", "load_balancing_policy", "ports", "load_balancer"}
+    {"readiness_probe", "replica_policy", "replicas", "load_balancing_policy", "ports", "load_balancer", "rollout"}
 )
 PROBE_KEYS = frozenset(
     {
@@ -76,6 +91,11 @@ POLICY_KEYS = frozenset(
     }
 )
 LB_KEYS = frozenset({"stream_timeout_seconds"})
+ROLLOUT_KEYS = frozenset({"strategy", "steps", "progress_deadline_seconds", "auto_rollback", "analysis"})
+ROLLOUT_STEP_KEYS = frozenset({"weight", "pause_seconds"})
+ROLLOUT_ANALYSIS_KEYS = frozenset(
+    {"max_error_rate_increase_pct", "window_seconds", "min_requests", "max_latency_p99_ratio"}
+)
 RESOURCE_KEYS = frozenset(
     {
         "ports",
@@ -108,6 +128,7 @@ UNSUPPORTED_TOP = {
     "volumes": _VOLUMES,
     "config": "per-task SkyPilot config overrides are not supported",
     "job_recovery": _JOB_RECOVERY,
+    "rollout": "rollout: belongs in the service: section (service.rollout)",
 }
 UNSUPPORTED_SERVICE = {
     "pool": "pools are not supported",
@@ -137,5 +158,8 @@ ACCEPTED_KEYS: Mapping[str, frozenset[str]] = {
     "service.readiness_probe": PROBE_KEYS,
     "service.replica_policy": POLICY_KEYS,
     "service.load_balancer": LB_KEYS,
+    "service.rollout": ROLLOUT_KEYS,
+    "service.rollout.steps[]": ROLLOUT_STEP_KEYS,
+    "service.rollout.analysis": ROLLOUT_ANALYSIS_KEYS,
     "resources": RESOURCE_KEYS,
 }

@@ -11,7 +11,7 @@ from typing import Any
 
 from replicaplane.common.v1 import spec_pb2
 from services.common import pbtime
-from services.common.spec import checks, probe, resources, schema
+from services.common.spec import checks, probe, resources, rollout, schema
 
 _POLICY = "service.replica_policy"
 
@@ -40,6 +40,8 @@ def parse(c: checks.Checker, service: dict[Any, Any], out: spec_pb2.ServiceSecti
                 lb, "stream_timeout_seconds", "service.load_balancer", schema.DEFAULT_LB_STREAM_TIMEOUT_S, positive=True
             )
         )
+
+    rollout.parse(c, service.get("rollout"), out.rollout)
 
     policy_name = service.get("load_balancing_policy")
     out.load_balancing_policy = schema.DEFAULT_LOAD_BALANCING_POLICY

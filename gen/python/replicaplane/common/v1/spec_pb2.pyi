@@ -48,6 +48,34 @@ LOAD_BALANCING_POLICY_INSTANCE_AWARE_LEAST_LOAD: LoadBalancingPolicy.ValueType  
 """Least in-flight requests relative to each accelerator's target QPS."""
 Global___LoadBalancingPolicy: _TypeAlias = LoadBalancingPolicy  # noqa: Y015
 
+class _RolloutStrategy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RolloutStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutStrategy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLLOUT_STRATEGY_UNSPECIFIED: _RolloutStrategy.ValueType  # 0
+    """Not set; the default is rolling."""
+    ROLLOUT_STRATEGY_ROLLING: _RolloutStrategy.ValueType  # 1
+    """Replace replicas gradually; traffic may mix versions."""
+    ROLLOUT_STRATEGY_BLUE_GREEN: _RolloutStrategy.ValueType  # 2
+    """Switch traffic at once when the new version has enough ready replicas."""
+    ROLLOUT_STRATEGY_CANARY: _RolloutStrategy.ValueType  # 3
+    """Move traffic to the new version in weighted steps, with analysis."""
+
+class RolloutStrategy(_RolloutStrategy, metaclass=_RolloutStrategyEnumTypeWrapper):
+    """RolloutStrategy chooses how an update moves replicas and traffic to the new version."""
+
+ROLLOUT_STRATEGY_UNSPECIFIED: RolloutStrategy.ValueType  # 0
+"""Not set; the default is rolling."""
+ROLLOUT_STRATEGY_ROLLING: RolloutStrategy.ValueType  # 1
+"""Replace replicas gradually; traffic may mix versions."""
+ROLLOUT_STRATEGY_BLUE_GREEN: RolloutStrategy.ValueType  # 2
+"""Switch traffic at once when the new version has enough ready replicas."""
+ROLLOUT_STRATEGY_CANARY: RolloutStrategy.ValueType  # 3
+"""Move traffic to the new version in weighted steps, with analysis."""
+Global___RolloutStrategy: _TypeAlias = RolloutStrategy  # noqa: Y015
+
 class _SpotPlacer:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -217,6 +245,7 @@ class ServiceSection(_message.Message):
     PORT_FIELD_NUMBER: _builtins.int
     FIXED_REPLICAS_SHORTHAND_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
     load_balancing_policy: Global___LoadBalancingPolicy.ValueType
     """How a load balancer spreads requests over ready replicas."""
     port: _builtins.int
@@ -235,6 +264,12 @@ class ServiceSection(_message.Message):
     def load_balancer(self) -> Global___LoadBalancerSettings:
         """Load balancer settings."""
 
+    @_builtins.property
+    def rollout(self) -> Global___RolloutPolicy:
+        """How an update to this spec is rolled out (`service.rollout:`). The parser always fills it,
+        with defaults; a spec stored without it (from before rollouts) means the defaults too.
+        """
+
     def __init__(
         self,
         *,
@@ -244,14 +279,141 @@ class ServiceSection(_message.Message):
         port: _builtins.int = ...,
         fixed_replicas_shorthand: _builtins.bool = ...,
         load_balancer: Global___LoadBalancerSettings | None = ...,
+        rollout: Global___RolloutPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load_balancer", b"load_balancer", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load_balancer", b"load_balancer", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fixed_replicas_shorthand", b"fixed_replicas_shorthand", "load_balancer", b"load_balancer", "load_balancing_policy", b"load_balancing_policy", "port", b"port", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fixed_replicas_shorthand", b"fixed_replicas_shorthand", "load_balancer", b"load_balancer", "load_balancing_policy", b"load_balancing_policy", "port", b"port", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceSection: _TypeAlias = ServiceSection  # noqa: Y015
+
+@_typing.final
+class RolloutPolicy(_message.Message):
+    """RolloutPolicy is the `service.rollout:` section: how replicas and traffic move to a new version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRATEGY_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    PROGRESS_DEADLINE_FIELD_NUMBER: _builtins.int
+    AUTO_ROLLBACK_FIELD_NUMBER: _builtins.int
+    ANALYSIS_FIELD_NUMBER: _builtins.int
+    strategy: Global___RolloutStrategy.ValueType
+    """The default update mode for an update to this spec; an update request that names a mode
+    wins. Unspecified: rolling.
+    """
+    auto_rollback: _builtins.bool
+    """Whether a failed rollout goes back to the last version that was fully READY. Default true."""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutStep]:
+        """Canary traffic steps, in order, with strictly increasing weights (canary only). The parser
+        fills the default, 10 % then 50 %, 60 s each, for a canary without steps. After the last
+        step the new version takes all the traffic.
+        """
+
+    @_builtins.property
+    def progress_deadline(self) -> _duration_pb2.Duration:
+        """How long a rollout may take to have the new version's target replicas READY before it
+        fails. Default 600 s.
+        """
+
+    @_builtins.property
+    def analysis(self) -> Global___RolloutAnalysis:
+        """When the new version is judged failed from the load balancer's per-version statistics."""
+
+    def __init__(
+        self,
+        *,
+        strategy: Global___RolloutStrategy.ValueType = ...,
+        steps: _abc.Iterable[Global___RolloutStep] | None = ...,
+        progress_deadline: _duration_pb2.Duration | None = ...,
+        auto_rollback: _builtins.bool = ...,
+        analysis: Global___RolloutAnalysis | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["analysis", b"analysis", "progress_deadline", b"progress_deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["analysis", b"analysis", "auto_rollback", b"auto_rollback", "progress_deadline", b"progress_deadline", "steps", b"steps", "strategy", b"strategy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutPolicy: _TypeAlias = RolloutPolicy  # noqa: Y015
+
+@_typing.final
+class RolloutStep(_message.Message):
+    """RolloutStep is one canary step: the new version's share of the traffic, and how long to hold it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    PAUSE_FIELD_NUMBER: _builtins.int
+    weight: _builtins.int
+    """Percent of the requests sent to the new version, 1 to 100."""
+    @_builtins.property
+    def pause(self) -> _duration_pb2.Duration:
+        """How long to hold this step, once the new version's replicas for it are READY, before the next.
+        Default 60 s.
+        """
+
+    def __init__(
+        self,
+        *,
+        weight: _builtins.int = ...,
+        pause: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutStep: _TypeAlias = RolloutStep  # noqa: Y015
+
+@_typing.final
+class RolloutAnalysis(_message.Message):
+    """RolloutAnalysis holds the thresholds that fail a rollout. The new version's error rate (5xx
+    answers and transport errors over request attempts) and latency are compared with the stable
+    version's over the last `window`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_ERROR_RATE_INCREASE_PCT_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    MIN_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_LATENCY_P99_RATIO_FIELD_NUMBER: _builtins.int
+    max_error_rate_increase_pct: _builtins.float
+    """Percentage points the new version's error rate may exceed the stable version's by before it
+    fails. Default 5.
+    """
+    min_requests: _builtins.int
+    """Fewest request attempts to the new version within the window before it is judged. Default 20."""
+    max_latency_p99_ratio: _builtins.float
+    """If set, the new version fails when its latency p99 exceeds the stable version's times this
+    (greater than 1). Unset: latency is not checked.
+    """
+    @_builtins.property
+    def window(self) -> _duration_pb2.Duration:
+        """The window the rates are taken over. Default 30 s."""
+
+    def __init__(
+        self,
+        *,
+        max_error_rate_increase_pct: _builtins.float = ...,
+        window: _duration_pb2.Duration | None = ...,
+        min_requests: _builtins.int = ...,
+        max_latency_p99_ratio: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_latency_p99_ratio", b"_max_latency_p99_ratio", "max_latency_p99_ratio", b"max_latency_p99_ratio", "window", b"window"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_latency_p99_ratio", b"_max_latency_p99_ratio", "max_error_rate_increase_pct", b"max_error_rate_increase_pct", "max_latency_p99_ratio", b"max_latency_p99_ratio", "min_requests", b"min_requests", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_latency_p99_ratio: _TypeAlias = _typing.Literal["max_latency_p99_ratio"]  # noqa: Y015
+    _WhichOneofArgType__max_latency_p99_ratio: _TypeAlias = _typing.Literal["_max_latency_p99_ratio", b"_max_latency_p99_ratio"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_latency_p99_ratio) -> _WhichOneofReturnType__max_latency_p99_ratio | None: ...
+
+Global___RolloutAnalysis: _TypeAlias = RolloutAnalysis  # noqa: Y015
 
 @_typing.final
 class ReadinessProbe(_message.Message):

@@ -324,7 +324,9 @@ class UpdateServiceRequest(_message.Message):
     yaml: _builtins.str
     """The new SkyPilot-style task YAML."""
     mode: _resources_pb2.UpdateMode.ValueType
-    """How replicas are replaced; default rolling."""
+    """How replicas are replaced. Unspecified: the new spec's `service.rollout.strategy` (rolling
+    when the spec does not say).
+    """
     dry_run: _builtins.bool
     """Return the plan without applying it."""
     request_id: _builtins.str
@@ -748,6 +750,7 @@ class ReportLoadRequest(_message.Message):
     BALANCER_ID_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     REQUEST_AGES_FIELD_NUMBER: _builtins.int
+    VERSION_STATS_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     request_count: _builtins.int
@@ -778,6 +781,16 @@ class ReportLoadRequest(_message.Message):
         (not negative).
         """
 
+    @_builtins.property
+    def version_stats(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.VersionStats]:
+        """Outcomes of the request attempts that ended since the last report, one entry per version,
+        at most 64 entries. A resent report carries the same numbers and, like the arrivals, counts
+        once. Empty from balancers that do not collect them. A malformed entry (a version below 1, a
+        version listed twice, a negative count, errors above `requests`, a latency bucket key outside
+        -40..96, more latencies than answered attempts) refuses the whole report with
+        INVALID_ARGUMENT naming the field, for example `version_stats[0].server_errors`.
+        """
+
     def __init__(
         self,
         *,
@@ -788,10 +801,11 @@ class ReportLoadRequest(_message.Message):
         balancer_id: _builtins.str = ...,
         sequence: _builtins.int = ...,
         request_ages: _abc.Iterable[_duration_pb2.Duration] | None = ...,
+        version_stats: _abc.Iterable[_resources_pb2.VersionStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name", "version_stats", b"version_stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -866,6 +880,7 @@ class WatchEndpointsResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     DELETED_FIELD_NUMBER: _builtins.int
+    VERSION_WEIGHTS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Version of this endpoint set; strictly increasing."""
     deleted: _builtins.bool
@@ -874,16 +889,25 @@ class WatchEndpointsResponse(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Endpoint]:
         """READY replicas of active versions."""
 
+    @_builtins.property
+    def version_weights(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.VersionWeight]:
+        """How requests are split between versions, when they are (during a canary rollout): each
+        request goes to a version chosen by these weights, whatever the number of replicas of each,
+        then to one of that version's endpoints by the service's load-balancing policy. Empty: every
+        endpoint takes requests, whatever its version, as the policy decides.
+        """
+
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
         endpoints: _abc.Iterable[_resources_pb2.Endpoint] | None = ...,
         deleted: _builtins.bool = ...,
+        version_weights: _abc.Iterable[_resources_pb2.VersionWeight] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "endpoints", b"endpoints", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "endpoints", b"endpoints", "version", b"version", "version_weights", b"version_weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -218,6 +218,11 @@ class _UpdateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdateMode
     """Replace replicas gradually; traffic may mix versions."""
     UPDATE_MODE_BLUE_GREEN: _UpdateMode.ValueType  # 2
     """Switch traffic at once when the new version has enough ready replicas."""
+    UPDATE_MODE_CANARY: _UpdateMode.ValueType  # 3
+    """Move traffic to the new version in weighted steps (`service.rollout.steps`), checking its
+    error rate and latency against the stable version's at each step. Not available yet: an
+    update asking for it is refused with FAILED_PRECONDITION.
+    """
 
 class UpdateMode(_UpdateMode, metaclass=_UpdateModeEnumTypeWrapper):
     """UpdateMode chooses how an update replaces replicas."""
@@ -228,6 +233,11 @@ UPDATE_MODE_ROLLING: UpdateMode.ValueType  # 1
 """Replace replicas gradually; traffic may mix versions."""
 UPDATE_MODE_BLUE_GREEN: UpdateMode.ValueType  # 2
 """Switch traffic at once when the new version has enough ready replicas."""
+UPDATE_MODE_CANARY: UpdateMode.ValueType  # 3
+"""Move traffic to the new version in weighted steps (`service.rollout.steps`), checking its
+error rate and latency against the stable version's at each step. Not available yet: an
+update asking for it is refused with FAILED_PRECONDITION.
+"""
 Global___UpdateMode: _TypeAlias = UpdateMode  # noqa: Y015
 
 @_typing.final
@@ -538,6 +548,118 @@ class Endpoint(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
+
+@_typing.final
+class VersionWeight(_message.Message):
+    """VersionWeight is the share of a service's requests a version receives while traffic is split
+    between versions (a canary rollout).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The service version."""
+    weight: _builtins.int
+    """Relative weight, 0 to 1000. The controller sends per-mille values that add up to 1000 (10 %
+    is 100). A load balancer gives a version `weight / sum` of the requests, the sum taken over
+    the listed versions that have a READY endpoint, so the share of a version with none goes to
+    the others in proportion to their weights. A version with weight 0, or not listed, gets no
+    requests.
+    """
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        weight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VersionWeight: _TypeAlias = VersionWeight  # noqa: Y015
+
+@_typing.final
+class VersionStats(_message.Message):
+    """VersionStats are a load balancer's counts of request attempts to one version's replicas over
+    one report interval. Every field adds up across reports and across balancers.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LatencyBucketsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    SERVER_ERRORS_FIELD_NUMBER: _builtins.int
+    TRANSPORT_ERRORS_FIELD_NUMBER: _builtins.int
+    LATENCY_BUCKETS_FIELD_NUMBER: _builtins.int
+    LATENCY_SUM_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The service version of the replicas the attempts went to."""
+    requests: _builtins.int
+    """Attempts that ended with an answer or a transport error (a request retried on another
+    replica counts once per attempt, under each attempt's version). Attempts abandoned because
+    the client went away are not counted.
+    """
+    server_errors: _builtins.int
+    """Attempts the replica answered with a status from 500 to 599 (part of `requests`)."""
+    transport_errors: _builtins.int
+    """Attempts that got no complete answer (part of `requests`): connection refused or reset,
+    connect timeout, the connection broke before or during the answer, or no answer within the
+    balancer's stream timeout.
+    """
+    @_builtins.property
+    def latency_buckets(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Latency histogram of the answered attempts (not the transport errors): time from sending the
+        request to the replica to receiving the answer's status line and headers. Key `i` counts the
+        latencies in (2^((i-1)/4), 2^(i/4)] milliseconds (four buckets per doubling, each about 19 %
+        wide); latencies at or below 2^-10 ms count in key -40, and those above 2^24 ms (about 4.7 h)
+        in key 96. Only keys with a count are sent. Counts are not negative.
+        """
+
+    @_builtins.property
+    def latency_sum(self) -> _duration_pb2.Duration:
+        """Sum of the latencies counted in `latency_buckets`."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        requests: _builtins.int = ...,
+        server_errors: _builtins.int = ...,
+        transport_errors: _builtins.int = ...,
+        latency_buckets: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
+        latency_sum: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latency_sum", b"latency_sum"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["latency_buckets", b"latency_buckets", "latency_sum", b"latency_sum", "requests", b"requests", "server_errors", b"server_errors", "transport_errors", b"transport_errors", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VersionStats: _TypeAlias = VersionStats  # noqa: Y015
 
 @_typing.final
 class UpdatePlan(_message.Message):

@@ -49,6 +49,8 @@ class GetBalancerResponse(_message.Message):
     HELD_REQUESTS_FIELD_NUMBER: _builtins.int
     UNREPORTED_REQUESTS_FIELD_NUMBER: _builtins.int
     CONTROLLER_CONNECTED_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    SPLIT_BY_VERSION_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service this balancer serves."""
     policy: _builtins.str
@@ -63,9 +65,19 @@ class GetBalancerResponse(_message.Message):
     """Requests received but not yet reported to the controller."""
     controller_connected: _builtins.bool
     """True while the endpoint watch is connected."""
+    split_by_version: _builtins.bool
+    """True while the controller splits traffic between versions by weight; false while every ready
+    replica shares it as the policy decides.
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaLoad]:
         """Ready replicas, and replicas that left the ready set with requests still in flight."""
+
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionTraffic]:
+        """Per version: its weight from the controller and what it received. One entry for each
+        version with a ready replica or a weight; empty while no endpoint set has arrived.
+        """
 
     def __init__(
         self,
@@ -78,14 +90,69 @@ class GetBalancerResponse(_message.Message):
         held_requests: _builtins.int = ...,
         unreported_requests: _builtins.int = ...,
         controller_connected: _builtins.bool = ...,
+        versions: _abc.Iterable[Global___VersionTraffic] | None = ...,
+        split_by_version: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_connected", b"controller_connected", "endpoints_version", b"endpoints_version", "held_requests", b"held_requests", "policy", b"policy", "replicas", b"replicas", "service_name", b"service_name", "unreported_requests", b"unreported_requests", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_connected", b"controller_connected", "endpoints_version", b"endpoints_version", "held_requests", b"held_requests", "policy", b"policy", "replicas", b"replicas", "service_name", b"service_name", "split_by_version", b"split_by_version", "unreported_requests", b"unreported_requests", "url", b"url", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetBalancerResponse: _TypeAlias = GetBalancerResponse  # noqa: Y015
+
+@_typing.final
+class VersionTraffic(_message.Message):
+    """VersionTraffic is one service version as the balancer routes to it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    SHARE_PER_MILLE_FIELD_NUMBER: _builtins.int
+    READY_REPLICAS_FIELD_NUMBER: _builtins.int
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    SERVER_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    TRANSPORT_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The service version."""
+    weight: _builtins.int
+    """The weight the controller gave the version (0 to 1000); 0 when the controller sends no
+    weights (then `split_by_version` is false and the policy spreads requests over every replica).
+    """
+    share_per_mille: _builtins.int
+    """The version's share of new requests now, in per-mille: its weight over the weights of the
+    versions with a ready replica (0 for a version with none). Without weights, its ready
+    replicas over all ready replicas (the policy's spread, roughly).
+    """
+    ready_replicas: _builtins.int
+    """Ready replicas of the version."""
+    requests_total: _builtins.int
+    """Request attempts sent to the version's replicas that ended, since the balancer started (or
+    since the version last had a ready replica or a weight).
+    """
+    server_errors_total: _builtins.int
+    """Of those, answers with a 5xx status."""
+    transport_errors_total: _builtins.int
+    """Of those, attempts that got no complete answer (refused, reset, timed out)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        weight: _builtins.int = ...,
+        share_per_mille: _builtins.int = ...,
+        ready_replicas: _builtins.int = ...,
+        requests_total: _builtins.int = ...,
+        server_errors_total: _builtins.int = ...,
+        transport_errors_total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ready_replicas", b"ready_replicas", "requests_total", b"requests_total", "server_errors_total", b"server_errors_total", "share_per_mille", b"share_per_mille", "transport_errors_total", b"transport_errors_total", "version", b"version", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VersionTraffic: _TypeAlias = VersionTraffic  # noqa: Y015
 
 @_typing.final
 class ReplicaLoad(_message.Message):
