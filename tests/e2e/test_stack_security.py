@@ -14,8 +14,12 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from concurrent import futures
 
+import grpc
 import pytest
+from grpc_health.v1 import health
+from grpc_health.v1 import health_pb2_grpc as health_grpc
 
 from tests.e2e import test_stack
 
@@ -185,3 +189,38 @@ def test_another_local_user_cannot_run_commands_through_the_stack(state_dir, own
     finally:
         down = test_stack.stack("down", "--state-dir", str(state_dir), env=env, timeout=200)
     assert down.returncode == 0, f"{down.stdout}{down.stderr}\n{test_stack.logs(state_dir)}"
+
+
+class _Recorder(grpc.ServerInterceptor):
+    """Records whether any call carried an authorization header (never the value)."""
+
+    def __init__(self) -> None:
+        self.methods_with_token: list[str] = []
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        if any(k == "authorization" for k, _ in handler_call_details.invocation_metadata or ()):
+            self.methods_with_token.append(handler_call_details.method)
+        return continuation(handler_call_details)
+
+
+def test_a_process_holding_the_controllers_port_first_gets_no_token(state_dir) -> None:
+    # Another local user's server took the controller's port before the stack started, and
+    # answers health checks SERVING for everything, hoping for the tokens clients send.
+    recorder = _Recorder()
+    squatter = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), interceptors=[recorder], options=[("grpc.so_reuseport", 0)]
+    )
+    health_grpc.add_HealthServicer_to_server(health.HealthServicer(), squatter)
+    port = squatter.add_insecure_port("127.0.0.1:0")
+    squatter.start()
+    try:
+        env = public_env(REPLICAPLANE_CONTROLLER_LISTEN_ADDR=f"127.0.0.1:{port}")
+        up = test_stack.stack("up", "--detach", "--state-dir", str(state_dir), env=env, timeout=180)
+        assert up.returncode == 1, f"{up.stdout}{up.stderr}"
+        log = test_stack.logs(state_dir)
+        assert "could not bind" in log or "address already in use" in log.lower(), log
+        # The balancer and the dashboard never started, so nothing sent the squatter a token.
+        assert recorder.methods_with_token == []
+        assert not (state_dir / "logs" / "loadbalancer.log").exists(), log
+    finally:
+        squatter.stop(None)
