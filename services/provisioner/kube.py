@@ -652,7 +652,9 @@ class KubernetesBackend(backend.Backend):
         launch = request.launch
         token = uuid.uuid4().hex
         created_at = self._clock()
-        pod, notes = kube_objects.pod_manifest(launch, self._cfg, token=token, created_at=created_at, alternative=alternative)
+        pod, notes = kube_objects.pod_manifest(
+            launch, self._cfg, token=token, created_at=created_at, alternative=alternative
+        )
         if launch.name in self._tracked:
             try:
                 await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt

@@ -788,7 +788,9 @@ class KubeApi:
             res = container.get("resources") or {}
             for resource, most in sorted(maximum.items()):
                 limit = (res.get("limits") or {}).get(resource)
-                asked, what = (limit, "limit") if limit is not None else ((res.get("requests") or {}).get(resource), "request")
+                asked, what = (
+                    (limit, "limit") if limit is not None else ((res.get("requests") or {}).get(resource), "request")
+                )
                 if asked is not None and quantity(str(asked)) > quantity(most):
                     raise StatusError(
                         403, f"{forbidden}: maximum {resource} usage per Container is {most}, but {what} is {asked}"
@@ -801,14 +803,12 @@ class KubeApi:
             wanted = self._quota_usage(pod)
             over = sorted(k for k in hard if wanted.get(k, 0.0) and used[k] + wanted[k] > quantity(hard[k]))
             if over:
-
-                def show(values: Any) -> str:
-                    return ",".join(f"{k}={values[k]:g}" for k in over)
-
+                requested = ",".join(f"{k}={wanted[k]:g}" for k in over)
+                taken = ",".join(f"{k}={used[k]:g}" for k in over)
+                limited = ",".join(f"{k}={hard[k]}" for k in over)
                 raise StatusError(
                     403,
-                    f"{forbidden}: exceeded quota: {quota}, requested: {show(wanted)}, used: {show(used)}, "
-                    f"limited: {','.join(f'{k}={hard[k]}' for k in over)}",
+                    f"{forbidden}: exceeded quota: {quota}, requested: {requested}, used: {taken}, limited: {limited}",
                 )
 
     @staticmethod

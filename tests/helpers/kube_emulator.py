@@ -444,7 +444,9 @@ class FakeKubelet:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
             have = used.get(node.name, {})
-            short = [r for r, amount in sorted(wanted.items()) if amount > node.allocatable.get(r, 0.0) - have.get(r, 0.0)]
+            short = [
+                r for r, amount in sorted(wanted.items()) if amount > node.allocatable.get(r, 0.0) - have.get(r, 0.0)
+            ]
             if short:
                 for resource in short:
                     reasons[f"Insufficient {resource}"] = reasons.get(f"Insufficient {resource}", 0) + 1

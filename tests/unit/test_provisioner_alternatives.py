@@ -100,14 +100,19 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
         "    - cpus: 2+\n      memory: 8\n      image_id: docker:cpu:1\n      zone: zone-b\n"
     )
     gpu, cpu = alt.of_spec(replica)
-    cfg = ko.PodConfig(accelerator_label="cloud.google.com/gke-accelerator", accelerator_label_values={"a100": "nvidia-tesla-a100"})
+    cfg = ko.PodConfig(
+        accelerator_label="cloud.google.com/gke-accelerator", accelerator_label_values={"a100": "nvidia-tesla-a100"}
+    )
     pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=gpu)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"cpu": "4", "nvidia.com/gpu": "2"}}
     assert pod["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"}
     assert container["image"] == "base:1"
     annotations = pod["metadata"]["annotations"]
-    assert (annotations[ko.ANNOTATION_RESOURCES], annotations[ko.ANNOTATION_ACCELERATOR]) == ("resources.any_of[0]", "A100:2")
+    assert (annotations[ko.ANNOTATION_RESOURCES], annotations[ko.ANNOTATION_ACCELERATOR]) == (
+        "resources.any_of[0]",
+        "A100:2",
+    )
 
     pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=cpu)
     container = pod["spec"]["containers"][0]
@@ -123,12 +128,17 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
 
 
 def test_the_placement_key_tells_apart_what_the_scheduler_would_place_differently() -> None:
-    replica = _spec("  any_of:\n    - accelerators: A100\n    - accelerators: A100\n      image_id: docker:x\n    - accelerators: H100\n")
+    replica = _spec(
+        "  any_of:\n    - accelerators: A100\n    - accelerators: A100\n      image_id: docker:x\n"
+        "    - accelerators: H100\n"
+    )
     cfg = ko.PodConfig()
     a, same, other = (ko.placement(_launch(replica), a, cfg).key for a in alt.of_spec(replica))
     assert a == same  # another image schedules alike
     assert a != other
-    spot = ko.placement(_launch(replica, use_spot=True), alt.of_spec(replica)[0], ko.PodConfig(spot_node_selector={"s": "1"}))
+    spot = ko.placement(
+        _launch(replica, use_spot=True), alt.of_spec(replica)[0], ko.PodConfig(spot_node_selector={"s": "1"})
+    )
     assert spot.key != a
 
 
@@ -147,7 +157,13 @@ def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
         server.kube_options(bad)
     assert {v.field for v in caught.value.violations} == {
         f"provisioner.kubernetes_{f}"
-        for f in ("accelerator_label", "accelerator_label_values", "gpu_resource", "alternative_timeout_s", "alternative_retry_s")
+        for f in (
+            "accelerator_label",
+            "accelerator_label_values",
+            "gpu_resource",
+            "alternative_timeout_s",
+            "alternative_retry_s",
+        )
     }
     # An empty label means no node selector for accelerators at all.
     assert server.kube_options(server.Settings(kubernetes_accelerator_label="")).pods.accelerator_label == ""
