@@ -421,12 +421,21 @@ class Provisioner:
             replica.is_spot = created.is_spot
             replica.start_time = created.start_time or self._clock()
             replica.failure_reason = ""
+            replica.accelerator = created.accelerator
+            replica.resources_path = created.resources_path
+            message = f"running at {created.endpoint}" + (f" in zone {created.zone}" if created.zone else "")
+            # Which alternative runs, when the spec had several: `, on resources.any_of[1] (H100:1)`.
+            on = created.resources_path if created.resources_path not in ("", "resources") else ""
+            if created.accelerator:
+                on = f"{on} ({created.accelerator})" if on else created.accelerator
+            if on:
+                message += f", on {on}"
             self._emit_launch(
                 entry,
                 model.LaunchEventType.RUNNING,
                 attempt=attempt,
                 endpoint=created.endpoint,
-                message=f"running at {created.endpoint} in zone {created.zone}",
+                message=message,
             )
             self._hub.publish(model.ReplicaEventType.APP_RUNNING, replica, "app started")
             early = entry.pending.pop(created.token, None)

@@ -302,3 +302,16 @@ def test_places_of_a_spec_are_its_resources_alternatives() -> None:
     ]
     k8s = top.replace("  region: us-east-1\n", "  infra: k8s/my-context\n")
     assert convert.places_of(spec.parse(k8s)) == [("resources", ("", ""))]  # a context, not a region
+
+
+def test_the_expected_accelerator_is_the_first_alternatives_first_choice() -> None:
+    from services.common import spec
+    from services.controller import convert
+
+    top = "name: s\nservice:\n  replicas: 1\nresources:\n  ports: 8080\n{}run: x\n"
+    assert convert.accelerator_of(spec.parse(top.format(""))) == ""
+    assert convert.accelerator_of(spec.parse(top.format("  accelerators: [L4, A100:2]\n"))) == "L4"
+    any_of = "  any_of:\n    - accelerators: H100:2\n    - accelerators: A100\n"
+    assert convert.accelerator_of(spec.parse(top.format(any_of))) == "H100"
+    # Until the provisioner says which alternative it placed (`accelerator_name` of its report).
+    assert convert.accelerator_name("A100:2") == "A100"
