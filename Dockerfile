@@ -32,5 +32,10 @@ RUN useradd --create-home --uid 10001 replicaplane \
     && chown -R replicaplane .state
 USER replicaplane
 
+# The commit the image was built from, for replicaplane_build_info (there is no .git inside).
+# Last, so a new commit rebuilds only this layer.
+ARG GIT_COMMIT=""
+ENV REPLICAPLANE_GIT_COMMIT=${GIT_COMMIT}
+
 EXPOSE 50051 50052 50053
 CMD ["python", "-m", "services.controller"]

@@ -12,7 +12,7 @@ UP_ARGS ?=
 # `make breaking` compares the protos with this git ref (when it has protos/).
 BREAKING_AGAINST ?= HEAD~1
 
-.PHONY: setup gen check-gen lint breaking compose-check test e2e demo up down bench clean
+.PHONY: setup gen check-gen lint breaking compose-check deploy-check test e2e demo up down prometheus bench clean
 
 $(VENV)/.installed: requirements.txt requirements-kubernetes.txt requirements-dev.txt pyproject.toml
 	@$(PY_SYS) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Replicaplane needs Python >= 3.11")'
@@ -55,6 +55,16 @@ compose-check: setup  ## Validate docker-compose.yml with the real Compose v2 bi
 	@compose="$$($(PY) -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"; \
 	  echo "$$compose config -q"; "$$compose" config -q
 
+# promtool comes with Debian's `prometheus` package (.ci/run installs it where it is missing).
+PROMTOOL ?= promtool
+deploy-check: setup  ## Validate deploy/: scrape configs, alert rules and their unit tests (promtool), the dashboard.
+	@command -v $(PROMTOOL) >/dev/null || { echo "promtool not found: apt-get install prometheus (Debian), or PROMTOOL=/path/to/promtool"; exit 1; }
+	$(PROMTOOL) check config deploy/prometheus/prometheus.yml
+	$(PROMTOOL) check config deploy/prometheus/prometheus-local.yml
+	$(PROMTOOL) check rules deploy/prometheus/rules/*.yml
+	$(PROMTOOL) test rules deploy/prometheus/tests/*.test.yml
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_deploy.py tests/unit/test_metric_names.py
+
 # Needs root where no engine runs yet: it installs docker.io and starts dockerd (see the script).
 .PHONY: compose-e2e
 compose-e2e: setup  ## Build the image and run the compose stack for real: scale, create, curl, restart.
@@ -74,6 +84,13 @@ up: setup  ## Start the local stack (controller, provisioner, $(PROBERS) prober)
 
 down: setup  ## Stop a local stack started in the background (make up UP_ARGS=--detach).
 	$(PY) -m services.stack down
+
+# Scrapes what `make up` runs (it writes .state/prometheus/targets.json), with the alert rules.
+prometheus:  ## Run Prometheus on 127.0.0.1:9090 for the local stack (needs the prometheus binary).
+	@command -v prometheus >/dev/null || { echo "prometheus not found: apt-get install prometheus (Debian), or see docs/observability.md"; exit 1; }
+	mkdir -p .state/prometheus
+	prometheus --config.file=deploy/prometheus/prometheus-local.yml --storage.tsdb.path=.state/prometheus/data \
+	  --web.listen-address=127.0.0.1:9090
 
 bench: setup  ## Run every benchmark; each prints `figure: <name> <value> <unit>` lines.
 	@for script in bench/*.py; do echo "== $$script"; $(PY) "$$script" || exit 1; done

@@ -1,12 +1,17 @@
 """Controller latency benchmark: dispatch (create -> launch at the provisioner) and readiness
-(app answers -> READY seen in a watch), with the three real services and real replicas.
+(app answers -> READY seen in a watch), with the three real services and real replicas, and the
+latency and throughput of a cheap API call (GetService), where per-call overhead shows most.
 
 Run from the repo root: `python bench/controller.py`. Prints `figure:` lines. BENCH_SMOKE=1 (or
---smoke) runs 2 rounds of 2 replicas and 3 dispatch samples.
+--smoke) runs 2 rounds of 2 replicas, 3 dispatch samples and 200 API calls.
+`--metrics off` runs every service with metrics off (no gRPC metrics interceptor, no endpoint);
+`--metrics compare` runs off and on alternately (three times each) and prints the median of each
+figure side by side with the change.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -28,6 +33,9 @@ from tests.helpers import cluster as cl  # noqa: E402
 ROUNDS = bench.pick(10, 2)
 REPLICAS = bench.pick(5, 2)
 DISPATCH_SAMPLES = bench.pick(50, 3)
+API_CALLS = bench.pick(4000, 200)
+API_CONCURRENCY = 20
+METRICS_OFF = {"REPLICAPLANE_CONTROLLER_METRICS_ADDR": ""}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -44,20 +52,71 @@ async def launch_started_ms(prov: prov_grpc.ProvisionerServiceStub, name: str, t
 
 
 def read_time(path: str) -> float:
-    """The time an app wrote to its ready file."""
-    with open(path, encoding="utf-8") as fh:
-        return float(fh.read())
+    """The time an app wrote to its ready file. The app answers from another thread before it
+    writes the file, so on a busy machine READY can be seen first: wait for it (bounded)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return float(fh.read())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
-async def main() -> None:
-    bench.announce()
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) a process has used: a cost that other work on the machine
+    barely changes, unlike latency."""
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def api_figures(c: cl.Cluster) -> dict[str, float]:
+    """GetService latency one call at a time, the controller's CPU per call, and calls per second
+    from concurrent callers."""
+    name = "apibench"
+    await c.stub.CreateService(api.CreateServiceRequest(yaml=cl.app_yaml(name, c.tag, replicas=0, run="sleep 60")))
+    request = api.GetServiceRequest(service_name=name)
+    for _ in range(100):  # warm the channel and the server
+        await c.stub.GetService(request)
+    single: list[float] = []
+    cpu_before = cpu_seconds(c.controller.proc.pid)
+    for _ in range(API_CALLS):
+        start = time.perf_counter()
+        await c.stub.GetService(request)
+        single.append((time.perf_counter() - start) * 1000)
+    cpu_us = (cpu_seconds(c.controller.proc.pid) - cpu_before) / API_CALLS * 1e6
+
+    async def caller(calls: int) -> None:
+        for _ in range(calls):
+            await c.stub.GetService(request)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(caller(API_CALLS // API_CONCURRENCY) for _ in range(API_CONCURRENCY)))
+    rate = API_CALLS / (time.perf_counter() - start)
+    await c.stub.DeleteService(api.DeleteServiceRequest(service_name=name))
+    return {
+        "api_get_p50_ms": pct(single, 50),
+        "api_get_p99_ms": pct(single, 99),
+        "api_get_controller_cpu_us": cpu_us,
+        "api_get_calls_per_s": rate,
+    }
+
+
+async def run(*, metrics: bool) -> dict[str, float]:
+    """One full run with metrics on or off; the figures by name."""
     tmp = tempfile.mkdtemp(prefix="rp-bench-ctl-")
-    c = cl.Cluster(tmp)
+    c = cl.Cluster(tmp, controller_env=None if metrics else METRICS_OFF)
     prov = prov_grpc.ProvisionerServiceStub(clients.channel(c.provisioner.addr))
     dispatch_ms: list[float] = []
     burst_ms: list[float] = []
     ready_ms: list[float] = []
+    api_calls: dict[str, float] = {}
     try:
+        if not metrics:
+            assert c.controller.metrics_port == 0, "the controller serves no metrics"
         for i in range(ROUNDS):
             name = f"bench{i}"
             ready_dir = os.path.join(tmp, name)
@@ -99,16 +158,49 @@ async def main() -> None:
             dispatch_ms.append(await launch_started_ms(prov, w.replicas[1].replica_name, t0))
             await c.stub.DeleteService(api.DeleteServiceRequest(service_name=name))
             await w.until(lambda w: w.deleted, timeout=30)
+        api_calls = await api_figures(c)
     finally:
         await c.close()
-    print(f"samples: {len(ready_ms)} replicas over {ROUNDS} services")
+    print(f"samples: {len(ready_ms)} replicas over {ROUNDS} services (metrics {'on' if metrics else 'off'})")
     print(f"ready_in_watch mean {statistics.mean(ready_ms):.1f} ms, max {max(ready_ms):.1f} ms")
-    print(f"figure: ready_in_watch_p50_ms {pct(ready_ms, 50):.1f} ms")
-    print(f"figure: ready_in_watch_p99_ms {pct(ready_ms, 99):.1f} ms")
-    print(f"figure: dispatch_p50_ms {pct(dispatch_ms, 50):.1f} ms")
-    print(f"figure: dispatch_p99_ms {pct(dispatch_ms, 99):.1f} ms")
-    print(f"figure: dispatch_burst5_p50_ms {pct(burst_ms, 50):.1f} ms")
-    print(f"figure: dispatch_burst5_p99_ms {pct(burst_ms, 99):.1f} ms")
+    return {
+        "ready_in_watch_p50_ms": pct(ready_ms, 50),
+        "ready_in_watch_p99_ms": pct(ready_ms, 99),
+        "dispatch_p50_ms": pct(dispatch_ms, 50),
+        "dispatch_p99_ms": pct(dispatch_ms, 99),
+        "dispatch_burst5_p50_ms": pct(burst_ms, 50),
+        "dispatch_burst5_p99_ms": pct(burst_ms, 99),
+        **api_calls,
+    }
+
+
+def unit(name: str) -> str:
+    return "calls/s" if name.endswith("_per_s") else "us" if name.endswith("_us") else "ms"
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--metrics", choices=("on", "off", "compare"), default="on")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs (BENCH_SMOKE=1)")
+    args = parser.parse_args()
+    bench.announce()
+    if args.metrics != "compare":
+        for name, value in (await run(metrics=args.metrics == "on")).items():
+            print(f"figure: {name} {value:.2f} {unit(name)}")
+        return
+    # Alternate, so a machine that gets busier or quieter during the run weighs on both alike.
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for metrics in (False, True) * 3:
+        runs[metrics].append(await run(metrics=metrics))
+    print(f"\nmedian of {len(runs[True])} runs each")
+    print(f"{'figure':26} {'metrics off':>12} {'metrics on':>12} {'change':>8}")
+    for name in runs[True][0]:
+        off = statistics.median(r[name] for r in runs[False])
+        on = statistics.median(r[name] for r in runs[True])
+        change = (on - off) / off * 100 if off else 0.0
+        print(f"{name:26} {off:12.2f} {on:12.2f} {change:+7.1f} %")
+        print(f"figure: {name}_metrics_off {off:.2f} {unit(name)}")
+        print(f"figure: {name}_metrics_on {on:.2f} {unit(name)}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -152,8 +153,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for item in behavior(request, context):
-                    yield item
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    await result  # it streams with context.write(), as health's Watch does
+                else:
+                    async for item in result:
+                        yield item
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise

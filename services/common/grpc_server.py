@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import errors, grpc_errors
+from services.common import errors, grpc_errors, grpc_metrics
+from services.common import metrics as metrics_mod
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Built:
     port: int
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    metrics: metrics_mod.Metrics | None = None
+    """The process's metrics registry; None when metrics are off."""
 
     async def start(self) -> None:
         """Start serving and mark every service SERVING."""
@@ -56,12 +59,19 @@ class Built:
         await self.server.stop(grace)
 
 
-def new_server(*, domain: str, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+def new_server(
+    *,
+    domain: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    metrics: metrics_mod.Metrics | None = None,
+) -> grpc.aio.Server:
     """A grpc.aio server with the shared options; `interceptors` (auth, audit) run outside the
-    error interceptor, in the order given."""
-    return grpc.aio.server(
-        interceptors=[*interceptors, grpc_errors.ErrorInterceptor(domain=domain)], options=SERVER_OPTIONS
-    )
+    error interceptor, in the order given. With `metrics`, the gRPC metrics interceptor runs
+    outermost, so calls refused by the others are counted too."""
+    chain = [*interceptors, grpc_errors.ErrorInterceptor(domain=domain)]
+    if metrics is not None:
+        chain.insert(0, grpc_metrics.MetricsInterceptor(grpc_metrics.GrpcServerMetrics(metrics.registry)))
+    return grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)
 
 
 def finish(
@@ -70,6 +80,7 @@ def finish(
     service_names: Sequence[str],
     *,
     credentials: grpc.ServerCredentials | None = None,
+    metrics: metrics_mod.Metrics | None = None,
 ) -> Built:
     """Add health checking and reflection, bind `listen_addr`, and return the built server.
 
@@ -78,6 +89,7 @@ def finish(
         listen_addr: host:port; port 0 picks a free port (tests).
         service_names: full names of the services, for health and reflection.
         credentials: TLS server credentials; None serves plaintext.
+        metrics: the registry given to new_server(), kept with the server; None when off.
     """
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -98,7 +110,7 @@ def finish(
         raise RuntimeError(f"could not bind {listen_addr}")
     if socket_path:
         os.chmod(socket_path, 0o600)
-    return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names))
+    return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names), metrics=metrics)
 
 
 def unix_path(addr: str) -> str:
@@ -141,8 +153,45 @@ def write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+async def serve_metrics(built: Built, addr: str, *, port_file: str = "") -> metrics_mod.Endpoint | None:
+    """Serve `built`'s metrics on http://addr/metrics, if metrics are on.
+
+    Args:
+        built: the server; nothing is served when it has no metrics.
+        addr: host:port; port 0 picks a free port; empty serves nothing.
+        port_file: if set, the bound port is written there (atomically).
+
+    Raises:
+        errors.ValidationError: `addr` is not host:port.
+        RuntimeError: the address cannot be bound: a service does not run without the metrics
+            it was told to serve.
+    """
+    if built.metrics is None or not addr.strip():
+        return None
+    setting = f"{built.metrics.component}.metrics_addr"
+    try:
+        endpoint = await metrics_mod.serve(built.metrics, addr)
+    except ValueError as exc:
+        raise errors.ValidationError([errors.FieldViolation(setting, str(exc))], subject="settings") from None
+    except OSError as exc:
+        raise RuntimeError(
+            f"could not serve metrics on {addr} ({exc.strerror or exc}); set {setting} to another "
+            "address, or to an empty value to turn metrics off"
+        ) from None
+    if port_file:
+        write_port_file(port_file, endpoint.port)
+    log.info("metrics at %s", endpoint.url)
+    return endpoint
+
+
 async def serve_until_signal(
-    built: Built, *, grace: float, port_file: str = "", on_stop: Sequence[object] = ()
+    built: Built,
+    *,
+    grace: float,
+    port_file: str = "",
+    on_stop: Sequence[object] = (),
+    metrics_addr: str = "",
+    metrics_port_file: str = "",
 ) -> None:
     """Start `built`, wait for SIGTERM or SIGINT, then shut down gracefully.
 
@@ -151,7 +200,12 @@ async def serve_until_signal(
         grace: seconds in-flight RPCs get to finish.
         port_file: if set, the bound port is written there (atomically) once serving.
         on_stop: async callables run after the server stopped (close stores, stop backends).
+        metrics_addr: where `/metrics` is served (port 0 picks one); empty serves none.
+        metrics_port_file: if set, the bound metrics port is written there.
     """
+    # Metrics first: its port file is written before the gRPC one, so a reader that waits for
+    # the gRPC port (the local stack, tests) finds both.
+    endpoint = await serve_metrics(built, metrics_addr, port_file=metrics_port_file)
     await built.start()
     if port_file:
         write_port_file(port_file, built.port)
@@ -165,4 +219,6 @@ async def serve_until_signal(
     await built.stop(grace)
     for hook in on_stop:
         await hook()  # type: ignore[operator]
+    if endpoint is not None:
+        await endpoint.stop()
     log.info("stopped")

@@ -734,6 +734,8 @@ class ServiceReconciler:
             f.launch_phase = LP.LAUNCH_PHASE_SUCCEEDED
             r.endpoint = ev.endpoint or ev.replica.endpoint
             r.zone = ev.replica.zone or r.zone
+            if ev.replica.accelerator:  # the alternative the provisioner placed (any_of, ordered)
+                r.accelerator = convert.accelerator_name(ev.replica.accelerator)
             r.launch_time.CopyFrom(ev.time)
             r.failure_reason = ""
             self._save(r)

@@ -10,7 +10,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, errors, grpc_server, logs, probe_fleet, security
+from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
 from services.controller import controller, identity, reconciler, servicer, store
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
@@ -32,6 +32,10 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    metrics_addr: str = config.CONTROLLER_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     state_dir: str = "~/.replicaplane/controller"
     """Directory of the SQLite store."""
     provisioner_addr: str = config.PROVISIONER_ADDR
@@ -229,9 +233,10 @@ async def start(settings: Settings) -> Running:
         controller_id=controller_id,
     )
     holder.append(ctl)
-    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors)
+    registry = metrics.for_address("controller", settings.metrics_addr)
+    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
     background: set[asyncio.Task[None]] = set()
 
@@ -255,6 +260,8 @@ async def serve(settings: Settings) -> None:
         grace=settings.shutdown_grace_s,
         port_file=settings.port_file,
         on_stop=[running.controller.stop, running.fleet.stop],
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
     )
     running.db.close()
 

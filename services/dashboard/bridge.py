@@ -93,6 +93,8 @@ class Bridge:
         self.state = STARTING
         self.message = "connecting to the controller"
         self.subscribers: set[Subscriber] = set()
+        self.open_streams = 0
+        """WatchService streams open to the controller now."""
         self._clock = clock
         self._answered = asyncio.Event()
         self._watches: dict[str, asyncio.Task[None]] = {}
@@ -213,12 +215,16 @@ class Bridge:
                 call = self.stub.WatchService(
                     api.WatchServiceRequest(service_name=name, after_sequence=after), metadata=self._metadata
                 )
-                async for msg in call:
-                    delay = 0.1
-                    after = msg.sequence
-                    self._broadcast("change", self.fleet.apply(convert.change(msg), self.now_ms()))
-                    if msg.deleted:
-                        return
+                self.open_streams += 1
+                try:
+                    async for msg in call:
+                        delay = 0.1
+                        after = msg.sequence
+                        self._broadcast("change", self.fleet.apply(convert.change(msg), self.now_ms()))
+                        if msg.deleted:
+                            return
+                finally:
+                    self.open_streams -= 1
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.NOT_FOUND:
@@ -267,6 +273,15 @@ class Bridges:
     def clients(self) -> int:
         """Pages connected now."""
         return sum(len(b.subscribers) for b in self._bridges.values())
+
+    @property
+    def streams(self) -> int:
+        """WatchService streams open to the controller now, over every bridge."""
+        return sum(b.open_streams for b in self._bridges.values())
+
+    def states(self) -> dict[str, int]:
+        """Bridges (followed tokens) by the state of their link to the controller."""
+        return dict(collections.Counter(b.state for b in self._bridges.values()))
 
     async def join(self, token: str, *, timeout: float) -> tuple[Bridge, Subscriber | None]:
         """The bridge for `token` and a new subscriber, or None if the controller refused the token.

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
 from services.common import clients, config, errors, grpc_server, logs
-from services.dashboard import bridge
+from services.common import metrics as metrics_mod
+from services.dashboard import bridge, metrics
 from services.dashboard import web as dweb
 
 
@@ -29,6 +30,11 @@ class Settings:
     """If set, the bound health-check port is written here once serving."""
     http_port_file: str = ""
     """If set, the bound HTTP port is written here once serving."""
+    metrics_addr: str = config.DASHBOARD_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns
+    metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     controller_addr: str = config.CONTROLLER_ADDR
     """Where the controller listens. The dashboard has no API token of its own: it passes on the
     one each page presents, and the controller decides."""
@@ -72,6 +78,11 @@ def load_settings(**overrides: Any) -> Settings:
             _split(getattr(settings, name))
         except ValueError:
             violations.append(errors.FieldViolation(f"dashboard.{name}", "must be host:port"))
+    if settings.metrics_addr.strip():
+        try:
+            _split(settings.metrics_addr)
+        except ValueError:
+            violations.append(errors.FieldViolation("dashboard.metrics_addr", "must be host:port, or empty (off)"))
     for name in ("discover_interval_s", "heartbeat_s", "call_timeout_s"):
         if not getattr(settings, name) > 0:
             violations.append(errors.FieldViolation(f"dashboard.{name}", "must be > 0"))
@@ -124,12 +135,19 @@ async def start(settings: Settings, *, start_health: bool = True) -> Running:
         linger_s=settings.linger_s,
         max_clients=settings.max_pages,
     )
-    app = dweb.make_app(bridges, allowed_hosts=settings.allowed_hosts, heartbeat_s=settings.heartbeat_s)
+    registry = metrics_mod.for_address("dashboard", settings.metrics_addr)
+    app = dweb.make_app(
+        bridges,
+        allowed_hosts=settings.allowed_hosts,
+        heartbeat_s=settings.heartbeat_s,
+        stats=metrics.DashboardMetrics(registry.registry) if registry else None,
+    )
     host, port = _split(settings.http_addr)
     runner, http_port = await dweb.start_http(app, host, port, shutdown_timeout_s=settings.shutdown_grace_s)
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
-    built = grpc_server.finish(grpc_server.new_server(domain="dashboard.replicaplane"), settings.listen_addr, [])
+    server = grpc_server.new_server(domain="dashboard.replicaplane", metrics=registry)
+    built = grpc_server.finish(server, settings.listen_addr, [], metrics=registry)
     if start_health:
         await built.start()
     return Running(
@@ -150,7 +168,12 @@ async def serve(settings: Settings) -> None:
         "dashboard at %s (controller %s, health on %s)", running.url, settings.controller_addr, health
     )
     await grpc_server.serve_until_signal(
-        running.built, grace=settings.shutdown_grace_s, port_file=settings.port_file, on_stop=[running.close]
+        running.built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        on_stop=[running.close],
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
     )
 
 

@@ -15,9 +15,11 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import prometheus_client
 from aiohttp import web
 
 from services.dashboard import bridge as br
+from services.dashboard import metrics
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,12 @@ def make_app(
     allowed_hosts: Sequence[str] = (),
     heartbeat_s: float = 15.0,
     join_timeout_s: float = 5.0,
+    stats: metrics.DashboardMetrics | None = None,
 ) -> web.Application:
-    """The dashboard's web application."""
+    """The dashboard's web application; `stats` counts its pages and events (by default in a
+    registry nobody scrapes)."""
+    stats = stats or metrics.DashboardMetrics(prometheus_client.CollectorRegistry())
+    stats.watch(pages=lambda: bridges.clients, bridges=bridges.states, streams=lambda: bridges.streams)
     pages = {}
     for path, (name, content_type) in _FILES.items():
         with open(os.path.join(STATIC_DIR, name), "rb") as fh:
@@ -128,13 +134,17 @@ def make_app(
     async def events(request: web.Request) -> web.StreamResponse:
         token = bearer_token(request.headers.get("Authorization", ""))
         if token is None:
+            stats.connection("bad_token")
             return _json_error(401, "the Authorization header must be `Bearer <token>`")
         try:
             bridge, sub = await bridges.join(token, timeout=join_timeout_s)
         except br.Full:
+            stats.connection("full")
             return _json_error(503, "too many dashboard pages are open; try again later")
         if sub is None:
+            stats.connection("denied")
             return _json_error(401, bridge.message)
+        stats.connection("accepted")
         try:
             response = web.StreamResponse(
                 headers={
@@ -147,6 +157,7 @@ def make_app(
             await response.prepare(request)
             log.info("a dashboard page connected (%d open)", bridges.clients)
             await response.write(_sse("snapshot", bridge.snapshot()))
+            stats.sent("snapshot")
             while not sub.ended:
                 items = await sub.take(heartbeat_s)
                 if sub.resync:
@@ -156,6 +167,7 @@ def make_app(
                     await response.write(b": keep-alive\n\n")
                 for kind, data in items:
                     await response.write(_sse(kind, data))
+                    stats.sent(kind)
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
         except ConnectionError:

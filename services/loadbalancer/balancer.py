@@ -11,14 +11,24 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from services.loadbalancer import policies, versions
+import prometheus_client
+
+from services.loadbalancer import metrics, policies, versions
 
 MAX_PENDING_TIMES = 100_000
 """Arrival times kept for the next report; beyond this, arrivals are only counted."""
 
 
 class NoReplicaError(Exception):
-    """No ready replica for a request (after holding it, if the service scales from zero)."""
+    """No ready replica for a request (after holding it, if the service scales from zero).
+
+    Attributes:
+        reason: none_ready, hold_timeout (held in vain) or hold_full (too many held already).
+    """
+
+    def __init__(self, message: str, *, reason: str = "none_ready") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +53,10 @@ class Balancer:
         startup_wait_s: float = 0.0,
         policy_override: str = "",
         clock: Callable[[], float] = time.time,
+        stats: metrics.BalancerMetrics | None = None,
     ) -> None:
         self.service_name = service_name
+        self.stats = stats or metrics.BalancerMetrics(prometheus_client.CollectorRegistry(), service_name)
         self.hold_timeout_s = hold_timeout_s
         self.hold_max = hold_max
         self.startup_wait_s = startup_wait_s
@@ -187,26 +199,33 @@ class Balancer:
         if self.held >= self.hold_max:
             raise NoReplicaError(
                 f"no ready replica for service {self.service_name!r} and {self.held} requests are already "
-                "waiting for one to start; try again shortly"
+                "waiting for one to start; try again shortly",
+                reason="hold_full",
             )
         self.held += 1
         self.on_held()  # report the arrival at once: the autoscaler scales from zero on it
+        start = time.monotonic()
+        outcome = "cancelled"
         try:
-            deadline = time.monotonic() + self.hold_timeout_s
+            deadline = start + self.hold_timeout_s
             while (replica := self._select(exclude)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    outcome = "timed_out"
                     raise NoReplicaError(
                         f"no replica of service {self.service_name!r} became ready within "
-                        f"{self.hold_timeout_s:g} s (it scales from zero; the first replica may still be starting)"
+                        f"{self.hold_timeout_s:g} s (it scales from zero; the first replica may still be starting)",
+                        reason="hold_timeout",
                     )
                 try:
                     await asyncio.wait_for(self._ready.wait(), left)
                 except TimeoutError:
                     continue
+            outcome = "released"
             return replica
         finally:
             self.held -= 1
+            self.stats.hold_ended(outcome, time.monotonic() - start)
 
     # ---- per-version outcomes -------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import bodies, connections, policies
+from services.loadbalancer import bodies, connections, metrics, policies
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,15 @@ def _forward_headers(request: web.BaseRequest, authority: str, body: bodies.Body
     return headers
 
 
+@dataclasses.dataclass
+class _Answer:
+    """What the metrics say of one request: the version of the replica it went to last, and the
+    status sent (499 while none is: the client went away before an answer started)."""
+
+    version: str = metrics.NO_VERSION
+    code: str = metrics.CLIENT_CLOSED
+
+
 def _text(status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None) -> web.Response:
     resp = web.Response(status=status, text=message + "\n", headers=headers)
     if close:
@@ -168,13 +177,24 @@ class Proxy:
         guard = connections.of_request(request)
         if guard is not None:
             guard.request_started()
+        stats = self.balancer.stats
+        stats.in_flight.inc()
+        start = time.perf_counter()
+        answer = _Answer()
         try:
-            return await self._handle(request)
+            resp = await self._handle(request, answer)
+            answer.code = str(resp.status)
+            return resp
+        except Exception:
+            answer.code = "500"  # aiohttp answers an unexpected error with 500
+            raise
         finally:
+            stats.in_flight.dec()
+            stats.request_finished(answer.version, answer.code, time.perf_counter() - start)
             if guard is not None:
                 guard.request_finished()
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest, answer: _Answer) -> web.StreamResponse:
         target = split_target(request.raw_path)
         if target is None:
             return _text(
@@ -206,12 +226,12 @@ class Proxy:
                 await body.prepare()
             except bodies.BodyError as exc:
                 return _text(exc.status, exc.message, close=True)
-            return await self._attempts(request, *target, body)
+            return await self._attempts(request, *target, body, answer)
         finally:
             body.release()
 
     async def _attempts(
-        self, request: web.BaseRequest, path: str, authority: str, body: bodies.Body
+        self, request: web.BaseRequest, path: str, authority: str, body: bodies.Body, answer: _Answer
     ) -> web.StreamResponse:
         assert self.session is not None, "start() first"
         headers = _forward_headers(request, authority, body)
@@ -222,7 +242,9 @@ class Proxy:
             try:
                 replica = await self.balancer.pick(frozenset(tried))
             except bal.NoReplicaError as exc:
+                self.balancer.stats.no_ready_replica(exc.reason)
                 return _text(503, str(exc), headers={"Retry-After": "1"})
+            answer.version = str(replica.version)
             failure: Exception
             sent = time.monotonic()
             try:
@@ -247,7 +269,7 @@ class Proxy:
                 raise
             else:
                 body.release()  # an answer has started: no attempt will need the body again
-                return await self._relay(request, replica, upstream, time.monotonic() - sent)
+                return await self._relay(request, replica, upstream, time.monotonic() - sent, answer)
             self.balancer.record_transport_error(replica)
             self.balancer.release(replica)
             tried.add(replica.replica_id)
@@ -274,6 +296,7 @@ class Proxy:
                     "so it could not be sent again",
                 )
             if attempt < self.settings.attempts:
+                self.balancer.stats.retried("connection_broken" if reached else "not_reached")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.backoff_max_s)
         return _text(
@@ -283,7 +306,12 @@ class Proxy:
         )
 
     async def _relay(
-        self, request: web.BaseRequest, replica: policies.Replica, upstream: aiohttp.ClientResponse, latency_s: float
+        self,
+        request: web.BaseRequest,
+        replica: policies.Replica,
+        upstream: aiohttp.ClientResponse,
+        latency_s: float,
+        answer: _Answer,
     ) -> web.StreamResponse:
         """Stream the replica's response back; always release the replica and the connection.
 
@@ -297,6 +325,9 @@ class Proxy:
             if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
                 resp.content_length = upstream.content_length
             await resp.prepare(request)
+            # The status went out with the headers, whatever happens to the body (a client that
+            # closes once it has the whole body may even cancel this handler in its last write).
+            answer.code = str(resp.status)
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)

@@ -10,8 +10,9 @@ from typing import Any
 from replicaplane.controller.v1 import controller_service_pb2_grpc
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2, loadbalancer_service_pb2_grpc
 from services.common import clients, config, errors, grpc_server, logs, security
+from services.common import metrics as metrics_mod
 from services.loadbalancer import balancer as bal
-from services.loadbalancer import connections, policies, proxy, servicer
+from services.loadbalancer import connections, metrics, policies, proxy, servicer
 from services.loadbalancer import link as ctl_link
 
 SERVICE_NAME = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
@@ -29,6 +30,11 @@ class Settings:
     """host:port of the admin gRPC API and health checks; port 0 picks a free port."""
     port_file: str = ""
     """If set, the bound admin port is written here once serving (tests and scripts use port 0)."""
+    metrics_addr: str = config.LOADBALANCER_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint (never the proxied port, whose paths belong
+    to the service); port 0 picks a free port; empty turns metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     http_port_file: str = ""
     """If set, the bound HTTP port is written here once serving."""
     shutdown_grace_s: float = 3.0
@@ -182,12 +188,15 @@ class Running:
 
 async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     """Serve HTTP, follow the controller, and (unless told not to) start the admin server."""
+    registry = metrics_mod.for_address("loadbalancer", settings.metrics_addr)
+    stats = metrics.BalancerMetrics(registry.registry, settings.service_name) if registry else None
     balancer = bal.Balancer(
         settings.service_name,
         hold_timeout_s=settings.hold_timeout_s,
         hold_max=settings.hold_max_requests,
         startup_wait_s=settings.startup_wait_s,
         policy_override=settings.policy,
+        stats=stats,
     )
     px = proxy.Proxy(
         balancer,
@@ -205,6 +214,12 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             idle_timeout_s=settings.idle_timeout_s,
             max_connections=connections.connection_cap(settings.max_connections),
         ),
+    )
+    balancer.stats.watch(
+        in_flight=lambda: balancer.in_flight,
+        ready=lambda: len(balancer.policy.replicas),
+        held=lambda: balancer.held,
+        tracker=lambda: px.connections,
     )
     host, port = _split(settings.http_addr)
     runner, http_port = await proxy.start_http(
@@ -230,11 +245,11 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     link.start()
     # Where the controller wants a token, the admin API wants the same one (health stays open).
     guard = [security.TokenInterceptor({token: "api_token"})] if token else []
-    server = grpc_server.new_server(domain="loadbalancer.replicaplane", interceptors=guard)
+    server = grpc_server.new_server(domain="loadbalancer.replicaplane", interceptors=guard, metrics=registry)
     loadbalancer_service_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
         servicer.LoadBalancerServicer(balancer, link), server
     )
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME])
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     if start_admin:
         await built.start()
     return Running(
@@ -249,7 +264,12 @@ async def serve(settings: Settings) -> None:
         "balancing service %s at %s (admin on port %d)", settings.service_name, running.url, running.built.port
     )
     await grpc_server.serve_until_signal(
-        running.built, grace=settings.shutdown_grace_s, port_file=settings.port_file, on_stop=[running.close]
+        running.built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        on_stop=[running.close],
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
     )
 
 

@@ -22,6 +22,21 @@ _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _BAD_VALUE_CHARS = ("\r", "\n", "\x00")
 
 
+class FailureKind(enum.Enum):
+    """Why a probe failed, in a few bounded words (the metrics' `kind` label)."""
+
+    HTTP_STATUS = "http_status"
+    TIMEOUT = "timeout"
+    CONNECTION_REFUSED = "connection_refused"
+    CONNECTION_FAILED = "connection_failed"
+    DNS = "dns"
+    TLS = "tls"
+    DISCONNECTED = "disconnected"
+    BAD_RESPONSE = "bad_response"
+    INVALID_TARGET = "invalid_target"
+    OTHER = "other"
+
+
 class Outcome(enum.Enum):
     """How a probe ended. Mirrors the proto's ProbeOutcome; unavailable is the fleet client's."""
 
@@ -86,6 +101,7 @@ class Result:
         latency_s: seconds from sending the request to the response or the failure.
         error: why it failed; empty on success; never contains header values.
         probe_time: wall-clock time (epoch seconds) the probe was sent.
+        failure: why it failed, in bounded words; None on success.
     """
 
     target_id: str
@@ -94,6 +110,7 @@ class Result:
     latency_s: float
     error: str
     probe_time: float
+    failure: FailureKind | None = None
 
     @property
     def ready(self) -> bool:
@@ -190,29 +207,34 @@ def scrub(text: str, target: Target) -> str:
 
 def describe_error(exc: BaseException, target: Target) -> str:
     """A short reason for a failed probe, without header values or the URL."""
+    return classify_error(exc, target)[1]
+
+
+def classify_error(exc: BaseException, target: Target) -> tuple[FailureKind, str]:
+    """The kind of a failed probe and a short reason, without header values or the URL."""
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return f"timeout after {target.timeout_s:g}s"
+        return FailureKind.TIMEOUT, f"timeout after {target.timeout_s:g}s"
     if isinstance(exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError | ssl.SSLError):
-        return scrub(f"TLS error: {exc.__class__.__name__}", target)
+        return FailureKind.TLS, scrub(f"TLS error: {exc.__class__.__name__}", target)
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return "name resolution failed"
+        return FailureKind.DNS, "name resolution failed"
     if isinstance(exc, aiohttp.ClientConnectorError | ConnectionError | OSError):
         os_error = getattr(exc, "os_error", exc)
         code = getattr(os_error, "errno", None)
         if code == errno.ECONNREFUSED:
-            return "connection refused"
+            return FailureKind.CONNECTION_REFUSED, "connection refused"
         if code is not None and code in errno.errorcode:
-            return f"connection failed: {errno.errorcode[code]}"
-        return "connection failed"
+            return FailureKind.CONNECTION_FAILED, f"connection failed: {errno.errorcode[code]}"
+        return FailureKind.CONNECTION_FAILED, "connection failed"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
+        return FailureKind.DISCONNECTED, "server disconnected"
     if isinstance(exc, aiohttp.TooManyRedirects):
-        return "too many redirects"
+        return FailureKind.BAD_RESPONSE, "too many redirects"
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return "bad response body"
+        return FailureKind.BAD_RESPONSE, "bad response body"
     if isinstance(exc, aiohttp.ClientResponseError):
-        return f"bad response: {exc.__class__.__name__}"
-    return f"probe error: {exc.__class__.__name__}"
+        return FailureKind.BAD_RESPONSE, f"bad response: {exc.__class__.__name__}"
+    return FailureKind.OTHER, f"probe error: {exc.__class__.__name__}"
 
 
 class HttpProber:
@@ -273,16 +295,24 @@ class HttpProber:
                         retries -= 1
                         timeout = aiohttp.ClientTimeout(total=remaining)
                         continue
-                    return self._failure(target, probe_time, start, 0, describe_error(exc, target))
+                    return self._failure(target, probe_time, start, *classify_error(exc, target))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    return self._failure(target, probe_time, start, 0, describe_error(exc, target))
+                    return self._failure(target, probe_time, start, *classify_error(exc, target))
                 break
             latency = time.perf_counter() - start
         if code == 200:
             return Result(target.target_id, Outcome.READY, code, latency, "", probe_time)
-        return Result(target.target_id, Outcome.REPLICA_FAILURE, code, latency, f"HTTP {code}", probe_time)
+        return Result(
+            target.target_id,
+            Outcome.REPLICA_FAILURE,
+            code,
+            latency,
+            f"HTTP {code}",
+            probe_time,
+            FailureKind.HTTP_STATUS,
+        )
 
     async def _request(self, target: Target, timeout: aiohttp.ClientTimeout) -> int:
         async with self._session.request(
@@ -297,5 +327,6 @@ class HttpProber:
             return resp.status
 
     @staticmethod
-    def _failure(target: Target, probe_time: float, start: float, code: int, error: str) -> Result:
-        return Result(target.target_id, Outcome.REPLICA_FAILURE, code, time.perf_counter() - start, error, probe_time)
+    def _failure(target: Target, probe_time: float, start: float, kind: FailureKind, error: str) -> Result:
+        latency = time.perf_counter() - start
+        return Result(target.target_id, Outcome.REPLICA_FAILURE, 0, latency, error, probe_time, kind)

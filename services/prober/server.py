@@ -12,7 +12,8 @@ from typing import Any
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
 from services.common import config, grpc_server, logs, probe_fleet, security
-from services.prober import probing, servicer, streams
+from services.common import metrics as metrics_mod
+from services.prober import metrics, probing, servicer, streams
 
 SERVICE_NAME = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
 
@@ -27,6 +28,11 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM (probe streams are ended at once, so clients move)."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    metrics_addr: str = config.PROBER_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns
+    metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     prober_id: str = ""
     """Identity stamped on every result; empty means hostname:pid."""
     fast_interval_s: float = 0.1
@@ -90,6 +96,7 @@ def prober_id(settings: Settings) -> str:
 
 async def build_server(settings: Settings) -> Built:
     """Create the prober server; the caller starts and stops it."""
+    registry = metrics_mod.for_address("prober", settings.metrics_addr)
     http = probing.HttpProber(
         max_concurrent=settings.max_concurrent_probes,
         keepalive_s=settings.keepalive_s,
@@ -108,17 +115,18 @@ async def build_server(settings: Settings) -> Built:
             flush_interval_s=settings.flush_interval_s,
             max_targets=settings.max_targets_per_stream,
         ),
+        stats=metrics.ProberMetrics(registry.registry) if registry else None,
     )
     interceptors, credentials = security.internal_server(
         "prober",
         security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file),
         settings.tls_allowed_clients,
     )
-    server = grpc_server.new_server(domain="prober.replicaplane", interceptors=interceptors)
+    server = grpc_server.new_server(domain="prober.replicaplane", interceptors=interceptors, metrics=registry)
     prober_service_pb2_grpc.add_ProberServiceServicer_to_server(
         servicer.ProberServicer(engine, prober_id(settings), heartbeat_s=settings.heartbeat_s), server
     )
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials)
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials, metrics=registry)
     return Built(**{f.name: getattr(built, f.name) for f in dataclasses.fields(built)}, engine=engine)
 
 
@@ -133,7 +141,13 @@ def _raise_fd_limit() -> None:
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM."""
     built = await build_server(settings)
-    await grpc_server.serve_until_signal(built, grace=settings.shutdown_grace_s, port_file=settings.port_file)
+    await grpc_server.serve_until_signal(
+        built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
+    )
 
 
 def main() -> None:

@@ -8,8 +8,10 @@ import dataclasses
 import logging
 import time
 
+import prometheus_client
+
 from services.common import errors
-from services.prober import probing
+from services.prober import metrics, probing
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,20 @@ class ProbeStream:
         prober: makes the HTTP probes.
         defaults: values for fields a target leaves unset.
         settings: batching and limits.
+        stats: where results are counted; by default a registry nobody scrapes.
     """
 
-    def __init__(self, prober: probing.HttpProber, defaults: probing.Defaults, settings: StreamSettings) -> None:
+    def __init__(
+        self,
+        prober: probing.HttpProber,
+        defaults: probing.Defaults,
+        settings: StreamSettings,
+        stats: metrics.ProberMetrics | None = None,
+    ) -> None:
         self._prober = prober
         self._defaults = defaults
         self._settings = settings
+        self._stats = stats or metrics.ProberMetrics(prometheus_client.CollectorRegistry())
         self._targets: dict[str, probing.Target] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._buffer: list[probing.Result] = []
@@ -72,7 +82,17 @@ class ProbeStream:
             target = probing.make_target(spec, self._defaults)
         except errors.ValidationError as exc:
             self.remove(spec.target_id)
-            self._emit(probing.Result(spec.target_id, probing.Outcome.INVALID_TARGET, 0, 0.0, exc.message, time.time()))
+            self._emit(
+                probing.Result(
+                    spec.target_id,
+                    probing.Outcome.INVALID_TARGET,
+                    0,
+                    0.0,
+                    exc.message,
+                    time.time(),
+                    probing.FailureKind.INVALID_TARGET,
+                )
+            )
             return
         old = self._targets.get(target.target_id)
         if old == target:
@@ -120,6 +140,7 @@ class ProbeStream:
             task.cancel()
 
     def _emit(self, result: probing.Result) -> None:
+        self._stats.probed(result)
         self._buffer.append(result)
         if len(self._buffer) > self._settings.max_buffered:
             excess = len(self._buffer) - self._settings.max_buffered
@@ -127,6 +148,7 @@ class ProbeStream:
             if not self._dropped:
                 log.warning("stream reader is slow: dropping the oldest results")
             self._dropped += excess
+            self._stats.dropped.inc(excess)
         self._wakeup.set()
 
     async def _run(self, target: probing.Target) -> None:
@@ -160,14 +182,28 @@ class Engine:
         prober: the shared HTTP prober.
         defaults: values for fields a target leaves unset.
         settings: batching and limits for every stream.
+        stats: where probes are counted; by default a registry nobody scrapes.
     """
 
-    def __init__(self, prober: probing.HttpProber, defaults: probing.Defaults, settings: StreamSettings) -> None:
+    def __init__(
+        self,
+        prober: probing.HttpProber,
+        defaults: probing.Defaults,
+        settings: StreamSettings,
+        *,
+        stats: metrics.ProberMetrics | None = None,
+    ) -> None:
         self._prober = prober
         self._defaults = defaults
         self._settings = settings
         self._streams: set[ProbeStream] = set()
         self._closing = False
+        self._stats = stats or metrics.ProberMetrics(prometheus_client.CollectorRegistry())
+        self._stats.watch(streams=lambda: len(self._streams), targets=self.target_count)
+
+    def target_count(self) -> int:
+        """Targets held over every stream."""
+        return sum(s.target_count for s in self._streams)
 
     @property
     def stream_count(self) -> int:
@@ -182,7 +218,7 @@ class Engine:
         """
         if self._closing:
             raise errors.UnavailableError("prober is shutting down")
-        stream = ProbeStream(self._prober, self._defaults, self._settings)
+        stream = ProbeStream(self._prober, self._defaults, self._settings, self._stats)
         self._streams.add(stream)
         return stream
 

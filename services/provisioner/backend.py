@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import builtins
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from services.common import errors
 from services.provisioner import capability, model
@@ -86,6 +86,9 @@ class BackendReplica:
         app_state: RUNNING, EXITED or VANISHED.
         exit_code: the app's exit code once EXITED.
         start_time: when the app started (wall clock).
+        accelerator: the accelerator it runs on as NAME:COUNT; "" for none or not known.
+        resources_path: the spec's resources it runs on (`resources.any_of[1]`, `resources`);
+            "" when the backend does not choose among them.
     """
 
     name: str
@@ -97,6 +100,8 @@ class BackendReplica:
     app_state: model.AppState
     exit_code: int = 0
     start_time: float = 0.0
+    accelerator: str = ""
+    resources_path: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def watch(self) -> AsyncIterator[BackendEvent]:
         """App exits and disappearances, as they happen. One consumer."""
+
+    def report_api_errors(self, hook: Callable[[int], None]) -> None:  # noqa: B027 - optional hook
+        """Call `hook(status)` for each failed call to the backend's API: an HTTP status, 0 when
+        no answer came. Backends without a remote API never call it."""
 
     def zones(self) -> builtins.list[model.Zone]:
         """Zones, cheapest first; none unless the backend simulates them."""

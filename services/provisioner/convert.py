@@ -33,18 +33,25 @@ duration = pbtime.duration
 seconds = pbtime.seconds
 
 
-def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
-    """The parts of a ServiceSpec the provisioner runs; hardware fields are recorded only."""
-    res = spec.resources
-    ports = tuple(res.ports)
-    serving = spec.service.port or (ports[0] if ports else 0)
+def _recorded(res: spec_pb2.Resources) -> dict[str, str]:
+    """The hardware and placement fields of one set of resources, as text."""
     recorded = {f: str(getattr(res, f)) for f in _RECORDED_RESOURCES if getattr(res, f)}
     if res.disk_size:
         recorded["disk_size"] = str(res.disk_size)
-    if res.any_of:
-        recorded["any_of"] = str(len(res.any_of))
-    if res.ordered:
-        recorded["ordered"] = str(len(res.ordered))
+    return recorded
+
+
+def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
+    """The parts of a ServiceSpec the provisioner runs, with every resources alternative."""
+    res = spec.resources
+    ports = tuple(res.ports)
+    serving = spec.service.port or (ports[0] if ports else 0)
+    recorded = _recorded(res)
+    kind = "any_of" if res.any_of else "ordered" if res.ordered else ""
+    # Entries were merged with the top level when the spec was parsed: each is whole.
+    entries = tuple(_recorded(e) for e in getattr(res, kind)) if kind else ()
+    if kind:
+        recorded[kind] = str(len(entries))
     return model.ReplicaSpec(
         setup=spec.setup,
         run=spec.run,
@@ -57,6 +64,8 @@ def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
         use_spot=res.use_spot,
         num_nodes=spec.num_nodes or 1,
         resources=recorded,
+        alternatives=entries,
+        alternatives_kind=kind,
     )
 
 
@@ -117,6 +126,8 @@ def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
         start_time=timestamp(r.start_time),
         price_per_hour=r.price_per_hour,
         owner=r.owner,
+        accelerator=r.accelerator,
+        resources_path=r.resources_path,
     )
 
 

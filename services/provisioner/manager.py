@@ -19,11 +19,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import prometheus_client
 import tenacity
 
 from services.common import errors, pagetoken
 from services.provisioner import backend as backend_mod
-from services.provisioner import capability, causes, events, logstore, model, retries, slots, store
+from services.provisioner import capability, causes, events, logstore, metrics, model, retries, slots, store
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ class _Entry:
     drain_cut: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     # App events that arrived before the launch recorded RUNNING, by backend token.
     pending: dict[str, backend_mod.BackendEvent] = dataclasses.field(default_factory=dict)
+    # When the current launch and teardown started (monotonic), for their durations.
+    launch_started: float = 0.0
+    teardown_started: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -145,8 +149,12 @@ class Provisioner:
         logs: logstore.LogStore,
         options: Options | None = None,
         clock: Callable[[], float] = time.time,
+        stats: metrics.ProvisionerMetrics | None = None,
     ) -> None:
         self._backend = backend
+        self._stats = stats or metrics.ProvisionerMetrics(prometheus_client.CollectorRegistry(), backend.name)
+        self._stats.watch(self._count_states)
+        backend.report_api_errors(self._stats.api_error)
         self._records = records
         self._logs = logs
         self._opts = options or Options()
@@ -280,6 +288,7 @@ class Provisioner:
     def _start_launch(self, entry: _Entry, *, resumed: str = "") -> None:
         """Run the launch of `entry`; `resumed` says why an interrupted one starts again."""
         entry.launch.set_active(True)
+        entry.launch_started = time.monotonic()
         if not resumed:
             self._emit_queued(entry, "accepted")  # at once: the caller's first event
         entry.launch_task = asyncio.get_running_loop().create_task(self._run_launch(entry, resumed=resumed))
@@ -328,7 +337,9 @@ class Provisioner:
             async for attempt in retrying:
                 with attempt:
                     await self._launch_attempt(entry, attempt.retry_state.attempt_number)
+            self._launch_finished(entry, "succeeded")
         except backend_mod.LaunchError as exc:
+            self._launch_finished(entry, "failed")
             entry.replica.state = model.ReplicaState.FAILED
             entry.replica.failure_reason = exc.message
             self._emit_launch(
@@ -342,12 +353,14 @@ class Provisioner:
         except asyncio.CancelledError:
             if self._closing:
                 raise
+            self._launch_finished(entry, "cancelled")
             await self._remove_leftovers(entry, grace_s=0)
             entry.replica.state = model.ReplicaState.TERMINATED
             entry.replica.failure_reason = "launch cancelled"
             self._emit_launch(entry, model.LaunchEventType.CANCELLED, message="launch cancelled; leftovers torn down")
         except Exception:
             log.exception("launch of %s failed unexpectedly", name)
+            self._launch_finished(entry, "failed")
             entry.replica.state = model.ReplicaState.FAILED
             entry.replica.failure_reason = "internal error in the provisioner"
             self._emit_launch(
@@ -397,6 +410,7 @@ class Provisioner:
                 )
                 await self._attempt_failed(entry, attempt, failure)
                 raise failure from exc
+            self._stats.attempt_finished("succeeded")
             replica = entry.replica
             entry.token = created.token
             replica.state = model.ReplicaState.RUNNING
@@ -407,12 +421,21 @@ class Provisioner:
             replica.is_spot = created.is_spot
             replica.start_time = created.start_time or self._clock()
             replica.failure_reason = ""
+            replica.accelerator = created.accelerator
+            replica.resources_path = created.resources_path
+            message = f"running at {created.endpoint}" + (f" in zone {created.zone}" if created.zone else "")
+            # Which alternative runs, when the spec had several: `, on resources.any_of[1] (H100:1)`.
+            on = created.resources_path if created.resources_path not in ("", "resources") else ""
+            if created.accelerator:
+                on = f"{on} ({created.accelerator})" if on else created.accelerator
+            if on:
+                message += f", on {on}"
             self._emit_launch(
                 entry,
                 model.LaunchEventType.RUNNING,
                 attempt=attempt,
                 endpoint=created.endpoint,
-                message=f"running at {created.endpoint} in zone {created.zone}",
+                message=message,
             )
             self._hub.publish(model.ReplicaEventType.APP_RUNNING, replica, "app started")
             early = entry.pending.pop(created.token, None)
@@ -421,6 +444,7 @@ class Provisioner:
                 self._app_changed(entry, early.app_state, early.exit_code, early.message, cause=early.cause)
 
     async def _attempt_failed(self, entry: _Entry, attempt: int, exc: backend_mod.LaunchError) -> None:
+        self._stats.attempt_finished("capacity_unavailable" if exc.capacity_unavailable else "failed")
         entry.replica.failure_reason = exc.message
         self._emit_launch(
             entry,
@@ -432,6 +456,9 @@ class Provisioner:
             cause=exc.cause,
         )
         await self._remove_leftovers(entry, grace_s=self._opts.kill_grace_s)
+
+    def _launch_finished(self, entry: _Entry, outcome: str) -> None:
+        self._stats.launch_finished(outcome, time.monotonic() - entry.launch_started)
 
     def _launch_retrying(self, entry: _Entry, state: tenacity.RetryCallState) -> None:
         delay = state.next_action.sleep if state.next_action else 0.0
@@ -552,6 +579,7 @@ class Provisioner:
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(entry.drain_cut.wait(), entry.drain_s)
+            entry.teardown_started = time.monotonic()
             if self._slots.would_wait(slots.TEARDOWN):
                 self._emit_teardown(
                     entry,
@@ -576,6 +604,7 @@ class Provisioner:
                     with attempt:
                         await self._teardown_attempt(entry)
             replica.state = model.ReplicaState.TERMINATED
+            self._teardown_finished(entry, "succeeded")
             self._emit_teardown(entry, model.TerminateEventType.TERMINATED, message="torn down")
             self._hub.publish(model.ReplicaEventType.TERMINATED, replica, "torn down")
             if self._entries.get(name) is entry:
@@ -584,17 +613,25 @@ class Provisioner:
             if not entry.keep_logs:
                 self._logs.delete(name)
         except backend_mod.TeardownError as exc:
+            self._teardown_finished(entry, "failed")
             entry.replica.failure_reason = f"teardown failed: {exc}"
             self._emit_teardown(entry, model.TerminateEventType.FAILED, message=entry.replica.failure_reason)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("teardown of %s failed unexpectedly", name)
+            self._teardown_finished(entry, "failed")
             entry.replica.failure_reason = "teardown failed: internal error in the provisioner"
             self._emit_teardown(entry, model.TerminateEventType.FAILED, message=entry.replica.failure_reason)
         finally:
             if not self._closing:
                 entry.teardown.set_active(False)
+
+    def _teardown_finished(self, entry: _Entry, outcome: str) -> None:
+        # A teardown that failed before its drain ended has no start: it took no time of its own.
+        started = entry.teardown_started or time.monotonic()
+        self._stats.teardown_finished(outcome, time.monotonic() - started)
+        entry.teardown_started = 0.0
 
     async def _teardown_attempt(self, entry: _Entry) -> None:
         try:
@@ -787,6 +824,17 @@ class Provisioner:
         page = names[:size]
         token = pagetoken.encode("replicas", service, page[-1]) if len(names) > size else ""
         return [self._entries[n].replica.copy() for n in page], token
+
+    def _count_states(self) -> dict[str, int]:
+        """Replicas by the metrics' state names (see metrics.STATES)."""
+        counts: dict[str, int] = {}
+        for entry in self._entries.values():
+            replica = entry.replica
+            state = replica.state.value.lower()
+            if replica.state == model.ReplicaState.RUNNING and replica.app_state != model.AppState.RUNNING:
+                state = "app_ended"
+            counts[state] = counts.get(state, 0) + 1
+        return counts
 
     def _snapshot(self) -> builtins.list[model.Replica]:
         return [self._entries[n].replica.copy() for n in sorted(self._entries)]

@@ -9,6 +9,7 @@ from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
 from services.common import config, errors, grpc_server, logs, security
+from services.common import metrics as metrics_mod
 from services.provisioner import (
     addresses,
     capability,
@@ -22,6 +23,7 @@ from services.provisioner import (
     store,
 )
 from services.provisioner import backend as backend_mod
+from services.provisioner import metrics as provisioner_metrics
 from services.provisioner import zones as zone_config
 
 SERVICE_NAME = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
@@ -40,6 +42,11 @@ class Settings:
     """Seconds in-flight RPCs get on SIGTERM."""
     port_file: str = ""
     """If set, the bound port is written here once serving (tests and scripts use port 0)."""
+    metrics_addr: str = config.PROVISIONER_METRICS_ADDR
+    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns
+    metrics off."""
+    metrics_port_file: str = ""
+    """If set, the bound metrics port is written here once serving."""
     state_dir: str = "~/.replicaplane/provisioner"
     """Where records, logs and replica working directories live; replicas are re-found from it."""
     backend: str = "local"
@@ -125,10 +132,19 @@ class Settings:
     """Tolerations of spot replicas, as key[=value]:Effect,..."""
     kubernetes_accelerator_label: str = "replicaplane.dev/accelerator"
     """Node label matched to the lowercased accelerator name; empty: no accelerator node selector."""
+    kubernetes_accelerator_label_values: str = ""
+    """Values of kubernetes_accelerator_label per accelerator where they are not its lowercased
+    name, as NAME=value,... (GKE: A100=nvidia-tesla-a100,H100=nvidia-h100-80gb)."""
     kubernetes_gpu_resource: str = "nvidia.com/gpu"
     """Extended resource that accelerator counts are requested as."""
     kubernetes_schedule_timeout_s: float = 600.0
     """How long a Pod may stay unschedulable before the launch attempt fails."""
+    kubernetes_alternative_timeout_s: float = 45.0
+    """With several resources alternatives (any_of, ordered, a list of accelerators): how long one
+    alternative's Pod may stay unschedulable before the next is tried (at most
+    kubernetes_schedule_timeout_s)."""
+    kubernetes_alternative_retry_s: float = 300.0
+    """With any_of: for how long an alternative that found no capacity is tried after the others."""
     kubernetes_start_timeout_s: float = 900.0
     """How long a Pod may take to start its container (image pull included)."""
     kubernetes_setup_timeout_s: float = 3600.0
@@ -262,6 +278,18 @@ def kube_options(settings: Settings) -> kube.Options:
     except ValueError as exc:
         violations.append(errors.FieldViolation(field("labels"), str(exc).split(": ", 1)[-1]))
     annotations = parsed("annotations", kube_objects.parse_pairs, {})
+    label_values = parsed("accelerator_label_values", kube_objects.parse_pairs, {})
+    try:
+        kube_objects.check_label_values(label_values, field("accelerator_label_values"))
+    except ValueError as exc:
+        violations.append(errors.FieldViolation(field("accelerator_label_values"), str(exc).split(": ", 1)[-1]))
+    label = settings.kubernetes_accelerator_label
+    if label and not kube_objects.is_label_key(label):
+        violations.append(errors.FieldViolation(field("accelerator_label"), "must be empty or a label key"))
+    if not kube_objects.is_resource_name(settings.kubernetes_gpu_resource):
+        violations.append(
+            errors.FieldViolation(field("gpu_resource"), "must be an extended resource name such as nvidia.com/gpu")
+        )
     spot_selector = parsed("spot_node_selector", kube_objects.parse_pairs, {})
     tolerations = parsed("spot_tolerations", kube_objects.parse_tolerations, ())
     ns = settings.kubernetes_namespace
@@ -288,7 +316,14 @@ def kube_options(settings: Settings) -> kube.Options:
         )
     if not settings.kubernetes_image:
         violations.append(errors.FieldViolation(field("image"), "must not be empty"))
-    for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
+    for name in (
+        "schedule_timeout_s",
+        "alternative_timeout_s",
+        "alternative_retry_s",
+        "start_timeout_s",
+        "setup_timeout_s",
+        "delete_timeout_s",
+    ):
         if getattr(settings, f"kubernetes_{name}") < 0:
             violations.append(errors.FieldViolation(field(name), "must not be negative"))
     for name in ("watch_timeout_s", "watch_idle_s", "api_attempts"):
@@ -309,6 +344,7 @@ def kube_options(settings: Settings) -> kube.Options:
             spot_node_selector=spot_selector,
             spot_tolerations=tolerations,
             accelerator_label=settings.kubernetes_accelerator_label,
+            accelerator_label_values={k.lower(): v for k, v in label_values.items()},
             gpu_resource=settings.kubernetes_gpu_resource,
             setup_timeout_s=settings.kubernetes_setup_timeout_s,
         ),
@@ -323,6 +359,8 @@ def kube_options(settings: Settings) -> kube.Options:
         node_address=settings.kubernetes_node_address,
         load_balancer_timeout_s=settings.kubernetes_load_balancer_timeout_s,
         schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
+        alternative_timeout_s=settings.kubernetes_alternative_timeout_s,
+        alternative_retry_s=settings.kubernetes_alternative_retry_s,
         start_timeout_s=settings.kubernetes_start_timeout_s,
         delete_timeout_s=settings.kubernetes_delete_timeout_s,
         watch_timeout_s=settings.kubernetes_watch_timeout_s,
@@ -379,11 +417,14 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
     """
     opts = options(settings)
     state_dir = _prepare_state_dir(settings.state_dir)
+    backend = backend or make_backend(settings)
+    registry = metrics_mod.for_address("provisioner", settings.metrics_addr)
     provisioner = manager.Provisioner(
-        backend=backend or make_backend(settings),
+        backend=backend,
         records=store.RecordStore(state_dir),
         logs=logstore.LogStore(state_dir),
         options=opts,
+        stats=provisioner_metrics.ProvisionerMetrics(registry.registry, backend.name) if registry else None,
     )
     await provisioner.start()
     try:
@@ -392,11 +433,13 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
             security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file),
             settings.tls_allowed_clients,
         )
-        server = grpc_server.new_server(domain="provisioner.replicaplane", interceptors=interceptors)
+        server = grpc_server.new_server(domain="provisioner.replicaplane", interceptors=interceptors, metrics=registry)
         provisioner_service_pb2_grpc.add_ProvisionerServiceServicer_to_server(
             servicer.ProvisionerServicer(provisioner), server
         )
-        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], credentials=credentials)
+        built = grpc_server.finish(
+            server, settings.listen_addr, [SERVICE_NAME], credentials=credentials, metrics=registry
+        )
     except BaseException:
         await provisioner.close()
         raise
@@ -407,7 +450,13 @@ async def build_server(settings: Settings, *, backend: backend_mod.Backend | Non
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM; replicas keep running and are re-found on the next start."""
     built = await build_server(settings)
-    await grpc_server.serve_until_signal(built, grace=settings.shutdown_grace_s, port_file=settings.port_file)
+    await grpc_server.serve_until_signal(
+        built,
+        grace=settings.shutdown_grace_s,
+        port_file=settings.port_file,
+        metrics_addr=settings.metrics_addr,
+        metrics_port_file=settings.metrics_port_file,
+    )
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 The stack is safe on a shared host by default: the internal services (provisioner, probers, the
 balancer's admin API) listen on Unix sockets in the private state dir, so only the stack's user
 can call them, and the controller's public API requires a token the stack generates there
-(unless the user set controller tokens of their own).
+(unless the user set controller tokens of their own). The metrics endpoints stay on loopback TCP,
+where Prometheus can scrape them: read-only, no secrets (docs/security.md).
 
 docker-compose.yml runs the same modules with the same environment variables (apart from host
 names, sockets and the stack's token and port files); tests/unit/test_compose.py holds the two
@@ -48,6 +49,8 @@ class ProcessSpec:
             in `addr`.
         needs: env variable -> the processes whose addresses (comma-separated) it holds. `env`
             has them for the planned ports; `resolve` puts in the ports actually bound.
+        metrics_addr: host:port of its Prometheus `/metrics` endpoint ("" when metrics are off);
+            port 0 as in `addr`.
     """
 
     name: str
@@ -58,6 +61,12 @@ class ProcessSpec:
     grpc_service: str
     url: str = ""
     needs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    metrics_addr: str = ""
+
+    @property
+    def metrics_url(self) -> str:
+        """The URL of its metrics ("" when off); port 0 until the process reports its port."""
+        return f"http://{dial_addr(self.metrics_addr)}/metrics" if self.metrics_addr else ""
 
 
 SOCKET_DIR = "sockets"
@@ -149,6 +158,26 @@ def _public(environ: Mapping[str, str], section: str, default: str) -> str:
     return addr
 
 
+def _metrics(environ: Mapping[str, str], section: str, listen: str, default: str, *, picked: bool) -> str:
+    """The metrics address of a process: the environment's (empty turns metrics off), else port 0
+    on the listen host when the process picks its gRPC port too (for a Unix socket: on loopback
+    when the stack picks its ports, `picked`), else `default`. Prometheus scrapes TCP only, so
+    metrics stay on loopback TCP even for a process on a socket."""
+    var = config.env_name(section, "metrics_addr")
+    if var in environ:
+        addr = environ[var].strip()
+        if addr:
+            try:
+                split_addr(addr)
+            except ValueError as exc:
+                raise ValueError(f"{var}: {exc}") from None
+        return addr
+    if is_unix(listen):
+        return "127.0.0.1:0" if picked else default
+    host, port = split_addr(listen)
+    return f"{host}:0" if port == 0 else default
+
+
 def resolve(spec: ProcessSpec, bound: Mapping[str, str]) -> dict[str, str]:
     """`spec.env` with the addresses it needs taken from `bound` (process name -> host:port
     it listens on, with the port it got, or unix:PATH)."""
@@ -226,6 +255,28 @@ def plan(
     token = token_file(state_dir, env)
     controller_auth = {"REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE": token} if token else {}
     balancer_auth = {"REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE": token} if token else {}
+    # A stack on picked ports (tests, stacks side by side) picks its metrics ports too.
+    picked = split_addr(controller_addr)[1] == 0
+    metrics = {
+        "provisioner": _metrics(env, "provisioner", provisioner_addr, config.PROVISIONER_METRICS_ADDR, picked=picked),
+        "controller": _metrics(env, "controller", controller_addr, config.CONTROLLER_METRICS_ADDR, picked=picked),
+        "loadbalancer": _metrics(env, "loadbalancer", balancer_addr, config.LOADBALANCER_METRICS_ADDR, picked=picked),
+        "dashboard": _metrics(env, "dashboard", dashboard_addr, config.DASHBOARD_METRICS_ADDR, picked=picked),
+    }
+    # Probers' metrics count up the same way, stepping over the other services' metrics ports.
+    first = _metrics(env, "prober", prober_addrs[0], config.PROBER_METRICS_ADDR, picked=picked)
+    prober_metrics = [first] * probers
+    if first and split_addr(first)[1] != 0:
+        metrics_host, metrics_port = split_addr(first)
+        taken_metrics = {split_addr(a)[1] for a in metrics.values() if a}
+        prober_metrics = []
+        while len(prober_metrics) < probers:
+            if metrics_port not in taken_metrics:
+                prober_metrics.append(f"{metrics_host}:{metrics_port}")
+            metrics_port += 1
+
+    def metrics_env(section: str, addr: str) -> dict[str, str]:
+        return {config.env_name(section, "metrics_addr"): addr}
 
     specs = [
         ProcessSpec(
@@ -237,20 +288,23 @@ def plan(
                 "REPLICAPLANE_PROVISIONER_STATE_DIR": os.path.join(state_dir, "provisioner"),
                 "REPLICAPLANE_PROVISIONER_REPLICA_HOST": "127.0.0.1",
                 "REPLICAPLANE_PROVISIONER_ADVERTISE_HOST": "127.0.0.1",
+                **metrics_env("provisioner", metrics["provisioner"]),
             },
             addr=provisioner_addr,
             grpc_service=PROVISIONER_SERVICE,
+            metrics_addr=metrics["provisioner"],
         )
     ]
-    for i, addr in enumerate(prober_addrs, start=1):
+    for i, (addr, metrics_addr) in enumerate(zip(prober_addrs, prober_metrics, strict=True), start=1):
         specs.append(
             ProcessSpec(
                 name=f"prober-{i}",
                 component="prober",
                 argv=(python, "-m", "services.prober"),
-                env={"REPLICAPLANE_PROBER_LISTEN_ADDR": addr},
+                env={"REPLICAPLANE_PROBER_LISTEN_ADDR": addr, **metrics_env("prober", metrics_addr)},
                 addr=addr,
                 grpc_service=PROBER_SERVICE,
+                metrics_addr=metrics_addr,
             )
         )
     specs.append(
@@ -264,9 +318,11 @@ def plan(
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": dial_addr(provisioner_addr),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": ",".join(dial_addr(a) for a in prober_addrs),
                 **controller_auth,
+                **metrics_env("controller", metrics["controller"]),
             },
             addr=controller_addr,
             grpc_service=CONTROLLER_SERVICE,
+            metrics_addr=metrics["controller"],
             needs={
                 "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": ("provisioner",),
                 "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": tuple(f"prober-{i}" for i in range(1, probers + 1)),
@@ -284,10 +340,12 @@ def plan(
                 "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": balanced_service,
                 "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": dial_addr(controller_addr),
                 **balancer_auth,
+                **metrics_env("loadbalancer", metrics["loadbalancer"]),
             },
             addr=balancer_addr,
             grpc_service=LOADBALANCER_SERVICE,
             url=f"http://{dial_addr(http_addr)}",
+            metrics_addr=metrics["loadbalancer"],
             needs={"REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": ("controller",)},
         )
     )
@@ -301,10 +359,12 @@ def plan(
                 "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": dashboard_addr,
                 "REPLICAPLANE_DASHBOARD_HTTP_ADDR": dashboard_http,
                 "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": dial_addr(controller_addr),
+                **metrics_env("dashboard", metrics["dashboard"]),
             },
             addr=dashboard_addr,
             grpc_service="",
             url=f"http://{dial_addr(dashboard_http)}",
+            metrics_addr=metrics["dashboard"],
             needs={"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)},
         )
     )

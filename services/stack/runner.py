@@ -136,6 +136,11 @@ class StateFiles:
         return os.path.join(self.state_dir, "ports")
 
     @property
+    def targets_path(self) -> str:
+        """Every process's metrics address, in Prometheus' file_sd format (see deploy/prometheus/)."""
+        return os.path.join(self.state_dir, "prometheus", "targets.json")
+
+    @property
     def result_path(self) -> str:
         """JSON the stopping stack leaves for `down`: the services it could not delete."""
         return os.path.join(self.state_dir, "stack.result.json")
@@ -165,8 +170,8 @@ class StateFiles:
             return None
 
     def remove(self) -> None:
-        """Remove the pid, state and token files."""
-        for path in (self.pid_path, self.state_path, self.token_path):
+        """Remove the pid, state, token and scrape target files."""
+        for path in (self.pid_path, self.state_path, self.token_path, self.targets_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -218,6 +223,7 @@ class Stack:
         # Where each process listens and serves HTTP; a planned port 0 becomes the bound one.
         self.addrs = {s.name: s.addr for s in self.specs}
         self.urls = {s.name: s.url for s in self.specs if s.url}
+        self.metrics = {s.name: s.metrics_addr for s in self.specs if s.metrics_addr}
         self._controller = next(s.name for s in self.specs if s.component == "controller")
         self.generated_token = bool(token)
         # The generated token, else the user's own (from the environment).
@@ -233,6 +239,7 @@ class Stack:
         state = {
             "pid": os.getpid(),
             "ready": self.ready,
+            "metrics": {name: url for name in self.metrics if (url := self.metrics_url(name))},
             "controller": self.controller_addr,
             "token_file": self.files.token_path if self.generated_token else "",
             "services": self.created,
@@ -252,12 +259,34 @@ class Stack:
             ],
         }
         self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
+        self._write_targets()
+
+    def metrics_url(self, name: str) -> str:
+        """The metrics URL of process `name`; "" when it has none or its port is not known yet."""
+        addr = self.metrics.get(name, "")
+        return f"http://{plan.dial_addr(addr)}/metrics" if addr and plan.split_addr(addr)[1] else ""
+
+    def _write_targets(self) -> None:
+        """Tell a Prometheus that reads this file (file_sd) where to scrape, one job per component."""
+        groups = [
+            {
+                "targets": [plan.dial_addr(self.metrics[s.name])],
+                "labels": {"job": s.component, "process": s.name, "stack": "local"},
+            }
+            for s in self.specs
+            if self.metrics_url(s.name)
+        ]
+        os.makedirs(os.path.dirname(self.files.targets_path), exist_ok=True)
+        self.files.write(self.files.targets_path, json.dumps(groups, indent=2) + "\n")
 
     def _port_files(self, spec: plan.ProcessSpec) -> dict[str, str]:
         files = {config.env_name(spec.component, "port_file"): os.path.join(self.files.port_dir, f"{spec.name}.port")}
         if spec.url:
             http = os.path.join(self.files.port_dir, f"{spec.name}.http.port")
             files[config.env_name(spec.component, "http_port_file")] = http
+        if spec.metrics_addr:
+            metrics = os.path.join(self.files.port_dir, f"{spec.name}.metrics.port")
+            files[config.env_name(spec.component, "metrics_port_file")] = metrics
         return files
 
     def _launch(self, spec: plan.ProcessSpec, env: dict[str, str]) -> None:
@@ -298,8 +327,8 @@ class Stack:
             self.save()
 
     async def bound(self, name: str, timeout: float) -> None:
-        """Wait until process `name` has bound its TCP ports (its address and URL) and serves,
-        and take the ports it got for a planned port 0. Its port files prove it: a health answer
+        """Wait until process `name` has bound its TCP ports (its address, URL and metrics) and
+        serves, and take the ports it got for a planned port 0. Its port files prove it: a health answer
         alone does not (another process may hold a fixed port, and would collect the token of
         every client that connects). A Unix socket's address is known in advance.
 
@@ -308,12 +337,14 @@ class Stack:
         """
         spec = next(s for s in self.specs if s.name == name)
         files = self._port_files(spec)
-        addr_file = files[config.env_name(spec.component, "port_file")]
-        paths = [] if plan.is_unix(self.addrs[name]) else [addr_file]
+        # Port file -> what it holds the port of; a Unix socket's address has nothing to wait for.
+        kinds = {} if plan.is_unix(self.addrs[name]) else {files[config.env_name(spec.component, "port_file")]: "addr"}
         if spec.url:
-            paths.append(files[config.env_name(spec.component, "http_port_file")])
+            kinds[files[config.env_name(spec.component, "http_port_file")]] = "url"
+        if spec.metrics_addr:
+            kinds[files[config.env_name(spec.component, "metrics_port_file")]] = "metrics"
         deadline = time.monotonic() + timeout
-        while not _all_exist(paths):
+        while not _all_exist(list(kinds)):
             if (code := self.procs[name].poll()) is not None:
                 log = os.path.join(self.files.log_dir, f"{name}.log")
                 raise api.StackError(f"{name} exited with code {code} before it served; see {log}")
@@ -321,11 +352,14 @@ class Stack:
                 raise api.StackError(f"{name} reported no port in {timeout:.0f} s")
             await asyncio.sleep(0.05)
         changed = False
-        for path in paths:
+        for path, kind in kinds.items():
             port = int(await asyncio.to_thread(_read, path))
-            if path == addr_file:
+            if kind == "addr":
                 host, planned = plan.split_addr(self.addrs[name])
                 self.addrs[name] = f"{host}:{port}"
+            elif kind == "metrics":
+                host, planned = plan.split_addr(self.metrics[name])
+                self.metrics[name] = f"{host}:{port}"
             else:
                 host, planned = plan.split_addr(self.urls[name].removeprefix("http://"))
                 self.urls[name] = f"http://{host}:{port}"
@@ -353,6 +387,8 @@ class Stack:
             addr = self.addrs[spec.name]
             await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
             self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            if metrics_url := self.metrics_url(spec.name):
+                self.out(f"{spec.name} metrics: {metrics_url}")
             if spec.component == "dashboard":
                 self.out(dashboard_line(self.urls[spec.name]))
             elif spec.url:
@@ -530,6 +566,8 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
         state = files.read_state()
         if state and state.get("pid") == proc.pid and state.get("ready"):
             out(f"stack running in the background (pid {proc.pid}); controller at {state['controller']}")
+            for name, url in (state.get("metrics") or {}).items():
+                out(f"{name} metrics: {url}")
             for process in state.get("processes", []):
                 if process.get("name") == "dashboard" and process.get("url"):
                     out(dashboard_line(process["url"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,6 +219,9 @@ def test_foreground_stack_stops_every_service_on_ctrl_c(state_dir, tmp_path) -> 
             proc.communicate()
     assert proc.returncode == 0, out
     assert "stack stopped" in out
+    # Each process's metrics URL, with the port it picked.
+    for name in ("provisioner", "prober-1", "prober-2", "controller", "loadbalancer", "dashboard"):
+        assert re.search(rf"^\S+ {name} metrics: http://127\.0\.0\.1:[1-9]\d*/metrics$", out, re.MULTILINE), out
     dashboard = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
     assert f"dashboard at {dashboard}/" in out, out
     assert not [p for p in state["processes"] if alive(p["pid"])]

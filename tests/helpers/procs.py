@@ -24,11 +24,19 @@ class ServiceProcess:
     port: int
     log_path: str
     host: str = "127.0.0.1"
+    metrics_port: int = 0
+    """Port of its /metrics endpoint (0 when metrics are off)."""
 
     @property
     def addr(self) -> str:
         """host:port of the service."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The URL of its Prometheus metrics."""
+        assert self.metrics_port, f"{self.name} serves no metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Send `sig` and wait for exit; SIGKILL after `timeout`. Returns the exit code."""
@@ -76,8 +84,10 @@ def start_service(
     """
     workdir = workdir or tempfile.mkdtemp(prefix=f"rp-{name}-")
     port_file = os.path.join(workdir, f"{name}.port")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(port_file)
+    metrics_port_file = os.path.join(workdir, f"{name}.metrics.port")
+    for path in (port_file, metrics_port_file):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     log_path = os.path.join(workdir, f"{name}.log")
     upper = name.upper()
     full_env = {
@@ -85,6 +95,9 @@ def start_service(
         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "gen", "python")]),
         f"REPLICAPLANE_{upper}_LISTEN_ADDR": f"{host}:{port}",
         f"REPLICAPLANE_{upper}_PORT_FILE": port_file,
+        # Metrics on a port of its own choosing: tests never clash on the default ports.
+        f"REPLICAPLANE_{upper}_METRICS_ADDR": f"{host}:0",
+        f"REPLICAPLANE_{upper}_METRICS_PORT_FILE": metrics_port_file,
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
@@ -100,8 +113,14 @@ def start_service(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(port_file):
+            # The metrics port file is written before the gRPC one (when metrics are on).
             with open(port_file, encoding="utf-8") as fh:
-                return ServiceProcess(name, proc, int(fh.read()), log_path, host)
+                port = int(fh.read())
+            metrics_port = 0
+            if os.path.exists(metrics_port_file):
+                with open(metrics_port_file, encoding="utf-8") as fh:
+                    metrics_port = int(fh.read())
+            return ServiceProcess(name, proc, port, log_path, host, metrics_port)
         if proc.poll() is not None:
             break
         time.sleep(0.02)

@@ -338,3 +338,16 @@ def test_most_replicas_is_the_largest_count_a_policy_can_run(policy: a.Policy, m
             assert spot + ondemand <= most
         else:
             assert policy.final(target) <= most
+
+
+def test_the_expected_accelerator_is_the_first_alternatives_first_choice() -> None:
+    from services.common import spec
+    from services.controller import convert
+
+    top = "name: s\nservice:\n  replicas: 1\nresources:\n  ports: 8080\n{}run: x\n"
+    assert convert.accelerator_of(spec.parse(top.format(""))) == ""
+    assert convert.accelerator_of(spec.parse(top.format("  accelerators: [L4, A100:2]\n"))) == "L4"
+    any_of = "  any_of:\n    - accelerators: H100:2\n    - accelerators: A100\n"
+    assert convert.accelerator_of(spec.parse(top.format(any_of))) == "H100"
+    # Until the provisioner says which alternative it placed (`accelerator_name` of its report).
+    assert convert.accelerator_name("A100:2") == "A100"

@@ -140,7 +140,8 @@ def test_compose_builds_on_the_base_image_the_environment_names_or_python_slim()
         result = run_compose("config", "--format", "json", env=env)
         assert result.returncode == 0, result.stderr
         for name, svc in json.loads(result.stdout)["services"].items():
-            assert svc["build"]["args"] == {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"]}, name
+            expected = {"BASE_IMAGE": base or env["REPLICAPLANE_BASE_IMAGE"], "GIT_COMMIT": ""}
+            assert svc["build"]["args"] == expected, name
     with open(os.path.join(REPO, "Dockerfile")) as fh:
         lines = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
     # The ARG comes before FROM (so FROM can use it) and keeps the image users elsewhere get.
@@ -190,7 +191,9 @@ def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_a
         "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "unix:/st/sockets/dashboard.sock",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": config.DASHBOARD_HTTP_ADDR,
         "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+        "REPLICAPLANE_DASHBOARD_METRICS_ADDR": config.DASHBOARD_METRICS_ADDR,
     }
+    assert specs["dashboard"].metrics_addr == "127.0.0.1:9459"
     assert specs["dashboard"].url == "http://127.0.0.1:30080"
     assert specs["dashboard"].needs == {"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)}
     assert "REPLICAPLANE_DASHBOARD_API_TOKEN" not in specs["dashboard"].env, "it passes on each page's token"
@@ -200,6 +203,7 @@ def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_a
         "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": "hello",
         "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
         "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE": "/st/api-token",
+        "REPLICAPLANE_LOADBALANCER_METRICS_ADDR": config.LOADBALANCER_METRICS_ADDR,
     }
     assert specs["loadbalancer"].url == f"http://{config.LOADBALANCER_HTTP_ADDR}"
     assert specs["controller"].env == {
@@ -208,6 +212,7 @@ def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_a
         "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": "unix:/st/sockets/provisioner.sock",
         "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": "unix:/st/sockets/prober-1.sock",
         "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE": "/st/api-token",
+        "REPLICAPLANE_CONTROLLER_METRICS_ADDR": config.CONTROLLER_METRICS_ADDR,
     }
     assert specs["provisioner"].addr == "unix:/st/sockets/provisioner.sock"
     assert specs["provisioner"].env["REPLICAPLANE_PROVISIONER_STATE_DIR"] == "/st/provisioner"
@@ -418,3 +423,50 @@ def test_watch_printer_prints_the_balancer_url_once() -> None:
         "hello: endpoint http://127.0.0.1:30001 (load balancer)",
     ]
     assert printer.lines(event) == []
+
+
+# --- metrics endpoints of the stack's processes ------------------------------------------------
+
+
+def test_plan_gives_every_process_a_metrics_address_beside_its_grpc_port() -> None:
+    specs = {s.name: s for s in plan.plan(probers=3, environ={})}
+    metrics = {name: s.metrics_addr for name, s in specs.items()}
+    assert metrics == {
+        "provisioner": config.PROVISIONER_METRICS_ADDR,
+        "prober-1": "127.0.0.1:9453",
+        # More probers count up from the prober's metrics port, stepping over the balancer's 9454.
+        "prober-2": "127.0.0.1:9455",
+        "prober-3": "127.0.0.1:9456",
+        "controller": config.CONTROLLER_METRICS_ADDR,
+        "loadbalancer": config.LOADBALANCER_METRICS_ADDR,
+        "dashboard": config.DASHBOARD_METRICS_ADDR,
+    }
+    for spec in specs.values():
+        assert spec.env[config.env_name(spec.component, "metrics_addr")] == spec.metrics_addr
+    # Seven probers reach the dashboard's 9459 and step over it too.
+    probers = [s.metrics_addr for s in plan.plan(probers=7, environ={}) if s.component == "prober"]
+    assert [plan.split_addr(a)[1] for a in probers] == [9453, 9455, 9456, 9457, 9458, 9460, 9461]
+
+
+def test_plan_metrics_follow_port_zero_and_the_environment() -> None:
+    # A stack on picked ports (its controller's port 0) picks its metrics ports too, for the
+    # processes on Unix sockets as well: stacks side by side never clash.
+    environ = {config.env_name("controller", "listen_addr"): "127.0.0.1:0"}
+    environ[config.env_name("loadbalancer", "metrics_addr")] = ""  # metrics off for the balancer
+    environ[config.env_name("provisioner", "metrics_addr")] = "127.0.0.1:9999"
+    specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
+    assert specs["dashboard"].addr.startswith("unix:") and specs["prober-1"].addr.startswith("unix:")
+    assert specs["controller"].metrics_addr == specs["dashboard"].metrics_addr == "127.0.0.1:0"
+    assert specs["prober-1"].metrics_addr == specs["prober-2"].metrics_addr == "127.0.0.1:0"
+    assert specs["provisioner"].metrics_addr == "127.0.0.1:9999"
+    assert specs["loadbalancer"].metrics_addr == ""
+    assert specs["loadbalancer"].env["REPLICAPLANE_LOADBALANCER_METRICS_ADDR"] == ""
+    with pytest.raises(ValueError, match="METRICS_ADDR"):
+        plan.plan(environ={config.env_name("controller", "metrics_addr"): "nowhere"})
+    # On fixed ports, the processes on sockets keep their default metrics ports (Prometheus
+    # scrapes TCP), counting up for more probers.
+    fixed = {s.name: s.metrics_addr for s in plan.plan(probers=2, environ={})}
+    assert fixed["provisioner"] == config.PROVISIONER_METRICS_ADDR
+    assert fixed["dashboard"] == config.DASHBOARD_METRICS_ADDR
+    assert fixed["prober-1"] == config.PROBER_METRICS_ADDR
+    assert len(set(fixed.values())) == len(fixed)

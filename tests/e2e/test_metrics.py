@@ -1,0 +1,149 @@
+"""Metrics on a live local stack: `python -m services.stack up --detach` prints each service's
+metrics URL, every one of them answers in the Prometheus text format, and the metrics move
+when the example service is created, probed and used through its load balancer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from tests.helpers import metrics
+
+pytestmark = pytest.mark.e2e
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
+PROCESSES = ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
+
+
+def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        # Port 0 everywhere (metrics too, as they follow the gRPC port): no clash with anything.
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
+        "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "services.stack", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def stack(tmp_path) -> Iterator[tuple[str, dict]]:
+    state_dir = tmp_path / "state"
+    up = _stack("up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, timeout=240)
+    try:
+        assert up.returncode == 0, f"{up.stdout}{up.stderr}\n{(state_dir / 'stack.log').read_text(errors='replace')}"
+        yield up.stdout, json.loads((state_dir / "stack.json").read_text())
+    finally:
+        down = _stack("down", "--state-dir", str(state_dir), timeout=200)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not (state_dir / "prometheus" / "targets.json").exists()
+
+
+def _get(url: str) -> int:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:  # 503 until the balancer has the ready endpoints
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path) -> None:
+    out, state = stack
+    printed = dict(re.findall(r"(\S+) metrics: (http://127\.0\.0\.1:\d+/metrics)", out))
+    assert sorted(printed) == PROCESSES, out
+    assert printed == state["metrics"]
+    urls = printed
+    for name, url in urls.items():
+        scrape = await metrics.ascrape(url)
+        (build,) = scrape.samples("replicaplane_build_info")
+        assert build.labels["component"] == name.split("-")[0]
+        assert scrape.has("process_cpu_seconds_total")
+
+    # The stack created hello through the controller's API and follows it with a watch.
+    controller = await metrics.ascrape(urls["controller"])
+    create = {"grpc_service": "replicaplane.controller.v1.ControllerService", "grpc_method": "CreateService"}
+    assert controller.value("grpc_server_handled_total", **create, grpc_code="OK") == 1
+
+    # The provisioner launched both replicas; the prober probes them.
+    provisioner = await metrics.until(
+        urls["provisioner"],
+        lambda s: s.value("replicaplane_provisioner_replicas", state="running") == 2,
+        what="two running replicas",
+    )
+    assert provisioner.value("replicaplane_provisioner_launch_duration_seconds_count", outcome="succeeded") == 2
+    launch = {"grpc_service": "replicaplane.provisioner.v1.ProvisionerService", "grpc_method": "Launch"}
+    assert provisioner.value("grpc_server_started_total", **launch) == 2
+    prober = await metrics.until(
+        urls["prober-1"],
+        lambda s: (
+            s.value("replicaplane_prober_assigned_replicas") == 2
+            and s.value("replicaplane_prober_probes_total", outcome="ready") >= 2
+        ),
+        what="two probed replicas",
+    )
+    probe = {"grpc_service": "replicaplane.prober.v1.ProberService", "grpc_method": "Probe"}
+    assert prober.value("grpc_server_in_flight_rpcs", **probe) >= 1
+    before = prober.value("replicaplane_prober_probes_total")
+    await metrics.until(urls["prober-1"], lambda s: s.value("replicaplane_prober_probes_total") > before)
+
+    # Requests through the balancer are counted by version and code.
+    balancer_url = next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
+    for _ in range(3):
+        assert _get(balancer_url + "/") == 200
+    ok = {"service": "hello", "version": "1", "code": "200"}
+    # Counted once the handler returns, a moment after the client has its answer.
+    balancer = await metrics.until(
+        urls["loadbalancer"], lambda s: s.value("replicaplane_loadbalancer_requests_total", **ok) == 3
+    )
+    assert balancer.value("replicaplane_loadbalancer_request_duration_seconds_count", service="hello") >= 3
+    await metrics.until(urls["loadbalancer"], lambda s: s.value("replicaplane_loadbalancer_ready_replicas") == 2)
+
+    # A page open on the web dashboard is counted, with the controller stream it follows hello on.
+    dashboard_url = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
+    async with aiohttp.ClientSession() as session, session.get(f"{dashboard_url}/api/events") as resp:
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"event: snapshot")
+        dashboard = await metrics.until(
+            urls["dashboard"],
+            lambda s: (
+                s.value("replicaplane_dashboard_pages") == 1
+                and s.value("replicaplane_dashboard_controller_streams") == 1
+            ),
+            what="one page following hello",
+        )
+    assert dashboard.value("replicaplane_dashboard_events_sent_total", kind="snapshot") == 1
+    assert dashboard.value("replicaplane_dashboard_page_connections_total", outcome="accepted") == 1
+    assert dashboard.value("replicaplane_dashboard_bridges", state="live") == 1
+
+    # Prometheus finds them all through the stack's file_sd targets file.
+    targets = json.loads((tmp_path / "state" / "prometheus" / "targets.json").read_text())
+    assert {g["labels"]["process"]: g["targets"] for g in targets} == {
+        name: [url.removeprefix("http://").removesuffix("/metrics")] for name, url in urls.items()
+    }
+    assert {g["labels"]["job"] for g in targets} == {"controller", "dashboard", "loadbalancer", "prober", "provisioner"}
