@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from services.cli import main as cli
+from services.common import security
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
@@ -50,21 +51,22 @@ def _get_json(url: str, timeout: float = 10.0) -> object:
 def run(state_dir: str) -> int:
     """Run the demo; returns 0 when every step worked and nothing is left running."""
     started = time.monotonic()
-    # Port 0 everywhere: each service binds a free port; the stack writes them to stack.json.
+    # Port 0 for the public ports: each binds a free one and the stack writes it to stack.json.
+    # The internal services listen on Unix sockets in the state dir.
     env = {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
     _step(f"starting the local stack on free ports (state in {state_dir})")
     if _stack(["up", "--detach", "--state-dir", state_dir], env, timeout=180) != 0:
         print("demo failed: the stack did not start", file=sys.stderr)
         return 1
+    token_file = os.path.join(state_dir, "api-token")
+    if os.path.exists(token_file):  # the stack's own token (none when the user set theirs)
+        os.environ.pop(security.CLIENT_TOKEN_ENV, None)
+        os.environ[security.CLIENT_TOKEN_FILE_ENV] = token_file
     rc = 1
     try:
         with open(os.path.join(state_dir, "stack.json"), encoding="utf-8") as fh:

@@ -535,7 +535,8 @@ def run(
     if args.command == "dashboard":
         return dashboard.cmd_dashboard(args, out, err)
     try:
-        token = security.client_token()
+        # A command that names a stack's state dir (logs) finds that stack's token there.
+        token = security.client_token(target=args.controller, state_dir=getattr(args, "state_dir", DEFAULT_STATE_DIR))
     except OSError as exc:
         print(f"error: cannot read the API token file: {exc.strerror}", file=err)
         return BAD_INPUT

@@ -26,6 +26,9 @@ _SERVICE_CONFIG = json.dumps(
     }
 )
 
+# Over a Unix socket there is no host to check a certificate against: it must carry this name.
+UNIX_SERVER_NAME = "localhost"
+
 CHANNEL_OPTIONS: list[tuple[str, object]] = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -58,7 +61,8 @@ def channel(
         target: where to connect.
         extra_options: channel options added to the shared ones.
         credentials: TLS credentials; None means plaintext.
-        server_name: the name the server's certificate must carry, when it is not the target host.
+        server_name: the name the server's certificate must carry, when it is not the target host
+            (for unix: targets, UNIX_SERVER_NAME).
         interceptors: client interceptors, for example security.token_interceptors().
         retries: False for a caller that retries at its own layer (and must know how many
             attempts were made), so gRPC does not retry underneath it.
@@ -67,6 +71,8 @@ def channel(
     options = shared + [("grpc.enable_retries", 0)] * (not retries) + (extra_options or [])
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if not server_name and target.startswith("unix:"):
+        server_name = UNIX_SERVER_NAME
     if server_name:
         options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

@@ -74,6 +74,36 @@ class FailedPreconditionError(ReplicaplaneError):
         self.type_ = type_
 
 
+class ResourceExhaustedError(ReplicaplaneError):
+    """A limit was reached: a quota of the server (free some of it, or raise the limit), or of the
+    caller's own use (a watch fell too far behind, for one).
+
+    Attributes:
+        subject: for a quota, the request field that asks for too much, such as `service.replicas`.
+        limit_name: for a quota, the setting that sets the limit, such as `max_replicas_total`
+            ("" for other limits: no QuotaFailure detail then).
+        limit: its value.
+    """
+
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        subject: str = "",
+        limit_name: str = "",
+        limit: int = 0,
+        reason: str | None = None,
+        **metadata: object,
+    ) -> None:
+        quota: dict[str, object] = {"field": subject, "limit_name": limit_name, "limit": limit} if limit_name else {}
+        super().__init__(message, reason=reason, **quota, **metadata)
+        self.subject = subject
+        self.limit_name = limit_name
+        self.limit = limit
+
+
 class AbortedError(ReplicaplaneError):
     """A concurrent change won; redo the read-modify-write."""
 
@@ -84,12 +114,6 @@ class UnavailableError(ReplicaplaneError):
     """A dependency is down or timed out; retry the call."""
 
     reason = "UNAVAILABLE"
-
-
-class ResourceExhaustedError(ReplicaplaneError):
-    """A limit of the caller's own use was reached (a watch fell too far behind, for one)."""
-
-    reason = "RESOURCE_EXHAUSTED"
 
 
 def require(violations: list[FieldViolation], *, subject: str = "request") -> None:

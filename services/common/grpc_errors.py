@@ -87,6 +87,21 @@ def to_status(exc: BaseException, *, domain: str) -> status_pb2.Status:
                 )
             )
         )
+    elif isinstance(exc, errors.ResourceExhaustedError) and exc.limit_name:
+        details.append(
+            _pack(
+                error_details_pb2.QuotaFailure(
+                    violations=[
+                        error_details_pb2.QuotaFailure.Violation(
+                            subject=_clip(exc.subject),
+                            description=_clip(exc.message),
+                            quota_id=exc.limit_name,
+                            quota_value=exc.limit,
+                        )
+                    ]
+                )
+            )
+        )
     return status_pb2.Status(code=code.value[0], message=_clip(exc.message), details=details)
 
 

@@ -99,13 +99,50 @@ def finish(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
+    socket_path = unix_path(listen_addr)
+    if socket_path:
+        private_socket_dir(socket_path)
     if credentials is None:
         port = server.add_insecure_port(listen_addr)
     else:
         port = server.add_secure_port(listen_addr, credentials)
     if port == 0:
         raise RuntimeError(f"could not bind {listen_addr}")
+    if socket_path:
+        os.chmod(socket_path, 0o600)
     return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names), metrics=metrics)
+
+
+def unix_path(addr: str) -> str:
+    """The socket path of a `unix:PATH` (or `unix:///PATH`) address; "" for anything else."""
+    if not addr.startswith("unix:"):
+        return ""
+    path = addr[len("unix:") :]
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def private_socket_dir(path: str) -> None:
+    """Make sure only this user can reach the socket at `path`: its directory is created 0700
+    if missing, and refused if it belongs to another user or others may enter it (anyone who
+    can connect to the socket can call every method on it).
+
+    Raises:
+        errors.ValidationError: the directory is shared.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.stat(folder)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise errors.ValidationError(
+            [
+                errors.FieldViolation(
+                    "listen_addr",
+                    f"the socket's directory {folder} must belong to this user and be closed to others "
+                    f"(mode 0700, it is {st.st_mode & 0o777:o}): anyone who can reach the socket can call the service",
+                )
+            ],
+            subject="settings",
+        )
 
 
 def write_port_file(path: str, port: int) -> None:

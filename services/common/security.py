@@ -1,6 +1,7 @@
-"""Optional bearer tokens on the public API and mutual TLS between the services.
+"""Bearer tokens on the public API and mutual TLS between the services.
 
-Both are off by default. Tokens are compared in constant time and never logged or echoed; a
+A service started by hand has neither unless configured; the local stack always runs with a
+token (docs/security.md). Tokens are compared in constant time and never logged or echoed; a
 request without a valid token is answered UNAUTHENTICATED before any servicer code runs.
 Health checking and reflection stay open, so load balancers and grpcurl's listing keep working.
 With mTLS, a server requires a client certificate signed by the shared CA, and the provisioner
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hmac
+import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -32,6 +34,9 @@ OPEN_SERVICES = frozenset(
 # Environment a client (the stack, tests, scripts) reads its token from.
 CLIENT_TOKEN_ENV = "REPLICAPLANE_API_TOKEN"
 CLIENT_TOKEN_FILE_ENV = "REPLICAPLANE_API_TOKEN_FILE"
+
+# The state dir of the local stack `make up` runs from the checkout, relative to it.
+STACK_STATE_DIR = ".state"
 
 ANONYMOUS = "anonymous"
 
@@ -271,10 +276,13 @@ def _first_token(path: str) -> str:
     return ""
 
 
-def client_token(environ: Mapping[str, str] | None = None) -> str:
+def client_token(
+    environ: Mapping[str, str] | None = None, *, target: str = "", state_dir: str = STACK_STATE_DIR
+) -> str:
     """The token a client sends, or "": $REPLICAPLANE_API_TOKEN, the first token of the file
-    named by $REPLICAPLANE_API_TOKEN_FILE, and else the controller's own token settings (so a
-    local stack started with them talks to its controller)."""
+    named by $REPLICAPLANE_API_TOKEN_FILE, else the controller's own token settings (so a
+    local stack started with them talks to its controller), else the token of the local stack
+    in `state_dir` (./.state) when `target` is that stack's controller (stack_token())."""
     env = os.environ if environ is None else environ
     for var, var_file in (
         (CLIENT_TOKEN_ENV, CLIENT_TOKEN_FILE_ENV),
@@ -284,7 +292,23 @@ def client_token(environ: Mapping[str, str] | None = None) -> str:
             return env[var].strip()
         if env.get(var_file):
             return _first_token(env[var_file])
-    return ""
+    return stack_token(target, state_dir) if target else ""
+
+
+def stack_token(target: str, state_dir: str = STACK_STATE_DIR) -> str:
+    """The token the local stack in `state_dir` generated, if `target` is its controller.
+
+    Only that controller ever gets it: a client pointed elsewhere sends nothing, so the token
+    never reaches another server. "" when there is no such stack or the file is unreadable.
+    """
+    try:
+        with open(os.path.join(state_dir, "stack.json"), encoding="utf-8") as fh:
+            state = json.load(fh)
+        if not isinstance(state, dict) or state.get("controller") != target or not state.get("token_file"):
+            return ""
+        return _first_token(str(state["token_file"]))
+    except (OSError, ValueError):
+        return ""
 
 
 def client_tls(environ: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:

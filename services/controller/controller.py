@@ -18,7 +18,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
 from services.controller import convert, orphans, reconciler, store
-from services.controller.domain import load, placer
+from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class Controller:
         # Kept outside the store (identity.py), so a lost store still knows its replicas.
         self.controller_id = controller_id or db.controller_id()
         self._foreign_logged: set[str] = set()
+        self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
 
     async def start(self) -> None:
@@ -122,6 +123,14 @@ class Controller:
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
             rec.start()
+        reserved = sum(r.reserved_replicas() for r in self._services.values())
+        if reserved > self._tuning.max_replicas_total:
+            log.warning(
+                "the services hold %d replicas, more than max_replicas_total (%d): they keep running, "
+                "but nothing may grow until they shrink",
+                reserved,
+                self._tuning.max_replicas_total,
+            )
         self._watch_task = asyncio.create_task(self._watch_provisioner(), name="provisioner watch")
         self._sweep_task = asyncio.create_task(self._sweep(), name="sweep")
 
@@ -149,6 +158,7 @@ class Controller:
             watch_generation=lambda: self._watch_generation,
             zones=lambda: self._zones,
             owner=self.controller_id,
+            launch_slots=self._launch_slots,
         )
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
@@ -179,6 +189,8 @@ class Controller:
         if existing is not None and request_id and existing.request_id == request_id:
             return self._get(name).service()
         await self._check_runnable(parsed)
+        if name not in self._services:  # else the store says ALREADY_EXISTS
+            self._check_budget(name, parsed)
         # The row and the first writes of its reconciler commit together: a create answered
         # UNAVAILABLE ("nothing was changed") must not leave a service behind.
         rec: reconciler.ServiceReconciler | None = None
@@ -227,6 +239,39 @@ class Controller:
             subject="service spec",
         )
 
+    def _check_budget(self, name: str, parsed: spec_pb2.ServiceSpec) -> None:
+        """Refuse a spec that would take the services past max_replicas_total.
+
+        Each service holds the most replicas its policy can run (or the replicas it still has,
+        if more), so the autoscalers never need to ask. An update that does not raise its
+        service's most always passes, even when the limit was lowered below what is held.
+
+        Raises:
+            errors.ResourceExhaustedError: naming the spec field that asks for too much.
+        """
+        limit = self._tuning.max_replicas_total
+        want = autoscaler.most_replicas(convert.policy_of(parsed))
+        current = self._services.get(name)
+        if current is not None and want <= current.most_replicas():
+            return
+        others = sum(rec.reserved_replicas() for other, rec in self._services.items() if other != name)
+        if others + want <= limit:
+            return
+        fixed = parsed.service.fixed_replicas_shorthand
+        field = "service.replicas" if fixed else "service.replica_policy.max_replicas"
+        raise errors.ResourceExhaustedError(
+            f"{field}: the service may run up to {want} replicas, but other services hold {others} of the "
+            f"controller's max_replicas_total ({limit}), so {max(limit - others, 0)} are left; shrink or "
+            "delete a service, or raise the setting",
+            reason="REPLICA_BUDGET_EXCEEDED",
+            subject=field,
+            limit_name="max_replicas_total",
+            limit=limit,
+            service=name,
+            requested=want,
+            held_by_others=others,
+        )
+
     def get_service(self, name: str) -> res.Service:
         """A service."""
         return self._get(name).service()
@@ -256,6 +301,7 @@ class Controller:
         parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
+        self._check_budget(name, parsed)
         plan = rec.update(parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
@@ -425,6 +471,7 @@ class Controller:
                     rec.resync()
                 except Exception:
                     log.exception("resync of service %s failed", rec.name)
+                await asyncio.sleep(0)  # one service per step: the loop answers calls in between
 
     def _route(self, ev: prov_res.ReplicaEvent) -> None:
         if ev.replica.owner and ev.replica.owner != self.controller_id:

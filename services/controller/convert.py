@@ -80,6 +80,14 @@ def places_of(spec: spec_pb2.ServiceSpec) -> list[tuple[str, tuple[str, str]]]:
 
 
 def accelerator_of(spec: spec_pb2.ServiceSpec) -> str:
-    """The accelerator name a replica of `spec` runs on (first choice, without count), or ""."""
-    first = spec.resources.accelerators.split(",", 1)[0].strip()
-    return first.split(":", 1)[0].strip()
+    """The accelerator name a replica of `spec` is expected to run on (the first choice of the
+    first resources alternative, without count), or "". The provisioner's report of the one it
+    placed replaces it (accelerator_name)."""
+    r = spec.resources
+    entries = r.any_of or r.ordered
+    return accelerator_name(entries[0].accelerators if entries else r.accelerators)
+
+
+def accelerator_name(text: str) -> str:
+    """`A100` of `A100:2` (or of `A100:2,H100:1`, the first choice); "" for ""."""
+    return text.split(",", 1)[0].split(":", 1)[0].strip()

@@ -67,6 +67,10 @@ class Tuning:
     """Period of the level-triggered pass (resync)."""
     max_replicas_per_service: int = 1000
     """Specs asking for more replicas (or min/max) than this are refused."""
+    max_replicas_total: int = 5000
+    """What every service may run at most, added up, stays within this; more is refused."""
+    max_launches_in_flight: int = 128
+    """Launch streams followed at once over every service; further launches wait their turn."""
     decision_interval_s: float = autoscaler.DECISION_INTERVAL_S
     """Autoscaler decisions are made at least this often."""
     zero_decision_interval_s: float = autoscaler.ZERO_DECISION_INTERVAL_S
@@ -78,6 +82,9 @@ class Tuning:
 # Passes over every replica (publishing a change, reconciling) run at once when the service is
 # quiet, and at most this often under a burst of events, so a large service stays linear.
 _MIN_PASS_GAP_S = 0.005
+# New replicas one pass starts at most (two store writes each); a larger scale-up takes several
+# passes, so the event loop keeps answering (health, API calls) while a big service starts.
+_LAUNCH_BATCH = 50
 
 
 def _soon(callback: Callable[[], None], last_run: float, size: int) -> None:
@@ -148,8 +155,11 @@ class ServiceReconciler:
         watch_generation: Callable[[], int] = lambda: 0,
         zones: Callable[[], list[tuple[str, float]]] = list,
         owner: str = "",
+        launch_slots: asyncio.Semaphore | None = None,
     ) -> None:
         self.name = name
+        # Shared by every service of the controller: bounds the launch streams followed at once.
+        self._launch_slots = launch_slots or asyncio.Semaphore(tuning.max_launches_in_flight)
         self._owner = owner
         self._zones = zones
         self._decision: asyncio.TimerHandle | None = None
@@ -325,6 +335,16 @@ class ServiceReconciler:
             out.last_decision_time.CopyFrom(pbtime.timestamp(self._state.decided_at))
         return out
 
+    def most_replicas(self) -> int:
+        """The most replicas the latest policy can run; none once the service is being deleted."""
+        return 0 if self._row.deleting else autoscaler.most_replicas(self._policy())
+
+    def reserved_replicas(self) -> int:
+        """What the service holds of the controller's replica budget: most_replicas(), or the
+        replicas it still has if more (an update in flight, teardowns not done or failed)."""
+        live = sum(1 for r in self.replicas.values() if r.facts.teardown_phase != TP.TEARDOWN_PHASE_SUCCEEDED)
+        return max(self.most_replicas(), live)
+
     def snapshot(self) -> api.WatchServiceResponse:
         """The whole service for a new watcher."""
         return api.WatchServiceResponse(
@@ -495,10 +515,14 @@ class ServiceReconciler:
             # Capacity ran out: retry after a pause instead of a tight launch-fail loop.
             asyncio.get_running_loop().call_later(wait, self.kick)
         else:
-            for _ in range(plan.launch):
+            spot = min(plan.launch, _LAUNCH_BATCH)
+            ondemand = min(plan.launch_ondemand, _LAUNCH_BATCH - spot)
+            for _ in range(spot):
                 self._launch_new(spot=policy.use_spot)
-            for _ in range(plan.launch_ondemand):
+            for _ in range(ondemand):
                 self._launch_new(spot=False)
+            if spot + ondemand < plan.launch + plan.launch_ondemand:
+                self.kick()  # the rest in the next pass
         if self._blue_green and self._active_versions(views) == [latest]:
             # Blue-green switched: older failed records go with the old version.
             for rid, r in list(self.replicas.items()):
@@ -641,43 +665,47 @@ class ServiceReconciler:
         self._launches[rid] = asyncio.create_task(self._run_launch(rid), name=f"launch {self.name}/{rid}")
 
     async def _run_launch(self, rid: int) -> None:
-        delay = self._tuning.reconnect_initial_s
         try:
-            while not self._gone:
-                r = self.replicas.get(rid)
-                if r is None or r.facts.launch_phase not in (
-                    LP.LAUNCH_PHASE_SCHEDULED,
-                    LP.LAUNCH_PHASE_RUNNING,
-                ):
-                    return
-                request = prov_pb.LaunchRequest(
-                    name=r.replica_name,
-                    service=self.name,
-                    replica_id=rid,
-                    version=r.version,
-                    spec=self.spec(r.version),
-                    use_spot=r.is_spot,
-                    zone=r.zone,
-                    owner=self._owner,
-                )
-                try:
-                    async for response in self._prov.Launch(request):
-                        delay = self._tuning.reconnect_initial_s
-                        if self._on_launch_event(rid, response.event):
-                            return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in _PERMANENT_CODES:
-                        self._launch_failed(rid, f"provisioner refused the launch: {exc.details()}")
-                        return
-                    log.info("%s/%d: launch stream broke (%s); re-attaching", self.name, rid, exc.code().name)
-                except Exception:
-                    # A store error applying an event: re-attach and replay, never die silently.
-                    log.exception("%s/%d: following the launch failed; re-attaching", self.name, rid)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._tuning.reconnect_max_s)
+            async with self._launch_slots:
+                await self._follow_launch(rid)
         finally:
             if self._launches.get(rid) is asyncio.current_task():
                 del self._launches[rid]
+
+    async def _follow_launch(self, rid: int) -> None:
+        delay = self._tuning.reconnect_initial_s
+        while not self._gone:
+            r = self.replicas.get(rid)
+            if r is None or r.facts.launch_phase not in (
+                LP.LAUNCH_PHASE_SCHEDULED,
+                LP.LAUNCH_PHASE_RUNNING,
+            ):
+                return
+            request = prov_pb.LaunchRequest(
+                name=r.replica_name,
+                service=self.name,
+                replica_id=rid,
+                version=r.version,
+                spec=self.spec(r.version),
+                use_spot=r.is_spot,
+                zone=r.zone,
+                owner=self._owner,
+            )
+            try:
+                async for response in self._prov.Launch(request):
+                    delay = self._tuning.reconnect_initial_s
+                    if self._on_launch_event(rid, response.event):
+                        return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _PERMANENT_CODES:
+                    self._launch_failed(rid, f"provisioner refused the launch: {exc.details()}")
+                    return
+                log.info("%s/%d: launch stream broke (%s); re-attaching", self.name, rid, exc.code().name)
+            except Exception:
+                # A store error applying an event: re-attach and replay, never die silently.
+                log.exception("%s/%d: following the launch failed; re-attaching", self.name, rid)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._tuning.reconnect_max_s)
 
     def _on_launch_event(self, rid: int, ev: prov_res.LaunchEvent) -> bool:
         """Apply one launch event; True when the launch is over for this reconciler."""
@@ -706,6 +734,8 @@ class ServiceReconciler:
             f.launch_phase = LP.LAUNCH_PHASE_SUCCEEDED
             r.endpoint = ev.endpoint or ev.replica.endpoint
             r.zone = ev.replica.zone or r.zone
+            if ev.replica.accelerator:  # the alternative the provisioner placed (any_of, ordered)
+                r.accelerator = convert.accelerator_name(ev.replica.accelerator)
             r.launch_time.CopyFrom(ev.time)
             r.failure_reason = ""
             self._save(r)

@@ -59,6 +59,13 @@ class Settings:
     characters. Empty: the id kept in the state directory (created on first start)."""
     max_replicas_per_service: int = 1000
     """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
+    max_replicas_total: int = 5000
+    """The most replicas every service together may run. Each service holds the most its spec
+    can run (replicas, or max_replicas plus overprovision and on-demand fallback); a create or
+    update that would go over is refused with RESOURCE_EXHAUSTED."""
+    max_launches_in_flight: int = 128
+    """Launch streams to the provisioner followed at once, over every service; more launches
+    wait their turn, so a large scale-up never floods the controller or the provisioner."""
     autoscaler_interval_s: float = 20.0
     """Autoscaler decisions are made at least this often (SkyPilot: 20 s); a load report, an
     update and an elapsed up/downscale delay also decide at once."""
@@ -86,6 +93,11 @@ class Settings:
     tls_* files turns mTLS on toward the provisioner and probers."""
     tls_server_name: str = ""
     """Name the provisioner's and probers' certificates must carry, when not their address host."""
+    allow_open_internal: bool = False
+    """With a token on the API, the controller refuses to start while it would reach the
+    provisioner or probers over plaintext TCP (any local user could call them and run commands
+    as their user): use unix: sockets or mTLS. Set this only where no one else can reach their
+    ports."""
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -134,12 +146,37 @@ def check(settings: Settings) -> None:
     Raises:
         errors.ValidationError: each bad setting, named.
     """
-    violations = []
+    violations = [
+        errors.FieldViolation(f"controller.{name}", f"must be at least 1, got {getattr(settings, name)}")
+        for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
+        if getattr(settings, name) < 1
+    ]
     if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
         violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
     if settings.controller_id and (problem := identity.problem(settings.controller_id)):
         violations.append(errors.FieldViolation("controller.controller_id", problem))
+    violations += _open_internal(settings)
     errors.require(violations, subject="controller settings")
+
+
+def _open_internal(settings: Settings) -> list[errors.FieldViolation]:
+    """With auth on the API, the provisioner and probers must not be open: a token on the API
+    protects nothing while Launch is one plaintext TCP call away for every local user."""
+    guarded = bool(settings.auth_token or settings.auth_token_file)
+    tls = bool(settings.tls_cert_file or settings.tls_key_file or settings.tls_ca_file)
+    if not guarded or tls or settings.allow_open_internal:
+        return []
+    why = (
+        "is plaintext TCP while the API requires a token: every local user could call it; use unix:PATH "
+        "sockets in a private directory or mTLS (tls_* settings), or set allow_open_internal"
+    )
+    violations = []
+    if not settings.provisioner_addr.startswith("unix:"):
+        violations.append(errors.FieldViolation("controller.provisioner_addr", why))
+    probers = [a.strip() for a in settings.prober_addrs.split(",") if a.strip()]
+    if any(not a.startswith("unix:") for a in probers):
+        violations.append(errors.FieldViolation("controller.prober_addrs", why))
+    return violations
 
 
 def _identity(settings: Settings, db: store.Store) -> str:
@@ -156,6 +193,7 @@ def _identity(settings: Settings, db: store.Store) -> str:
 
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
+    check(settings)
     interceptors, audit_file = _interceptors(settings)
     tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
     credentials = tls.channel_credentials("controller") if tls.enabled else None
@@ -163,7 +201,6 @@ async def start(settings: Settings) -> Running:
     def make_channel(addr: str) -> grpc.aio.Channel:
         return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
 
-    check(settings)
     db = store.Store.in_state_dir(
         settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
     )
@@ -174,6 +211,8 @@ async def start(settings: Settings) -> Running:
         probe_fast_interval_s=settings.probe_fast_interval_s,
         sweep_interval_s=settings.sweep_interval_s,
         max_replicas_per_service=settings.max_replicas_per_service,
+        max_replicas_total=settings.max_replicas_total,
+        max_launches_in_flight=settings.max_launches_in_flight,
         decision_interval_s=settings.autoscaler_interval_s,
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,

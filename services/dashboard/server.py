@@ -24,7 +24,8 @@ class Settings:
     http_addr: str = config.DASHBOARD_HTTP_ADDR
     """host:port of the web page; port 0 picks a free port."""
     listen_addr: str = config.DASHBOARD_ADDR
-    """host:port of the gRPC health check; port 0 picks a free port."""
+    """host:port of the gRPC health check (port 0 picks a free port), or unix:PATH (the local
+    stack's choice: it serves health only, so it needs no TCP port)."""
     port_file: str = ""
     """If set, the bound health-check port is written here once serving."""
     http_port_file: str = ""
@@ -71,6 +72,8 @@ def load_settings(**overrides: Any) -> Settings:
     settings = config.load(Settings, "dashboard", **overrides)
     violations = []
     for name in ("http_addr", "listen_addr", "controller_addr"):
+        if name == "listen_addr" and settings.listen_addr.startswith("unix:"):
+            continue
         try:
             _split(getattr(settings, name))
         except ValueError:
@@ -160,8 +163,9 @@ async def start(settings: Settings, *, start_health: bool = True) -> Running:
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM."""
     running = await start(settings, start_health=False)
+    health = settings.listen_addr if settings.listen_addr.startswith("unix:") else f"port {running.built.port}"
     logging.getLogger(__name__).info(
-        "dashboard at %s (controller %s, health on port %d)", running.url, settings.controller_addr, running.built.port
+        "dashboard at %s (controller %s, health on %s)", running.url, settings.controller_addr, health
     )
     await grpc_server.serve_until_signal(
         running.built,

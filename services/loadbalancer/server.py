@@ -44,7 +44,8 @@ class Settings:
     api_token: str = dataclasses.field(default="", repr=False)
     """Bearer token for the controller's API, when it requires one. Empty falls back to
     api_token_file, then to $REPLICAPLANE_API_TOKEN(_FILE) and the controller's own token settings
-    in the environment (as every client of the stack does)."""
+    in the environment (as every client of the stack does). With a token, the admin API
+    requires the same one (health and reflection stay open)."""
     api_token_file: str = ""
     """File whose first token (TOKEN or NAME:TOKEN) is sent to the controller."""
     advertise_url: str = ""
@@ -230,11 +231,10 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     )
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
+    token = api_token(settings)
     # The link retries every call itself (a load report must know whether it was sent before), so
     # gRPC must not retry underneath it.
-    channel = clients.channel(
-        settings.controller_addr, interceptors=security.token_interceptors(api_token(settings)), retries=False
-    )
+    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(token), retries=False)
     link = ctl_link.ControllerLink(
         controller_service_pb2_grpc.ControllerServiceStub(channel),
         balancer,
@@ -243,7 +243,9 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
         heartbeat_s=settings.report_heartbeat_s,
     )
     link.start()
-    server = grpc_server.new_server(domain="loadbalancer.replicaplane", metrics=registry)
+    # Where the controller wants a token, the admin API wants the same one (health stays open).
+    guard = [security.TokenInterceptor({token: "api_token"})] if token else []
+    server = grpc_server.new_server(domain="loadbalancer.replicaplane", interceptors=guard, metrics=registry)
     loadbalancer_service_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
         servicer.LoadBalancerServicer(balancer, link), server
     )

@@ -107,6 +107,9 @@ class BackendReplica:
         app_state: RUNNING, EXITED or VANISHED.
         exit_code: the app's exit code once EXITED.
         start_time: when the app started (wall clock).
+        accelerator: the accelerator it runs on as NAME:COUNT; "" for none or not known.
+        resources_path: the spec's resources it runs on (`resources.any_of[1]`, `resources`);
+            "" when the backend does not choose among them.
     """
 
     name: str
@@ -118,6 +121,8 @@ class BackendReplica:
     app_state: model.AppState
     exit_code: int = 0
     start_time: float = 0.0
+    accelerator: str = ""
+    resources_path: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,20 +33,27 @@ duration = pbtime.duration
 seconds = pbtime.seconds
 
 
+def _recorded(res: spec_pb2.Resources) -> dict[str, str]:
+    """The hardware and placement fields of one set of resources, as text."""
+    recorded = {f: str(getattr(res, f)) for f in _RECORDED_RESOURCES if getattr(res, f)}
+    if res.disk_size:
+        recorded["disk_size"] = str(res.disk_size)
+    return recorded
+
+
 def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
-    """The parts of a ServiceSpec the provisioner runs; hardware fields are recorded only."""
+    """The parts of a ServiceSpec the provisioner runs, with every resources alternative."""
     res = spec.resources
     ports = tuple(res.ports)
     serving = spec.service.port or (ports[0] if ports else 0)
     if spec.kind == spec_pb2.FLEET_KIND_POOL:
         ports, serving = (), 0  # a worker serves nothing
-    recorded = {f: str(getattr(res, f)) for f in _RECORDED_RESOURCES if getattr(res, f)}
-    if res.disk_size:
-        recorded["disk_size"] = str(res.disk_size)
-    if res.any_of:
-        recorded["any_of"] = str(len(res.any_of))
-    if res.ordered:
-        recorded["ordered"] = str(len(res.ordered))
+    recorded = _recorded(res)
+    kind = "any_of" if res.any_of else "ordered" if res.ordered else ""
+    # Entries were merged with the top level when the spec was parsed: each is whole.
+    entries = tuple(_recorded(e) for e in getattr(res, kind)) if kind else ()
+    if kind:
+        recorded[kind] = str(len(entries))
     return model.ReplicaSpec(
         setup=spec.setup,
         run=spec.run,
@@ -59,6 +66,8 @@ def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
         use_spot=res.use_spot,
         num_nodes=spec.num_nodes or 1,
         resources=recorded,
+        alternatives=entries,
+        alternatives_kind=kind,
         worker=spec.kind == spec_pb2.FLEET_KIND_POOL,
     )
 
@@ -120,6 +129,8 @@ def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
         start_time=timestamp(r.start_time),
         price_per_hour=r.price_per_hour,
         owner=r.owner,
+        accelerator=r.accelerator,
+        resources_path=r.resources_path,
         worker=r.worker,
         job_id=r.job_id,
     )

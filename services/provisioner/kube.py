@@ -20,6 +20,12 @@ collector removes them with the Pod even when no provisioner is left to. The Sec
 before the Pod (the container needs it to start) and owned once the Pod exists; one left
 behind by a crash in between is removed at the next start.
 
+Resources alternatives (`any_of`, `ordered`, a list of accelerators; see alternatives.py) are
+tried one Pod at a time within one launch attempt: an alternative whose Pod stays unschedulable
+for `alternative_timeout_s`, or whose Pod the API server refuses for what it asks (a quota, a
+LimitRange, an invalid quantity), has its objects deleted and the next one is tried. Failures
+after the Pod was scheduled (image, setup, the app) end the attempt as with one set of resources.
+
 Restart safety: the Pods themselves are the record. Each carries the full replica name and
 the incarnation token in annotations, so a restarted provisioner lists its Pods by label and
 re-adopts them; Pods that ended while it was down are reported then.
@@ -43,7 +49,7 @@ from typing import Any
 import tenacity
 from tenacity import wait as tenacity_wait
 
-from services.provisioner import backend, causes, kube_jobs, kube_objects, model, retries
+from services.provisioner import alternatives, backend, causes, kube_jobs, kube_objects, model, retries
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,8 @@ class Options:
     cluster_domain: str = "cluster.local"
     port_annotation: str = ""
     schedule_timeout_s: float = 600.0
+    alternative_timeout_s: float = 45.0
+    alternative_retry_s: float = 300.0
     start_timeout_s: float = 900.0
     delete_timeout_s: float = 60.0
     watch_timeout_s: float = 300.0
@@ -167,6 +175,19 @@ def _error(status: int, http_reason: str, body: bytes, headers: Any) -> ApiError
 
 class _Gone(Exception):
     """The watch's resourceVersion is too old (410): relist."""
+
+
+class _NotPlaced(backend.LaunchError):
+    """An alternative's Pod could not be placed: it stayed unschedulable, or the API server
+    refused it for what it asks. Another alternative may do.
+
+    Attributes:
+        summary: what happened, after the alternative's name in the launch log.
+    """
+
+    def __init__(self, message: str, *, summary: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.summary = summary
 
 
 class _DeleteFailed(Exception):
@@ -497,6 +518,8 @@ class _Tracked:
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     app_log: str = ""
     launch_log: str = ""
+    accelerator: str = ""
+    resources_path: str = ""
     splits_setup: bool = False
     log_task: asyncio.Task[None] | None = None
     service: dict[str, Any] | None = None
@@ -540,6 +563,8 @@ class KubernetesBackend(backend.Backend):
         self._watcher: asyncio.Task[None] | None = None
         # Tokens of incarnations deleted here: a replayed event of theirs must not re-adopt them.
         self._deleted: collections.deque[str] = collections.deque(maxlen=10_000)
+        # Placement key -> when a Pod of that shape last found no capacity (any_of tries it last).
+        self._found_full: dict[str, float] = {}
         self._jobs = kube_jobs.KubeJobs(
             lambda pod, command: self._api.exec(self._ns, pod, command),
             worker_alive=self._worker_alive,
@@ -616,16 +641,85 @@ class KubernetesBackend(backend.Backend):
     # ---- backend interface -----------------------------------------------------------------
 
     async def create(self, request: backend.CreateRequest) -> backend.BackendReplica:
-        """Create the replica's objects and wait until its container has finished setup."""
+        """Create the replica's objects and wait until its container has finished setup; with
+        several resources alternatives, try them in turn (see the module docstring)."""
+        launch = request.launch
+        listed = alternatives.of_spec(launch.spec)
+        if len(listed) == 1:
+            try:
+                return await self._create_on(request, listed[0], schedule_timeout_s=self._opts.schedule_timeout_s)
+            except kube_objects.ManifestError as exc:
+                raise backend.LaunchError(
+                    str(exc), cause=causes.kubernetes(causes.Kube.UNRUNNABLE_SPEC), permanent=True
+                ) from None
+        keys = [self._placement_key(launch, alt) for alt in listed]
+        now = time.monotonic()
+        for key, seen in builtins.list(self._found_full.items()):
+            if now - seen > self._opts.alternative_retry_s:
+                del self._found_full[key]
+        full = {i for i, key in enumerate(keys) if key and key in self._found_full}
+        tries = alternatives.order(launch.spec, full)
+        timeout = min(self._opts.alternative_timeout_s, self._opts.schedule_timeout_s)
+        failures: builtins.list[alternatives.Failure] = []
+        for n, i in enumerate(tries):
+            alt = listed[i]
+            own_zone = alt.resources.get("zone", "")
+            if launch.zone and own_zone and own_zone != launch.zone:
+                message = f"asks for zone {own_zone}, but this launch is placed in zone {launch.zone}"
+                _note(request.launch_log, f"skipping {alt.label}: {message}")
+                failures.append(alternatives.Failure(alt, message, causes.INFRASTRUCTURE))
+                continue
+            later = " (it found no capacity recently, so it comes last)" if i in full else ""
+            _note(request.launch_log, f"trying {alt.label}, {n + 1} of {len(tries)}{later}")
+            try:
+                created = await self._create_on(request, alt, schedule_timeout_s=timeout)
+            except kube_objects.ManifestError as exc:
+                cause = causes.kubernetes(causes.Kube.UNRUNNABLE_SPEC)
+                failures.append(alternatives.Failure(alt, str(exc), cause, permanent=True))
+                _note(request.launch_log, f"{alt.label} cannot run as a Pod: {exc}")
+                continue
+            except _NotPlaced as exc:
+                failures.append(
+                    alternatives.Failure(alt, exc.message, exc.cause, exc.permanent, exc.capacity_unavailable)
+                )
+                if exc.capacity_unavailable and keys[i]:
+                    self._found_full[keys[i]] = time.monotonic()
+                following = f"trying {listed[tries[n + 1]].label}" if n + 1 < len(tries) else "no alternative left"
+                _note(request.launch_log, f"{alt.label} {exc.summary.rstrip('.')}; {following}")
+                try:
+                    await self.delete(launch.name, grace_s=0)
+                except backend.TeardownError as err:
+                    message = f"the Pod of {alt.label} could not be removed: {err}"
+                    raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.API_ERROR)) from None
+                continue
+            self._found_full.pop(keys[i], None)
+            _note(request.launch_log, f"running on {alt.label}")
+            return created
+        raise alternatives.combined(failures)
+
+    def _placement_key(self, launch: model.LaunchRequest, alt: alternatives.Alternative) -> str:
+        """What the scheduler sees of one alternative ("" when it cannot be a Pod)."""
+        try:
+            return kube_objects.placement(launch, alt, self._cfg).key
+        except kube_objects.ManifestError:
+            return ""
+
+    async def _create_on(
+        self, request: backend.CreateRequest, alternative: alternatives.Alternative, *, schedule_timeout_s: float
+    ) -> backend.BackendReplica:
+        """One Pod of the launch, on one resources alternative.
+
+        Raises:
+            _NotPlaced: the Pod was unschedulable for `schedule_timeout_s` or refused for what it asks.
+            kube_objects.ManifestError: the alternative cannot be expressed as a Pod.
+            backend.LaunchError: any other failure.
+        """
         launch = request.launch
         token = uuid.uuid4().hex
         created_at = self._clock()
-        try:
-            pod, notes = kube_objects.pod_manifest(launch, self._cfg, token=token, created_at=created_at)
-        except kube_objects.ManifestError as exc:
-            raise backend.LaunchError(
-                str(exc), cause=causes.kubernetes(causes.Kube.UNRUNNABLE_SPEC), permanent=True
-            ) from None
+        pod, notes = kube_objects.pod_manifest(
+            launch, self._cfg, token=token, created_at=created_at, alternative=alternative
+        )
         if launch.name in self._tracked:
             try:
                 await self.delete(launch.name, grace_s=0)  # leftovers of an earlier attempt
@@ -638,13 +732,15 @@ class KubernetesBackend(backend.Backend):
             obj=obj,
             token=token,
             is_spot=launch.use_spot,
-            zone=launch.zone,
+            zone=kube_objects.zone_of(launch, alternative),
             created_at=created_at,
             port=kube_objects.serving_port(launch.spec),
             has_setup=bool(launch.spec.setup.strip()),
             launching=True,
             app_log=request.app_log,
             launch_log=request.launch_log,
+            accelerator=alternative.accelerator,
+            resources_path=alternative.path,
             splits_setup=bool(launch.spec.setup.strip()),
             worker=launch.spec.worker,
         )
@@ -665,7 +761,7 @@ class KubernetesBackend(backend.Backend):
             if self._cfg.service_type and not launch.spec.worker:  # a worker serves nothing
                 service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
                 tracked.service = await self._create("service", service, token)
-            result = await self._await_start(tracked, request.launch_log, image)
+            result = await self._await_start(tracked, request.launch_log, image, schedule_timeout_s)
         except asyncio.CancelledError:
             tracked.deleting = True
             with contextlib.suppress(Exception):
@@ -719,7 +815,9 @@ class KubernetesBackend(backend.Backend):
             log.warning("could not make Pod %s own %s %s/%s: %s", owner["name"], kind, self._ns, name, describe(exc))
             _note(launch_log, f"{kind} {name} is not owned by its Pod ({describe(exc)}); teardown deletes it")
 
-    async def _await_start(self, tracked: _Tracked, launch_log: str, image: str) -> backend.BackendReplica:
+    async def _await_start(
+        self, tracked: _Tracked, launch_log: str, image: str, schedule_timeout_s: float
+    ) -> backend.BackendReplica:
         start = time.monotonic()
         said: set[str] = set()
 
@@ -769,9 +867,11 @@ class KubernetesBackend(backend.Backend):
                 )
             if st.unschedulable:
                 say("unschedulable", f"Pod cannot be scheduled yet: {st.unschedulable}")
-                if waited > self._opts.schedule_timeout_s:
-                    raise backend.LaunchError(
-                        f"Pod could not be scheduled within {self._opts.schedule_timeout_s:g} s: {st.unschedulable}",
+                if waited > schedule_timeout_s:
+                    within = f"could not be scheduled within {schedule_timeout_s:g} s: {st.unschedulable}"
+                    raise _NotPlaced(
+                        f"Pod {within}",
+                        summary=within,
                         cause=causes.kubernetes(causes.Kube.UNSCHEDULABLE),
                         capacity_unavailable=True,
                     )
@@ -784,8 +884,12 @@ class KubernetesBackend(backend.Backend):
                     cause=causes.kubernetes(causes.Kube.START_TIMEOUT),
                 )
             changed = tracked.changed
+            # Look again at the latest when the schedule timeout ends (nothing may change then).
+            pause = 2.0
+            if st.unschedulable:
+                pause = min(pause, max(0.05, schedule_timeout_s - waited + 0.01))
             try:
-                await asyncio.wait_for(changed.wait(), 2.0)
+                await asyncio.wait_for(changed.wait(), pause)
             except TimeoutError:
                 try:
                     await self._refresh(tracked)  # the watch may be reconnecting: look directly
@@ -1054,6 +1158,8 @@ class KubernetesBackend(backend.Backend):
             # Pods made before setup's end was marked in the log have it all as the app's.
             splits_setup="startupProbe" in container
             and any(kube_objects.SETUP_FINISHED_LINE in str(arg) for arg in container.get("command") or []),
+            accelerator=annotations.get(kube_objects.ANNOTATION_ACCELERATOR, ""),
+            resources_path=annotations.get(kube_objects.ANNOTATION_RESOURCES, ""),
             worker=annotations.get(kube_objects.ANNOTATION_WORKER) == "true",
         )
         if self._log_path is not None:
@@ -1215,6 +1321,8 @@ class KubernetesBackend(backend.Backend):
             app_state=tracked.app_state,
             exit_code=tracked.exit_code,
             start_time=tracked.created_at,
+            accelerator=tracked.accelerator,
+            resources_path=tracked.resources_path,
         )
 
 
@@ -1252,15 +1360,29 @@ def _token(pod: dict[str, Any]) -> str:
 
 def _launch_error(kind: str, name: str, namespace: str, exc: ApiError) -> backend.LaunchError:
     """A create failure as a launch error, with whose fault it was: permanent when the API server
-    refused what the spec asks for, retried when the cluster (or its operator) may fix it."""
+    refused what the spec asks for, retried when the cluster (or its operator) may fix it.
+
+    A Pod refused for what it asks (a quota, a LimitRange, an invalid object) is _NotPlaced:
+    another resources alternative may be accepted.
+    """
     what = f"could not create {kind} {namespace}/{name}"
     cause = causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message)
-    if exc.status == 403 and "quota" in exc.message.lower():
-        text = f"{what}: quota exceeded: {describe(exc)}"
-        return backend.LaunchError(text, cause=cause, capacity_unavailable=True)
-    if exc.status == 404:
+    quota = exc.status == 403 and "quota" in exc.message.lower()
+    code = f"{exc.status} {exc.reason}".strip()
+    if quota:
+        text = f"{what}: quota exceeded ({code}): {exc.message}"
+    elif exc.status == 403 and cause == model.FailureCause.USER:
+        text = f"{what}: over the namespace's LimitRange ({code}): {exc.message}"
+    elif exc.status == 404:
         return backend.LaunchError(f"{what}: namespace {namespace} not found: {describe(exc)}", cause=cause)
-    return backend.LaunchError(f"{what}: {describe(exc)}", cause=cause, permanent=cause == model.FailureCause.USER)
+    else:
+        text = f"{what}: {describe(exc)}"
+    permanent = cause == model.FailureCause.USER
+    if kind == "pod" and (quota or permanent):
+        return _NotPlaced(
+            text, summary=f"was refused: {text}", cause=cause, permanent=permanent, capacity_unavailable=quota
+        )
+    return backend.LaunchError(text, cause=cause, permanent=permanent, capacity_unavailable=quota)
 
 
 def _note(path: str, text: str) -> None:

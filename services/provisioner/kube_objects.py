@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any
 
-from services.provisioner import model, ports
+from services.provisioner import alternatives, model, ports
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE = "replicaplane"
@@ -41,6 +41,10 @@ ANNOTATION_TOKEN = "replicaplane.dev/token"
 ANNOTATION_ZONE = "replicaplane.dev/zone"
 ANNOTATION_CREATED = "replicaplane.dev/created-at"
 ANNOTATION_OWNER = "replicaplane.dev/owner"
+# Which of the spec's resources alternatives the Pod runs (`resources.any_of[1]`), and its
+# accelerator (`H100:1`): read back when a restarted provisioner adopts the Pod.
+ANNOTATION_RESOURCES = "replicaplane.dev/resources"
+ANNOTATION_ACCELERATOR = "replicaplane.dev/accelerator"
 ANNOTATION_WORKER = "replicaplane.dev/worker"
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
@@ -126,6 +130,9 @@ class PodConfig:
     spot_node_selector: dict[str, str] = dataclasses.field(default_factory=dict)
     spot_tolerations: tuple[Toleration, ...] = ()
     accelerator_label: str = "replicaplane.dev/accelerator"
+    # Lowercased accelerator name -> the value of accelerator_label on its nodes, where that is
+    # not the lowercased name (GKE: a100 -> nvidia-tesla-a100).
+    accelerator_label_values: dict[str, str] = dataclasses.field(default_factory=dict)
     gpu_resource: str = "nvidia.com/gpu"
     setup_timeout_s: float = 3600.0
     setup_probe_period_s: int = 2
@@ -159,6 +166,18 @@ def is_dns_label(text: str) -> bool:
 def is_label_value(text: str) -> bool:
     """Whether `text` is a valid label value."""
     return len(text) <= 63 and _LABEL_VALUE.match(text) is not None
+
+
+def is_label_key(text: str) -> bool:
+    """Whether `text` is a label key: an optional DNS subdomain prefix and '/', then a name of at
+    most 63 characters."""
+    prefix, _, name = text.rpartition("/")
+    return _LABEL_KEY.match(text) is not None and len(name) <= 63 and len(prefix) <= 253
+
+
+def is_resource_name(text: str) -> bool:
+    """Whether `text` can name an extended resource: a label key with a domain prefix (`nvidia.com/gpu`)."""
+    return "/" in text and is_label_key(text) and not text.startswith("kubernetes.io/")
 
 
 def selector(instance: str) -> dict[str, str]:
@@ -232,9 +251,9 @@ def parse_tolerations(text: str, field: str) -> tuple[Toleration, ...]:
 # ---- manifests -----------------------------------------------------------------------------
 
 
-def image_of(spec: model.ReplicaSpec, default: str) -> str:
-    """The container image: the spec's `image_id` (a `docker:` prefix dropped) or the default."""
-    image = spec.resources.get("image_id", "").strip()
+def image_of(res: dict[str, str], default: str) -> str:
+    """The container image: the resources' `image_id` (a `docker:` prefix dropped) or the default."""
+    image = res.get("image_id", "").strip()
     return image.removeprefix("docker:") or default
 
 
@@ -268,13 +287,15 @@ def _accelerator(text: str) -> tuple[str, int]:
     return name.strip(), int(count)
 
 
-def resources(spec: model.ReplicaSpec, cfg: PodConfig) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Container resources, node selector and notes for the launch log, from cpus/memory/accelerators.
+def resources(res: dict[str, str], cfg: PodConfig) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Container resources, node selector and notes for the launch log, from one set of
+    resources' cpus/memory/accelerators.
 
     An exact amount (`2`) is both request and limit; `2+` is a request only. Accelerators
-    become a limit of `cfg.gpu_resource` and, when `cfg.accelerator_label` is set, a node
-    selector on the lowercased accelerator name. Only the first of several accelerator
-    choices is used.
+    become a limit of `cfg.gpu_resource` (the API server makes the request equal) and, when
+    `cfg.accelerator_label` is set, a node selector on that label: the accelerator's value in
+    `cfg.accelerator_label_values`, else its lowercased name. Of several accelerator choices
+    only the first is used (alternatives.of_spec makes each choice an alternative of its own).
 
     Raises:
         ManifestError: a fractional accelerator count.
@@ -283,7 +304,6 @@ def resources(spec: model.ReplicaSpec, cfg: PodConfig) -> tuple[dict[str, Any], 
     limits: dict[str, str] = {}
     node_selector: dict[str, str] = {}
     notes = []
-    res = spec.resources
     if res.get("cpus"):
         value, at_least = _cpu(res["cpus"])
         requests["cpu"] = value
@@ -303,8 +323,8 @@ def resources(spec: model.ReplicaSpec, cfg: PodConfig) -> tuple[dict[str, Any], 
             notes.append(f"accelerators {res['accelerators']}: using the first choice, {name}:{count}")
         limits[cfg.gpu_resource] = str(count)
         if cfg.accelerator_label:
-            node_selector[cfg.accelerator_label] = name.lower()
-    for key in ("cloud", "region", "instance_type", "disk_size", "any_of", "ordered"):
+            node_selector[cfg.accelerator_label] = cfg.accelerator_label_values.get(name.lower(), name.lower())
+    for key in ("cloud", "region", "instance_type", "disk_size"):
         if res.get(key):
             notes.append(f"recorded, not used by the kubernetes backend: {key}={res[key]}")
     out: dict[str, Any] = {}
@@ -352,10 +372,63 @@ def environment(launch: model.LaunchRequest, port: int, *, has_secret: bool) -> 
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """What decides where a Pod can be scheduled: container resources, node selector, tolerations."""
+
+    resources: dict[str, Any]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, str]]
+    notes: list[str]
+
+    @property
+    def key(self) -> str:
+        """Equal for two Pods the scheduler would place alike (notes aside)."""
+        return repr((_sorted_items(self.resources), sorted(self.node_selector.items()), self.tolerations))
+
+
+def _sorted_items(value: Any) -> Any:
+    """`value` with every dict turned into sorted (key, value) pairs, for comparing."""
+    if isinstance(value, dict):
+        return [(k, _sorted_items(v)) for k, v in sorted(value.items())]
+    return value
+
+
+def zone_of(launch: model.LaunchRequest, alternative: alternatives.Alternative) -> str:
+    """The zone a launch runs in on one alternative: the launch's (the controller placed it),
+    else the alternative's own, else "" (anywhere)."""
+    return launch.zone or alternative.resources.get("zone", "")
+
+
+def placement(launch: model.LaunchRequest, alternative: alternatives.Alternative, cfg: PodConfig) -> Placement:
+    """Where one alternative of a launch may run: its resources, the launch's zone (else the
+    alternative's own), and the spot node selector and tolerations of a spot launch.
+
+    Raises:
+        ManifestError: the alternative cannot be expressed as a Pod.
+    """
+    res = alternative.resources
+    container_resources, node_selector, notes = resources(res, cfg)
+    zone = zone_of(launch, alternative)
+    if zone:
+        node_selector[ZONE_LABEL] = zone
+    tolerations = []
+    if launch.use_spot:
+        node_selector.update(cfg.spot_node_selector)
+        tolerations = [t.to_dict() for t in cfg.spot_tolerations]
+    return Placement(container_resources, node_selector, tolerations, notes)
+
+
 def pod_manifest(
-    launch: model.LaunchRequest, cfg: PodConfig, *, token: str, created_at: float
+    launch: model.LaunchRequest,
+    cfg: PodConfig,
+    *,
+    token: str,
+    created_at: float,
+    alternative: alternatives.Alternative | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The Pod of one launch attempt, and notes for the launch log.
+    """The Pod of one launch attempt on one resources alternative (the first of the spec's when
+    None), and notes for the launch log.
 
     Raises:
         ManifestError: the request cannot run as a Pod.
@@ -363,9 +436,12 @@ def pod_manifest(
     spec = launch.spec
     if spec.num_nodes > 1:
         raise ManifestError(f"num_nodes={spec.num_nodes}: the kubernetes backend runs single-node replicas")
+    if alternative is None:
+        alternative = alternatives.of_spec(spec)[0]
     obj = object_name(launch.name)
     port = serving_port(spec)
-    container_resources, node_selector, notes = resources(spec, cfg)
+    where = placement(launch, alternative, cfg)
+    notes = list(where.notes)
     if spec.workdir or spec.file_mounts:
         notes.append("workdir and file_mounts are not copied into Pods; bake them into the image")
     has_secret = bool(spec.secrets)
@@ -375,7 +451,7 @@ def pod_manifest(
             item["valueFrom"]["secretKeyRef"]["name"] = obj
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": image_of(spec, cfg.default_image),
+        "image": image_of(alternative.resources, cfg.default_image),
         "command": ["/bin/sh", "-c", WRAPPER, "replicaplane-run", spec.setup, HOLDER if spec.worker else spec.run],
         "env": env,
         "ports": [
@@ -385,8 +461,8 @@ def pod_manifest(
         "terminationMessagePath": TERMINATION_LOG_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if container_resources:
-        container["resources"] = container_resources
+    if where.resources:
+        container["resources"] = where.resources
     if spec.setup.strip():
         period = max(1, cfg.setup_probe_period_s)
         container["startupProbe"] = {
@@ -395,14 +471,10 @@ def pod_manifest(
             "failureThreshold": max(1, math.ceil(cfg.setup_timeout_s / period)),
         }
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
-    if launch.zone:
-        node_selector[ZONE_LABEL] = launch.zone
-    if launch.use_spot:
-        node_selector.update(cfg.spot_node_selector)
-        if cfg.spot_tolerations:
-            pod_spec["tolerations"] = [t.to_dict() for t in cfg.spot_tolerations]
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
+    if where.tolerations:
+        pod_spec["tolerations"] = where.tolerations
+    if where.node_selector:
+        pod_spec["nodeSelector"] = where.node_selector
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -414,9 +486,11 @@ def pod_manifest(
                 **cfg.annotations,
                 ANNOTATION_REPLICA: launch.name,
                 ANNOTATION_TOKEN: token,
-                ANNOTATION_ZONE: launch.zone,
+                ANNOTATION_ZONE: zone_of(launch, alternative),
                 ANNOTATION_CREATED: repr(created_at),
                 ANNOTATION_OWNER: launch.owner,
+                ANNOTATION_RESOURCES: alternative.path,
+                ANNOTATION_ACCELERATOR: alternative.accelerator,
                 **({ANNOTATION_WORKER: "true"} if spec.worker else {}),
             },
         },

@@ -458,6 +458,13 @@ class Provisioner:
             replica.is_spot = created.is_spot
             replica.start_time = created.start_time or self._clock()
             replica.failure_reason = ""
+            replica.accelerator = created.accelerator
+            replica.resources_path = created.resources_path
+            # Which alternative runs, when the spec had several: `, on resources.any_of[1] (H100:1)`.
+            on = created.resources_path if created.resources_path not in ("", "resources") else ""
+            if created.accelerator:
+                on = f"{on} ({created.accelerator})" if on else created.accelerator
+            where = (f" in zone {created.zone}" if created.zone else "") + (f", on {on}" if on else "")
             if replica.worker:
                 # Nothing to probe: a worker is ready the moment its setup exited 0.
                 replica.endpoint = ""
@@ -465,7 +472,7 @@ class Provisioner:
                     entry,
                     model.LaunchEventType.SETUP_DONE,
                     attempt=attempt,
-                    message=f"setup done; worker ready for jobs in zone {created.zone}",
+                    message=f"setup done; worker ready for jobs{where}",
                 )
                 self._hub.publish(model.ReplicaEventType.APP_RUNNING, replica, "worker ready (setup done)")
             else:
@@ -474,7 +481,7 @@ class Provisioner:
                     model.LaunchEventType.RUNNING,
                     attempt=attempt,
                     endpoint=created.endpoint,
-                    message=f"running at {created.endpoint} in zone {created.zone}",
+                    message=f"running at {created.endpoint}{where}",
                 )
                 self._hub.publish(model.ReplicaEventType.APP_RUNNING, replica, "app started")
             early = entry.pending.pop(created.token, None)

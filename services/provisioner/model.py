@@ -130,7 +130,11 @@ class ReplicaSpec:
         serving_port: the port the replica serves on; 0 when the spec names none.
         use_spot: the spec's `resources.use_spot`.
         num_nodes: nodes per replica; only 1 can be launched.
-        resources: hardware and placement fields (cloud, cpus, accelerators, ...), recorded only.
+        resources: hardware and placement fields (cloud, cpus, accelerators, ...) of the top
+            level, as text.
+        alternatives: the `any_of` or `ordered` entries, in the spec's order, each in the form
+            of `resources` (with the top-level fields it did not set); empty without them.
+        alternatives_kind: "any_of" or "ordered" ("" without alternatives).
         worker: a pool worker: `run` is not run; after setup a holder keeps it alive for jobs.
     """
 
@@ -145,12 +149,15 @@ class ReplicaSpec:
     use_spot: bool = False
     num_nodes: int = 1
     resources: dict[str, str] = dataclasses.field(default_factory=dict)
+    alternatives: tuple[dict[str, str], ...] = ()
+    alternatives_kind: str = ""
     worker: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         data = dataclasses.asdict(self)
         data["ports"] = list(self.ports)
+        data["alternatives"] = [dict(a) for a in self.alternatives]
         return data
 
     @classmethod
@@ -159,6 +166,7 @@ class ReplicaSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["ports"] = tuple(values.get("ports", ()))
+        values["alternatives"] = tuple(dict(a) for a in values.get("alternatives", ()))
         return cls(**values)
 
 
@@ -209,6 +217,9 @@ class Replica:
     start_time: float = 0.0
     price_per_hour: float = 0.0
     owner: str = ""
+    # What it runs on, when the backend says: NAME:COUNT, and the spec's resources path.
+    accelerator: str = ""
+    resources_path: str = ""
     # A pool worker, and the job starting or running on it ("" when free).
     worker: bool = False
     job_id: str = ""

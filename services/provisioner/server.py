@@ -132,10 +132,19 @@ class Settings:
     """Tolerations of spot replicas, as key[=value]:Effect,..."""
     kubernetes_accelerator_label: str = "replicaplane.dev/accelerator"
     """Node label matched to the lowercased accelerator name; empty: no accelerator node selector."""
+    kubernetes_accelerator_label_values: str = ""
+    """Values of kubernetes_accelerator_label per accelerator where they are not its lowercased
+    name, as NAME=value,... (GKE: A100=nvidia-tesla-a100,H100=nvidia-h100-80gb)."""
     kubernetes_gpu_resource: str = "nvidia.com/gpu"
     """Extended resource that accelerator counts are requested as."""
     kubernetes_schedule_timeout_s: float = 600.0
     """How long a Pod may stay unschedulable before the launch attempt fails."""
+    kubernetes_alternative_timeout_s: float = 45.0
+    """With several resources alternatives (any_of, ordered, a list of accelerators): how long one
+    alternative's Pod may stay unschedulable before the next is tried (at most
+    kubernetes_schedule_timeout_s)."""
+    kubernetes_alternative_retry_s: float = 300.0
+    """With any_of: for how long an alternative that found no capacity is tried after the others."""
     kubernetes_start_timeout_s: float = 900.0
     """How long a Pod may take to start its container (image pull included)."""
     kubernetes_setup_timeout_s: float = 3600.0
@@ -269,6 +278,18 @@ def kube_options(settings: Settings) -> kube.Options:
     except ValueError as exc:
         violations.append(errors.FieldViolation(field("labels"), str(exc).split(": ", 1)[-1]))
     annotations = parsed("annotations", kube_objects.parse_pairs, {})
+    label_values = parsed("accelerator_label_values", kube_objects.parse_pairs, {})
+    try:
+        kube_objects.check_label_values(label_values, field("accelerator_label_values"))
+    except ValueError as exc:
+        violations.append(errors.FieldViolation(field("accelerator_label_values"), str(exc).split(": ", 1)[-1]))
+    label = settings.kubernetes_accelerator_label
+    if label and not kube_objects.is_label_key(label):
+        violations.append(errors.FieldViolation(field("accelerator_label"), "must be empty or a label key"))
+    if not kube_objects.is_resource_name(settings.kubernetes_gpu_resource):
+        violations.append(
+            errors.FieldViolation(field("gpu_resource"), "must be an extended resource name such as nvidia.com/gpu")
+        )
     spot_selector = parsed("spot_node_selector", kube_objects.parse_pairs, {})
     tolerations = parsed("spot_tolerations", kube_objects.parse_tolerations, ())
     ns = settings.kubernetes_namespace
@@ -295,7 +316,14 @@ def kube_options(settings: Settings) -> kube.Options:
         )
     if not settings.kubernetes_image:
         violations.append(errors.FieldViolation(field("image"), "must not be empty"))
-    for name in ("schedule_timeout_s", "start_timeout_s", "setup_timeout_s", "delete_timeout_s"):
+    for name in (
+        "schedule_timeout_s",
+        "alternative_timeout_s",
+        "alternative_retry_s",
+        "start_timeout_s",
+        "setup_timeout_s",
+        "delete_timeout_s",
+    ):
         if getattr(settings, f"kubernetes_{name}") < 0:
             violations.append(errors.FieldViolation(field(name), "must not be negative"))
     for name in ("watch_timeout_s", "watch_idle_s", "api_attempts"):
@@ -316,6 +344,7 @@ def kube_options(settings: Settings) -> kube.Options:
             spot_node_selector=spot_selector,
             spot_tolerations=tolerations,
             accelerator_label=settings.kubernetes_accelerator_label,
+            accelerator_label_values={k.lower(): v for k, v in label_values.items()},
             gpu_resource=settings.kubernetes_gpu_resource,
             setup_timeout_s=settings.kubernetes_setup_timeout_s,
         ),
@@ -330,6 +359,8 @@ def kube_options(settings: Settings) -> kube.Options:
         node_address=settings.kubernetes_node_address,
         load_balancer_timeout_s=settings.kubernetes_load_balancer_timeout_s,
         schedule_timeout_s=settings.kubernetes_schedule_timeout_s,
+        alternative_timeout_s=settings.kubernetes_alternative_timeout_s,
+        alternative_retry_s=settings.kubernetes_alternative_retry_s,
         start_timeout_s=settings.kubernetes_start_timeout_s,
         delete_timeout_s=settings.kubernetes_delete_timeout_s,
         watch_timeout_s=settings.kubernetes_watch_timeout_s,

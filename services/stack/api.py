@@ -32,7 +32,8 @@ def _health_channel(addr: str, tls: bool) -> grpc.aio.Channel:
     credentials = security.client_tls() if tls else None
     if credentials is None:
         return grpc.aio.insecure_channel(addr)
-    return grpc.aio.secure_channel(addr, credentials)
+    options = [("grpc.ssl_target_name_override", clients.UNIX_SERVER_NAME)] if addr.startswith("unix:") else []
+    return grpc.aio.secure_channel(addr, credentials, options=options)
 
 
 async def wait_serving(
@@ -41,7 +42,7 @@ async def wait_serving(
     """Wait until the gRPC health check of `service` at `addr` says SERVING.
 
     Args:
-        addr: host:port.
+        addr: host:port or unix:PATH.
         service: the gRPC service name to check.
         timeout: seconds to wait.
         alive: false once the process is gone.
@@ -82,10 +83,12 @@ async def check_health(addr: str, service: str = "", *, timeout: float = 3.0, tl
 class Controller:
     """The few ControllerService calls the stack needs, over one channel."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, *, token: str | None = None) -> None:
         self.addr = addr
-        # The token (if any) comes from the environment: security.client_token().
-        self._channel = clients.channel(addr, interceptors=security.token_interceptors(security.client_token()))
+        # Without a token given: the environment's, or the local stack's for its controller.
+        if token is None:
+            token = security.client_token(target=addr)
+        self._channel = clients.channel(addr, interceptors=security.token_interceptors(token))
         self._stub = controller_service_pb2_grpc.ControllerServiceStub(self._channel)
 
     async def close(self) -> None:

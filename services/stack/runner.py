@@ -2,6 +2,9 @@
 
 Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes the
 services it created (so the provisioner tears every replica down) before it stops the children.
+
+The state dir is private (0700): it holds the internal services' sockets, the API token the
+stack generates (0600), the stores, replica logs and specs.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from services.common import config
+from services.common import config, security
 from services.stack import api, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,9 +125,14 @@ class StateFiles:
         return os.path.join(self.state_dir, "logs")
 
     @property
+    def token_path(self) -> str:
+        """The API token the stack generates when the user set none."""
+        return os.path.join(self.state_dir, plan.TOKEN_FILE)
+
+    @property
     def port_dir(self) -> str:
         """Port files: each process writes the port it bound there (`<name>.port`, and
-        `<name>.http.port` for the balancer's HTTP port)."""
+        `<name>.http.port` for an HTTP port) once it serves."""
         return os.path.join(self.state_dir, "ports")
 
     @property
@@ -161,16 +170,50 @@ class StateFiles:
             return None
 
     def remove(self) -> None:
-        """Remove the pid, state and scrape target files."""
-        for path in (self.pid_path, self.state_path, self.targets_path):
+        """Remove the pid, state, token and scrape target files."""
+        for path in (self.pid_path, self.state_path, self.token_path, self.targets_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+    def new_token(self) -> str:
+        """Generate the API token and write it, readable by this user only."""
+        token = secrets.token_urlsafe(32)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.token_path)  # never reuse a file someone else may hold open
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(f"{token}\n")
+        return token
+
+    def token(self) -> str:
+        """The generated API token, or "" when there is none."""
+        try:
+            with open(self.token_path, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except FileNotFoundError:
+            return ""
+
+
+def private_dir(path: str, out: api.Out) -> bool:
+    """Create `path` as a directory only this user may enter (0700), or make it one.
+
+    Returns:
+        False when it belongs to another user (then nothing in it can be trusted).
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        out(f"error: {path} belongs to another user (uid {st.st_uid}); use a state dir of your own")
+        return False
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # sockets, token, stores and replica logs: this user only
+    return True
 
 
 class Stack:
     """The service processes of one stack and the services it created."""
 
-    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out) -> None:
+    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out, *, token: str = "") -> None:
         self.specs = list(specs)
         self.files = files
         self.out = out
@@ -182,6 +225,9 @@ class Stack:
         self.urls = {s.name: s.url for s in self.specs if s.url}
         self.metrics = {s.name: s.metrics_addr for s in self.specs if s.metrics_addr}
         self._controller = next(s.name for s in self.specs if s.component == "controller")
+        self.generated_token = bool(token)
+        # The generated token, else the user's own (from the environment).
+        self.token = token or security.client_token()
 
     @property
     def controller_addr(self) -> str:
@@ -195,6 +241,7 @@ class Stack:
             "ready": self.ready,
             "metrics": {name: url for name in self.metrics if (url := self.metrics_url(name))},
             "controller": self.controller_addr,
+            "token_file": self.files.token_path if self.generated_token else "",
             "services": self.created,
             # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
             "processes": [
@@ -263,8 +310,10 @@ class Stack:
     async def start(self, timeout: float) -> None:
         """Start every process, each in its own session, logging to the log dir.
 
-        A process that dials others starts once they have bound their ports (with port 0 it
-        learns them from their port files); the others start at once.
+        A process that dials others starts once they have bound their TCP ports (with port 0 it
+        learns them from their port files); the others start at once. So the balancer and the
+        dashboard, which send tokens to the controller, start only once the stack's controller
+        holds its port, never while another process may hold it.
 
         Raises:
             api.StackError: a process it waits for exited or reported no port in `timeout` s.
@@ -278,34 +327,45 @@ class Stack:
             self.save()
 
     async def bound(self, name: str, timeout: float) -> None:
-        """Wait until process `name` has bound its planned port 0 (ports and URL), if it had one.
+        """Wait until process `name` has bound its TCP ports (its address, URL and metrics) and
+        serves, and take the ports it got for a planned port 0. Its port files prove it: a health answer
+        alone does not (another process may hold a fixed port, and would collect the token of
+        every client that connects). A Unix socket's address is known in advance.
 
         Raises:
             api.StackError: it exited first, or wrote no port file in `timeout` s.
         """
         spec = next(s for s in self.specs if s.name == name)
-        host, port = plan.split_addr(self.addrs[name])
-        url_host, url_port = plan.split_addr(self.urls[name].removeprefix("http://")) if spec.url else ("", 1)
-        metrics_host, metrics_port = plan.split_addr(self.metrics[name]) if spec.metrics_addr else ("", 1)
-        if port and url_port and metrics_port:
-            return
         files = self._port_files(spec)
-        paths = list(files.values())
+        # Port file -> what it holds the port of; a Unix socket's address has nothing to wait for.
+        kinds = {} if plan.is_unix(self.addrs[name]) else {files[config.env_name(spec.component, "port_file")]: "addr"}
+        if spec.url:
+            kinds[files[config.env_name(spec.component, "http_port_file")]] = "url"
+        if spec.metrics_addr:
+            kinds[files[config.env_name(spec.component, "metrics_port_file")]] = "metrics"
         deadline = time.monotonic() + timeout
-        while not _all_exist(paths):
+        while not _all_exist(list(kinds)):
             if (code := self.procs[name].poll()) is not None:
                 log = os.path.join(self.files.log_dir, f"{name}.log")
                 raise api.StackError(f"{name} exited with code {code} before it served; see {log}")
             if time.monotonic() > deadline:
                 raise api.StackError(f"{name} reported no port in {timeout:.0f} s")
             await asyncio.sleep(0.05)
-        ports = [int(await asyncio.to_thread(_read, p)) for p in paths]
-        self.addrs[name] = f"{host}:{ports[0]}"
-        if spec.url:
-            self.urls[name] = f"http://{url_host}:{ports[1]}"
-        if spec.metrics_addr:
-            self.metrics[name] = f"{metrics_host}:{ports[-1]}"
-        self.save()
+        changed = False
+        for path, kind in kinds.items():
+            port = int(await asyncio.to_thread(_read, path))
+            if kind == "addr":
+                host, planned = plan.split_addr(self.addrs[name])
+                self.addrs[name] = f"{host}:{port}"
+            elif kind == "metrics":
+                host, planned = plan.split_addr(self.metrics[name])
+                self.metrics[name] = f"{host}:{port}"
+            else:
+                host, planned = plan.split_addr(self.urls[name].removeprefix("http://"))
+                self.urls[name] = f"http://{host}:{port}"
+            changed = changed or planned != port
+        if changed:
+            self.save()
 
     def exited(self) -> str | None:
         """A message naming the first process that exited, or None while all run."""
@@ -350,7 +410,7 @@ class Stack:
         """
         controller = self.procs.get("controller")
         if controller is not None and controller.poll() is None:
-            client = api.Controller(self.controller_addr)
+            client = api.Controller(self.controller_addr, token=self.token)
             try:
                 return await client.delete_everything(timeout=delete_timeout, out=self.out, also=self.created)
             finally:
@@ -376,7 +436,7 @@ class Stack:
 async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
     await stack.start(ready_timeout)
     await stack.wait_serving(ready_timeout)
-    client = api.Controller(stack.controller_addr)
+    client = api.Controller(stack.controller_addr, token=stack.token)
     try:
         if example:
             # Recorded before the call, so a stop during an in-flight create still deletes it.
@@ -418,14 +478,23 @@ async def up(
         The exit code: 0 after a requested stop, 1 if anything failed.
     """
     files = StateFiles(state_dir)
-    os.makedirs(state_dir, exist_ok=True)
+    if not private_dir(state_dir, out):
+        return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
     files.write(files.pid_path, f"{os.getpid()}\n")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(files.result_path)  # a stale report of an earlier stack
-    stack = Stack(specs, files, out)
+    controller = next(s for s in specs if s.component == "controller")
+    token = ""
+    if controller.env.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE") == files.token_path:
+        token = files.new_token()
+        out(f"API token (for grpcurl and scripts): {files.token_path}")
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(files.token_path)  # the user's own tokens guard the API
+    stack = Stack(specs, files, out, token=token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -470,7 +539,8 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
         0 once the background stack is ready; 1 if it failed or took longer than `timeout` s.
     """
     files = StateFiles(state_dir)
-    os.makedirs(state_dir, exist_ok=True)
+    if not private_dir(state_dir, out):
+        return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
@@ -556,7 +626,8 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         out("cleaning up after a stack that is gone: " + ", ".join(n for n, _, _ in left))
         services = state.get("services", [])
         controller_alive = any(n == "controller" for n, _, _ in left)
-        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out)):
+        token = files.token() or security.client_token()
+        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out, token)):
             failed = True
         terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
     files.remove()
@@ -590,8 +661,8 @@ def _read_result(files: StateFiles) -> list[str] | None:
     return [str(n) for n in left] if isinstance(left, list) else None
 
 
-async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out) -> list[str]:
-    client = api.Controller(addr)
+async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out, token: str) -> list[str]:
+    client = api.Controller(addr, token=token)
     try:
         return await client.delete_everything(timeout=timeout, out=out, also=names)
     finally:

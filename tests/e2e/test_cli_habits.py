@@ -145,6 +145,7 @@ def test_logs_of_the_local_stack_follow_sync_down_and_the_endpoint(tmp_path) -> 
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         addr = json.loads((state / "stack.json").read_text())["controller"]
+        env["REPLICAPLANE_API_TOKEN_FILE"] = str(state / "api-token")  # the stack's token
 
         def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
             return run_cli(addr, *args, "--state-dir", str(state), env=env, timeout=timeout)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.e2e.test_readme_grpcurl import run, watch_until_ready
+from tests.e2e.test_readme_grpcurl import guarded, run, watch_until_ready
 from tests.helpers import cluster as cl
 from tests.helpers import procs, provisioner_procs
 
@@ -26,7 +26,11 @@ def cookbook_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
 
 
-async def test_grpcurl_cookbook_commands_work_in_order(cluster: cl.Cluster) -> None:
+__all__ = ["guarded"]  # the fixture: a controller that requires a token, as under `make up`
+
+
+async def test_grpcurl_cookbook_commands_work_in_order(guarded: tuple[cl.Cluster, str]) -> None:
+    cluster, token_file = guarded
     addr = cluster.controller.addr
     seen: list[str] = []
     reports: list[dict[str, object]] = []
@@ -38,10 +42,10 @@ async def test_grpcurl_cookbook_commands_work_in_order(cluster: cl.Cluster) -> N
             method = "list" if target == "list" else "describe"
         seen.append(method)
         if method == "WatchService":
-            watched = watch_until_ready(command, addr)  # returns once 2 replicas are READY
+            watched = watch_until_ready(command, addr, token_file)  # returns once 2 replicas are READY
             assert '"snapshot": true' in watched
             continue
-        out = run(command, addr)
+        out = run(command, addr, token_file)
         if method == "list":
             assert SERVICE in out and "grpc.health.v1.Health" in out
         elif method == "describe":

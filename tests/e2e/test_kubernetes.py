@@ -24,8 +24,13 @@ READY = res.REPLICA_STATUS_READY
 
 
 @pytest.fixture
-def emulator(tmp_path) -> Iterator[kube_emulator.Emulator]:
-    emu = kube_emulator.Emulator(str(tmp_path / "emu")).start()
+def nodes() -> list[kube_emulator.Node] | None:
+    return None  # the emulator's default node
+
+
+@pytest.fixture
+def emulator(tmp_path, nodes) -> Iterator[kube_emulator.Emulator]:
+    emu = kube_emulator.Emulator(str(tmp_path / "emu"), nodes=nodes).start()
     try:
         yield emu
     finally:
@@ -41,6 +46,7 @@ async def kube_cluster(tmp_path, emulator: kube_emulator.Emulator) -> AsyncItera
         "REPLICAPLANE_PROVISIONER_KUBERNETES_INSTANCE": f"e2e-{uuid.uuid4().hex[:8]}",
         "REPLICAPLANE_PROVISIONER_KUBERNETES_PORT_ANNOTATION": kube_emulator.PORT_ANNOTATION,
         "REPLICAPLANE_PROVISIONER_KUBERNETES_WATCH_IDLE_S": "5",
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_ALTERNATIVE_TIMEOUT_S": "0.5",
     }
     c = cl.Cluster(str(tmp_path), provisioner_env=env)
     try:
@@ -83,3 +89,24 @@ async def test_spot_pod_deleted_by_someone_else_is_preempted_and_replaced(kube_c
     assert res.REPLICA_STATUS_PREEMPTED in w.seen_statuses[1]
     assert sorted(w.replicas) == [2, 3]
     w.cancel()
+
+
+@pytest.mark.parametrize("nodes", [[kube_emulator.gpu_node("h100-node", "H100", 1)]])
+async def test_any_of_runs_on_the_alternative_that_fits_and_endpoints_name_its_accelerator(
+    kube_cluster: cl.Cluster, emulator
+) -> None:
+    # No node has an A100: the replica runs on the H100, and its endpoint (what instance-aware
+    # balancing weighs) says so.
+    extra = "  any_of:\n    - accelerators: A100:1\n    - accelerators: H100:1\n"
+    yaml_text = cl.app_yaml("anyof", kube_cluster.tag, replicas=1).replace("  ports: 8080\n", "  ports: 8080\n" + extra)
+    await kube_cluster.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text))
+    w = cl.Watch(kube_cluster.stub, "anyof")
+    await w.until(lambda w: w.count(READY) == 1)
+    assert w.replicas[1].accelerator == "H100"
+    endpoints = kube_cluster.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="anyof"))
+    first = await anext(aiter(endpoints))
+    endpoints.cancel()
+    assert [(e.replica_id, e.accelerator) for e in first.endpoints] == [(1, "H100")]
+    w.cancel()
+    pod = await emulator.pod(w.replicas[1].replica_name)
+    assert pod is not None and pod["spec"]["nodeName"] == "h100-node"

@@ -28,13 +28,10 @@ PROCESSES = ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner
 def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
-        # Port 0 everywhere (metrics too, as they follow the gRPC port): no clash with anything.
+        # Port 0 for the public ports, the rest on Unix sockets, and every metrics port follows:
+        # no clash with anything.
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
     return subprocess.run(
@@ -126,7 +123,10 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
 
     # A page open on the web dashboard is counted, with the controller stream it follows hello on.
     dashboard_url = next(p["url"] for p in state["processes"] if p["name"] == "dashboard")
-    async with aiohttp.ClientSession() as session, session.get(f"{dashboard_url}/api/events") as resp:
+    token = (tmp_path / "state" / "api-token").read_text().strip()  # the stack's: the page's token
+    events = f"{dashboard_url}/api/events"
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as session, session.get(events, headers=headers) as resp:
         assert resp.status == 200
         assert (await resp.content.readline()).startswith(b"event: snapshot")
         dashboard = await metrics.until(

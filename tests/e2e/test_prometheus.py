@@ -30,13 +30,13 @@ EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 
 
 def _stack(*args: str) -> subprocess.CompletedProcess[str]:
+    # The public ports on port 0; the rest are Unix sockets, and every metrics port follows.
     env = {
         **os.environ,
+        "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
-    for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard"):
-        env[f"REPLICAPLANE_{section.upper()}_LISTEN_ADDR"] = "127.0.0.1:0"
     return subprocess.run(
         [sys.executable, "-m", "services.stack", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
     )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import subprocess
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,6 +19,26 @@ from tests.helpers import procs, provisioner_procs
 pytestmark = pytest.mark.e2e
 
 README_ADDR = "127.0.0.1:50051"
+README_TOKEN_FILE = ".state/api-token"
+TOKEN = "grpcurl-docs-token-0123456789"
+
+
+@pytest.fixture
+async def guarded(tmp_path) -> AsyncIterator[tuple[cl.Cluster, str]]:
+    """A cluster whose controller requires a token, as `make up`'s does, and a file holding it
+    (put in place of the documented .state/api-token)."""
+    token_file = tmp_path / "api-token"
+    token_file.write_text(f"{TOKEN}\n")
+    c = cl.Cluster(str(tmp_path), controller_env={"REPLICAPLANE_CONTROLLER_AUTH_TOKEN": TOKEN}, api_token=TOKEN)
+    try:
+        yield c, str(token_file)
+    finally:
+        await c.close()
+
+
+def as_run(command: str, addr: str, token_file: str) -> str:
+    """The documented command, aimed at the test's controller and token file."""
+    return command.replace(README_ADDR, addr).replace(README_TOKEN_FILE, token_file)
 
 
 def readme_commands() -> list[str]:
@@ -27,9 +49,14 @@ def readme_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
 
 
-def run(command: str, addr: str) -> str:
+def without_token(command: str) -> str:
+    """The command without its authorization header."""
+    return re.sub(r' -H "authorization: [^"]*"', "", command)
+
+
+def run(command: str, addr: str, token_file: str = README_TOKEN_FILE) -> str:
     done = subprocess.run(
-        ["bash", "-c", command.replace(README_ADDR, addr)],
+        ["bash", "-c", as_run(command, addr, token_file)],
         cwd=procs.REPO,
         capture_output=True,
         text=True,
@@ -40,10 +67,10 @@ def run(command: str, addr: str) -> str:
     return done.stdout
 
 
-def watch_until_ready(command: str, addr: str, timeout: float = 30.0) -> str:
+def watch_until_ready(command: str, addr: str, token_file: str = README_TOKEN_FILE, timeout: float = 30.0) -> str:
     """Run the streaming watch until the service is READY with 2 replicas, then stop it."""
     proc = subprocess.Popen(
-        ["bash", "-c", "exec " + command.replace(README_ADDR, addr)],
+        ["bash", "-c", "exec " + as_run(command, addr, token_file)],
         cwd=procs.REPO,
         stdout=subprocess.PIPE,
         text=True,
@@ -71,30 +98,41 @@ def watch_until_ready(command: str, addr: str, timeout: float = 30.0) -> str:
         proc.wait()
 
 
-async def test_readme_grpcurl_commands_work(cluster: cl.Cluster) -> None:
+async def test_readme_grpcurl_commands_work(guarded: tuple[cl.Cluster, str]) -> None:
+    cluster, token_file = guarded
     commands = readme_commands()
     rpc = {c.split()[-1].rsplit("/", 1)[-1]: c for c in commands if "/" in c.split()[-1]}
     addr = cluster.controller.addr
 
-    listing = run(commands[0], addr)
+    listing = run(commands[0], addr, token_file)
     assert "replicaplane.controller.v1.ControllerService.CreateService" in listing
 
-    created = json.loads(run(rpc["CreateService"], addr))
+    # Without the documented header the call is refused: the token is what makes it work.
+    bare = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", as_run(without_token(rpc["CreateService"]), addr, token_file)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert bare.returncode != 0 and "Unauthenticated" in bare.stderr, bare.stderr
+    created = json.loads(run(rpc["CreateService"], addr, token_file))
     assert created["service"]["name"] == "web"
 
     started = time.monotonic()
-    watched = watch_until_ready(rpc["WatchService"], addr)
+    watched = watch_until_ready(rpc["WatchService"], addr, token_file)
     assert "REPLICA_STATUS_STARTING" in watched
     assert time.monotonic() - started < 30
 
-    replicas = json.loads(run(rpc["ListReplicas"], addr))["replicas"]
+    replicas = json.loads(run(rpc["ListReplicas"], addr, token_file))["replicas"]
     assert [r["status"] for r in replicas] == ["REPLICA_STATUS_READY"] * 2
 
-    plan = json.loads(run(rpc["UpdateService"], addr))["plan"]
+    plan = json.loads(run(rpc["UpdateService"], addr, token_file))["plan"]
     assert plan["in_place"] is True
     assert sorted(plan["kept_replica_ids"]) == ["1", "2"]
     assert plan["launch_count"] == 1
 
-    deleted = json.loads(run(rpc["DeleteService"], addr))
+    deleted = json.loads(run(rpc["DeleteService"], addr, token_file))
     assert deleted["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN"
     assert provisioner_procs.wait_no_replicas(cluster.provisioner_state_dir, timeout=15) == []

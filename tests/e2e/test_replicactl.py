@@ -197,6 +197,7 @@ def test_replicactl_stack_up_and_down(tmp_path) -> None:
         assert "controller metrics: http://127.0.0.1:" in up.stdout
         assert "dashboard metrics: http://127.0.0.1:" in up.stdout
         addr = json.loads(pathlib.Path(state, "stack.json").read_text())["controller"]
+        env["REPLICAPLANE_API_TOKEN_FILE"] = os.path.join(state, "api-token")  # the stack's token
         status = run("--controller", addr, "status")
         assert (status.returncode, status.stdout.strip()) == (0, "No services.")
     finally:

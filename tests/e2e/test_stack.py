@@ -29,19 +29,20 @@ EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 
 
 def stack_env() -> dict[str, str]:
-    """Every service of the stack on port 0: each binds a free port and reports it (the stack
+    """The stack's public ports on port 0: each binds a free port and reports it (the stack
     records them in stack.json), so no port is picked here and taken by another process before
-    the service binds it."""
+    the service binds it. The internal services listen on sockets in the state dir anyway."""
     return {
         **os.environ,
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
-        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "127.0.0.1:0",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": "127.0.0.1:0",
     }
+
+
+def auth(state_dir) -> list[tuple[str, str]]:
+    """Call metadata with the token the stack generated in `state_dir`."""
+    return [("authorization", f"Bearer {(state_dir / 'api-token').read_text().strip()}")]
 
 
 def balancer_url(state: dict) -> str:
@@ -127,13 +128,17 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
         stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            service = stub.GetService(pb.GetServiceRequest(service_name="hello"), timeout=10).service
+            service = stub.GetService(
+                pb.GetServiceRequest(service_name="hello"), metadata=auth(state_dir), timeout=10
+            ).service
             if service.status == resources_pb2.SERVICE_STATUS_READY and service.ready_replicas == 2:
                 break
             time.sleep(0.25)
         else:
             pytest.fail(f"hello not READY with 2 replicas in 120 s: {service}\n{logs(state_dir)}")
-        for replica in stub.ListReplicas(pb.ListReplicasRequest(service_name="hello"), timeout=10).replicas:
+        for replica in stub.ListReplicas(
+            pb.ListReplicasRequest(service_name="hello"), metadata=auth(state_dir), timeout=10
+        ).replicas:
             if replica.status == resources_pb2.REPLICA_STATUS_READY:
                 endpoints[replica.replica_id] = replica.endpoint
     assert len(endpoints) == 2
@@ -259,11 +264,15 @@ def test_down_deletes_services_created_through_the_api_and_reports_none_left(sta
     with grpc.insecure_channel(state["controller"]) as channel:
         stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
         for name in ("api-one", "api-two"):
-            stub.CreateService(pb.CreateServiceRequest(service_name=name, yaml=spec), timeout=30)
+            stub.CreateService(
+                pb.CreateServiceRequest(service_name=name, yaml=spec), metadata=auth(state_dir), timeout=30
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             ready = [
-                stub.GetService(pb.GetServiceRequest(service_name=n), timeout=10).service.ready_replicas
+                stub.GetService(
+                    pb.GetServiceRequest(service_name=n), metadata=auth(state_dir), timeout=10
+                ).service.ready_replicas
                 for n in ("api-one", "api-two")
             ]
             if ready == [1, 1]:

@@ -13,6 +13,7 @@ import grpc
 
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2 as lb_api
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2_grpc as lb_grpc
+from services.common import security
 from tests.helpers import procs
 
 LB_APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apps", "lbapp.py")
@@ -83,5 +84,8 @@ async def start(controller_addr: str, service: str, workdir: str, **env: str) ->
     )
     with open(http_port_file, encoding="utf-8") as fh:  # noqa: ASYNC230 - written before the port file
         url = f"http://127.0.0.1:{int(fh.read())}"
-    channel = grpc.aio.insecure_channel(process.addr)
+    # A balancer with a token wants it on its admin API too.
+    channel = grpc.aio.insecure_channel(
+        process.addr, interceptors=security.token_interceptors(env.get("api_token", ""))
+    )
     return Balancer(process=process, url=url, channel=channel, stub=lb_grpc.LoadBalancerServiceStub(channel))

@@ -105,6 +105,10 @@ class Cluster:
         self.prober_env = prober_env or {}
         self.provisioner_state_dir = os.path.join(tmp, "prov")
         self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
+        if "REPLICAPLANE_CONTROLLER_TLS_CERT_FILE" not in self.controller_env:
+            # A token on the API with plaintext TCP to the provisioner and probers is refused
+            # unless allowed: test clusters run on a machine no one else uses.
+            self.controller_env.setdefault("REPLICAPLANE_CONTROLLER_ALLOW_OPEN_INTERNAL", "true")
         self.tag = uuid.uuid4().hex[:12]
         # Services are restarted on the address they had: on a loopback address of this test
         # process, the port a kill frees is not taken by the connections tests open meanwhile.

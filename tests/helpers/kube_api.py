@@ -33,6 +33,10 @@ real server's protocol where a client can get it wrong:
   `status.loadBalancer.ingress` gets `load_balancer_ip` after `load_balancer_delay_s`.
 - PATCH takes JSON merge patches. The `status` subresource changes only `status`; the object
   itself everything else. `pods/{name}/binding` binds a Pod to a node (the scheduler's call).
+- Pod admission, as the LimitRanger and ResourceQuota plugins do it: a container's missing
+  requests default to its limits; a container over a namespace's LimitRange maximum
+  (`set_limit_range`) or a Pod that would take a ResourceQuota (`set_quota`) past its hard
+  limits is refused with 403 Forbidden and the real server's message.
 
 Not here: strategic-merge and JSON patches, PUT, field and set-based selectors, pagination,
 RBAC, controllers other than the garbage collector.
@@ -44,6 +48,8 @@ Scripted faults, for the client's error handling (requests whose User-Agent star
 - `stall(times=...)`: the next watches send nothing at all until their timeout.
 - `compact()`: forget the history, so every resume from an earlier version gets 410.
 - `end_watches()`: end every open watch now, as an API server restart does.
+- `set_limit_range(namespace, maximum)` and `set_quota(namespace, name, hard)`: the
+  namespace's LimitRange maximum per container and a ResourceQuota (see Pod admission).
 """
 
 from __future__ import annotations
@@ -138,6 +144,27 @@ def log_time_ns(text: str) -> int:
     whole, _, frac = text.rstrip("Z").partition(".")
     seconds = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.UTC).timestamp()
     return int(seconds) * 1_000_000_000 + int((frac + "000000000")[:9])
+
+
+_QUANTITY_UNITS = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity (`500m`, `2`, `16Gi`) as a number (enough of the grammar for tests)."""
+    for unit in sorted(_QUANTITY_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * _QUANTITY_UNITS[unit]
+    return float(text)
+
+
+def pod_requests(pod: dict[str, Any]) -> dict[str, float]:
+    """What a Pod asks of a node: its containers' requests summed (limits where a request is unset)."""
+    total: dict[str, float] = collections.defaultdict(float)
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        res = container.get("resources") or {}
+        for name, text in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            total[name] += quantity(str(text))
+    return dict(total)
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -294,6 +321,9 @@ class KubeApi:
         self._node_ports = itertools.count()
         self.load_balancer_ip = "127.0.0.1"
         self.load_balancer_delay_s = 0.05
+        # Pod admission: per namespace, a LimitRange's maximum per container and ResourceQuotas.
+        self.limit_ranges: dict[str, dict[str, str]] = {}
+        self.quotas: dict[str, dict[str, dict[str, str]]] = {}
         self.add_namespace("default")
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -347,6 +377,21 @@ class KubeApi:
         fault = Fault(verb, resource, status, times, name, message, retry_after, after_commit)
         self.faults.append(fault)
         return fault
+
+    def set_limit_range(self, namespace: str, maximum: dict[str, str]) -> None:
+        """A LimitRange in `namespace`: no container may ask for more than `maximum` (resource ->
+        quantity) as its limit (or its request, without a limit). Empty: none."""
+        self.limit_ranges[namespace] = dict(maximum)
+
+    def set_quota(self, namespace: str, name: str, hard: dict[str, str]) -> None:
+        """A ResourceQuota `name` in `namespace`: `pods`, `requests.<resource>` (`cpu` and `memory`
+        alone mean their requests) and `limits.<resource>`, summed over the namespace's Pods
+        that have not ended. Empty `hard` removes it."""
+        quotas = self.quotas.setdefault(namespace, {})
+        if hard:
+            quotas[name] = dict(hard)
+        else:
+            quotas.pop(name, None)
 
     def stall(self, times: int = 1) -> None:
         """The next `times` watches are accepted and then send nothing until their timeout."""
@@ -753,6 +798,8 @@ class KubeApi:
             meta["namespace"] = namespace
         obj["metadata"] = meta
         self._default(resource, obj)
+        if resource == "pods":
+            self._admit(namespace, name, obj)
         self.objects[key] = obj
         self._record(resource, namespace, "ADDED", obj, None)
         if meta.get("ownerReferences"):
@@ -768,6 +815,10 @@ class KubeApi:
             spec = obj.setdefault("spec", {})
             spec.setdefault("terminationGracePeriodSeconds", 30)
             spec.setdefault("restartPolicy", "Always")
+            for container in spec.get("containers") or []:
+                res = container.get("resources") or {}
+                if res.get("limits"):  # a request left out is the limit
+                    res["requests"] = {**res["limits"], **(res.get("requests") or {})}
             obj["status"] = {"phase": "Pending"}
         elif resource == "secrets":
             data = dict(obj.get("data") or {})
@@ -786,6 +837,55 @@ class KubeApi:
             obj["status"] = {"loadBalancer": {}}
         elif resource == "namespaces":
             obj["status"] = {"phase": "Active"}
+
+    def _admit(self, namespace: str, name: str, pod: dict[str, Any]) -> None:
+        """The LimitRanger and ResourceQuota admission plugins, with their messages.
+
+        Raises:
+            StatusError: 403 Forbidden when the Pod breaks a LimitRange or a quota.
+        """
+        forbidden = f'pods "{name}" is forbidden'
+        maximum = self.limit_ranges.get(namespace) or {}
+        for container in pod["spec"].get("containers") or []:
+            res = container.get("resources") or {}
+            for resource, most in sorted(maximum.items()):
+                limit = (res.get("limits") or {}).get(resource)
+                asked, what = (
+                    (limit, "limit") if limit is not None else ((res.get("requests") or {}).get(resource), "request")
+                )
+                if asked is not None and quantity(str(asked)) > quantity(most):
+                    raise StatusError(
+                        403, f"{forbidden}: maximum {resource} usage per Container is {most}, but {what} is {asked}"
+                    )
+        for quota, hard in sorted((self.quotas.get(namespace) or {}).items()):
+            used = collections.Counter[str]()
+            for (kind, ns, _), other in self.objects.items():
+                if kind == "pods" and ns == namespace and other["status"].get("phase") not in ("Succeeded", "Failed"):
+                    used.update(self._quota_usage(other))
+            wanted = self._quota_usage(pod)
+            over = sorted(k for k in hard if wanted.get(k, 0.0) and used[k] + wanted[k] > quantity(hard[k]))
+            if over:
+                requested = ",".join(f"{k}={wanted[k]:g}" for k in over)
+                taken = ",".join(f"{k}={used[k]:g}" for k in over)
+                limited = ",".join(f"{k}={hard[k]}" for k in over)
+                raise StatusError(
+                    403,
+                    f"{forbidden}: exceeded quota: {quota}, requested: {requested}, used: {taken}, limited: {limited}",
+                )
+
+    @staticmethod
+    def _quota_usage(pod: dict[str, Any]) -> dict[str, float]:
+        """What a Pod counts against a quota: `pods`, `requests.*` (and bare cpu, memory), `limits.*`."""
+        usage: dict[str, float] = collections.defaultdict(float)
+        usage["pods"] = 1.0
+        for container in pod["spec"].get("containers") or []:
+            res = container.get("resources") or {}
+            for kind in ("requests", "limits"):
+                for resource, text in (res.get(kind) or {}).items():
+                    usage[f"{kind}.{resource}"] += quantity(str(text))
+                    if kind == "requests" and resource in ("cpu", "memory"):
+                        usage[resource] += quantity(str(text))
+        return dict(usage)
 
     def _publish_load_balancer(self, namespace: str, name: str, uid: str) -> None:
         """What a cloud's load-balancer controller does: write the ingress address to the status."""

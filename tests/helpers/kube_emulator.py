@@ -7,9 +7,14 @@ graceful deletion, finalizers, ownerReferences garbage collection) and takes scr
 see its module docstring. The fake kubelet plays scheduler and kubelet for the Pods of one
 namespace, through the same API as any client (its requests are never faulted):
 
-- A Pod whose node selector names a label the fake node lacks, or that asks for more of a
-  resource than the node has, stays Pending with `PodScheduled=False, reason=Unschedulable`.
-  Any other Pod is bound to the node (the binding subresource).
+- Scheduling: the cluster has `nodes` (one `fake-node` with 8 CPUs, 32 GiB and no GPUs unless
+  told otherwise), each with labels and allocatable resources. A Pod is bound (the binding
+  subresource) to the first node whose labels match its node selector and whose free resources
+  (allocatable minus the requests of the Pods bound there that have not ended) cover its
+  requests. A Pod no node fits stays Pending with `PodScheduled=False, reason=Unschedulable`
+  and the scheduler's kind of message (`0/2 nodes are available: 1 Insufficient
+  nvidia.com/gpu, 1 node(s) didn't match Pod's node affinity/selector.`), and is placed once
+  a Pod ends or goes or `set_nodes` changes the nodes, as the real scheduler retries.
 - An image under `fake.invalid/` fails to pull (`ErrImagePull`, then `ImagePullBackOff`).
 - Otherwise the container's command runs as a local process group with the Pod's env
   (secret references resolved), in a directory of its own. The Pod "network" is loopback:
@@ -31,7 +36,8 @@ namespace, through the same API as any client (its requests are never faulted):
 
 Chaos hooks model what others do to Pods: `delete_pod` (node loss, someone's kubectl),
 `evict` (kubelet eviction: Failed/Evicted with a DisruptionTarget condition), `hold` and
-`release` (a finalizer that keeps a deleted Pod terminating). Faults of the API itself are
+`release` (a finalizer that keeps a deleted Pod terminating), `set_nodes` (nodes added or
+removed, as a cluster autoscaler does). Faults of the API itself are
 `Emulator.api.fail`, `stall`, `compact` and `end_watches`, called through `Emulator.run`.
 """
 
@@ -71,8 +77,7 @@ POD_MARKER = "FAKE_KUBELET_POD"
 HOLD_FINALIZER = "fake-kubelet.test/hold"
 KUBELET_AGENT = "fake-kubelet"
 NODE = "fake-node"
-NODE_LABELS = {"kubernetes.io/hostname": NODE, "topology.kubernetes.io/zone": "fake-zone-a"}
-NODE_CAPACITY = {"cpu": 8.0, "memory": 32 * 2**30, "nvidia.com/gpu": 0.0}
+ZONE_LABEL = "topology.kubernetes.io/zone"
 BAD_IMAGE_PREFIX = "fake.invalid/"
 MERGE = {"_content_type": kube_api.MERGE_PATCH}
 
@@ -81,13 +86,39 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _quantity(text: str) -> float:
-    """A Kubernetes quantity as a number (enough of the grammar for tests)."""
-    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
-    for unit in sorted(units, key=len, reverse=True):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * units[unit]
-    return float(text)
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A node of the emulated cluster: its labels and its allocatable resources.
+
+    Attributes:
+        name: the node name (also its `kubernetes.io/hostname` label).
+        labels: node labels, matched against Pods' node selectors.
+        allocatable: resource -> amount: `cpu` in cores, `memory` in bytes, extended resources
+            (`nvidia.com/gpu`) in units. A resource not named is 0.
+    """
+
+    name: str
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    allocatable: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def all_labels(self) -> dict[str, str]:
+        """The labels with `kubernetes.io/hostname`, as the kubelet registers them."""
+        return {"kubernetes.io/hostname": self.name, **self.labels}
+
+
+def default_nodes() -> list[Node]:
+    """One node with 8 CPUs, 32 GiB and no accelerators, in zone fake-zone-a."""
+    return [Node(NODE, {ZONE_LABEL: "fake-zone-a"}, {"cpu": 8.0, "memory": 32 * 2**30})]
+
+
+def gpu_node(name: str, accelerator: str, count: int, **labels: str) -> Node:
+    """A node with `count` GPUs of `accelerator`, labelled as the kubernetes backend's default
+    `kubernetes_accelerator_label` expects (the lowercased name)."""
+    return Node(
+        name,
+        {ZONE_LABEL: "fake-zone-a", "replicaplane.dev/accelerator": accelerator.lower(), **labels},
+        {"cpu": 8.0, "memory": 32 * 2**30, "nvidia.com/gpu": float(count)},
+    )
 
 
 def _free_port() -> int:
@@ -161,11 +192,15 @@ def _token(pod: dict[str, Any]) -> str:
 class FakeKubelet:
     """Plays scheduler and kubelet for the Pods of one namespace; see the module docstring."""
 
-    def __init__(self, url: str, namespace: str, workdir: str) -> None:
+    def __init__(self, url: str, namespace: str, workdir: str, nodes: list[Node] | None = None) -> None:
         self.url = url
         self.namespace = namespace
         self.workdir = workdir
+        self.nodes = list(nodes) if nodes is not None else default_nodes()
         self.pods: dict[str, _FakePod] = {}
+        # Pod name -> (node, requests) of every Pod bound to a node that has not ended.
+        self.placed: dict[str, tuple[str, dict[str, float]]] = {}
+        self._freed = asyncio.Event()
         self._api: kc.ApiClient | None = None
         self._core: Any = None
 
@@ -226,6 +261,7 @@ class FakeKubelet:
             resp.release()
 
     def _forget(self, name: str) -> None:
+        self._release(name)
         fake = self.pods.pop(name, None)
         if fake is not None:
             fake.deleted = True
@@ -277,14 +313,15 @@ class FakeKubelet:
             self._kill(fake, grace_s=grace_s)
             while fake.proc is not None and fake.proc.poll() is None:
                 await asyncio.sleep(0.02)
+        self._release(name)
         await self._raw("delete_namespaced_pod", name, self.namespace, grace_period_seconds=0)
 
-    async def _bind(self, fake: _FakePod) -> None:
+    async def _bind(self, fake: _FakePod, node: str) -> None:
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
             "metadata": {"name": fake.name},
-            "target": {"kind": "Node", "name": NODE},
+            "target": {"kind": "Node", "name": node},
         }
         await self._raw("create_namespaced_pod_binding", fake.name, self.namespace, body)
 
@@ -302,16 +339,19 @@ class FakeKubelet:
     async def _run_pod(self, fake: _FakePod, pod: dict[str, Any]) -> None:
         spec = pod.get("spec") or {}
         container = (spec.get("containers") or [{}])[0]
-        problem = self._unschedulable(spec)
+        said = ""
+        while True:
+            node, problem = self._place(fake.name, pod)
+            if node:
+                break
+            if problem != said:
+                said = problem
+                condition = {"type": "PodScheduled", "status": "False", "lastTransitionTime": _now()}
+                condition.update(reason="Unschedulable", message=problem)
+                await self._set_status(fake, phase="Pending", conditions=[condition])
+            await self._freed.wait()
         scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}
-        if problem:
-            await self._set_status(
-                fake,
-                phase="Pending",
-                conditions=[{**scheduled, "status": "False", "reason": "Unschedulable", "message": problem}],
-            )
-            return
-        await self._bind(fake)
+        await self._bind(fake, node)
         base = {
             "name": container.get("name", "c"),
             "image": container.get("image", ""),
@@ -387,6 +427,7 @@ class FakeKubelet:
         message = ""
         with contextlib.suppress(OSError):
             message = _read(term_log)
+        self._release(fake.name)
         terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "finishedAt": _now()}
         if message:
             terminated["message"] = message
@@ -397,16 +438,46 @@ class FakeKubelet:
             containerStatuses=[{**running, "ready": False, "state": {"terminated": terminated}}],
         )
 
-    def _unschedulable(self, spec: dict[str, Any]) -> str:
-        for key, value in (spec.get("nodeSelector") or {}).items():
-            if NODE_LABELS.get(key) != value:
-                return "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
-        for container in spec.get("containers") or []:
-            res = container.get("resources") or {}
-            for name, text in {**(res.get("requests") or {}), **(res.get("limits") or {})}.items():
-                if _quantity(str(text)) > NODE_CAPACITY.get(name, 0.0):
-                    return f"0/1 nodes are available: 1 Insufficient {name}."
-        return ""
+    def _place(self, name: str, pod: dict[str, Any]) -> tuple[str, str]:
+        """Pick a node for Pod `name` and reserve its requests there: (node, "") or ("", why not).
+
+        Synchronous, so two Pods never take the same free resources.
+        """
+        selector = (pod.get("spec") or {}).get("nodeSelector") or {}
+        wanted = kube_api.pod_requests(pod)
+        used: dict[str, dict[str, float]] = {}
+        for node, requests in self.placed.values():
+            for resource, amount in requests.items():
+                used.setdefault(node, {}).setdefault(resource, 0.0)
+                used[node][resource] += amount
+        reasons: dict[str, int] = {}
+        for node in self.nodes:
+            labels = node.all_labels()
+            if any(labels.get(k) != v for k, v in selector.items()):
+                why = "node(s) didn't match Pod's node affinity/selector"
+                reasons[why] = reasons.get(why, 0) + 1
+                continue
+            have = used.get(node.name, {})
+            short = [
+                r for r, amount in sorted(wanted.items()) if amount > node.allocatable.get(r, 0.0) - have.get(r, 0.0)
+            ]
+            if short:
+                for resource in short:
+                    reasons[f"Insufficient {resource}"] = reasons.get(f"Insufficient {resource}", 0) + 1
+                continue
+            self.placed[name] = (node.name, wanted)
+            return node.name, ""
+        summary = ", ".join(f"{count} {why}" for why, count in sorted(reasons.items()))
+        return "", f"0/{len(self.nodes)} nodes are available: {summary}."
+
+    def _release(self, name: str) -> None:
+        """Pod `name` ended or went: its node's resources are free again; pending Pods try again."""
+        if self.placed.pop(name, None) is not None:
+            self._reschedule()
+
+    def _reschedule(self) -> None:
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()
 
     async def _prepare(self, fake: _FakePod, container: dict[str, Any]) -> tuple[dict[str, str], list[str], str]:
         os.makedirs(os.path.join(fake.dir, "tmp"), exist_ok=True)
@@ -475,6 +546,7 @@ class FakeKubelet:
         self._kill(fake, grace_s=0)
         if fake.task is not None:
             fake.task.cancel()
+        self._release(name)
         condition = {
             "type": "DisruptionTarget",
             "status": "True",
@@ -493,6 +565,12 @@ class FakeKubelet:
             conditions=[*(fake.status.get("conditions") or []), condition],
             containerStatuses=statuses,
         )
+
+    async def set_nodes(self, nodes: list[Node]) -> None:
+        """The cluster's nodes change (a cluster autoscaler adds one, a node pool is removed).
+        Pods already bound stay where they are; Pods waiting for a node try again."""
+        self.nodes = list(nodes)
+        self._reschedule()
 
     async def hold(self, name: str) -> None:
         """Add a finalizer: a delete then leaves the Pod terminating until release()."""
@@ -552,12 +630,16 @@ class FakeKubelet:
 class Emulator:
     """The API server plus a FakeKubelet, on 127.0.0.1 in a daemon thread; see the module docstring.
 
-    Keyword arguments go to kube_api.KubeApi (history, bookmark_interval_s, watch_timeout_s, ...).
+    `nodes` are the cluster's nodes (default_nodes() when None). Other keyword arguments go to
+    kube_api.KubeApi (history, bookmark_interval_s, watch_timeout_s, ...).
     """
 
-    def __init__(self, workdir: str, *, namespace: str = "replicas", **api_options: Any) -> None:
+    def __init__(
+        self, workdir: str, *, namespace: str = "replicas", nodes: list[Node] | None = None, **api_options: Any
+    ) -> None:
         self.workdir = workdir
         self.namespace = namespace
+        self.nodes = nodes
         self.url = ""
         self.api = kube_api.KubeApi(**api_options)
         self.kubelet: FakeKubelet | None = None
@@ -589,7 +671,7 @@ class Emulator:
         self._stop = asyncio.Event()
         self.api.add_namespace(self.namespace)
         self.url = await self.api.start()
-        self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"))
+        self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"), self.nodes)
         self.api.log_source = self.kubelet.log_source
         self.api.exec_source = self.kubelet.exec_source
         kubelet = asyncio.get_running_loop().create_task(self.kubelet.run())

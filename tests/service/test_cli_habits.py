@@ -145,3 +145,22 @@ async def test_logs_by_position_and_sync_down_to_a_folder(env: Env, tmp_path) ->
     written = await asyncio.to_thread(pathlib.Path(folder, "replica-1.log").read_text)
     assert written == f"LOG_KIND_APP of {replica_name}\n"
     assert "note: no controller log in" in err and "note: no load balancer log in" in err
+
+
+async def test_logs_with_a_state_dir_sends_that_stacks_generated_token(tmp_path, monkeypatch) -> None:
+    token = "stack-generated-token-0123456789"
+    async with started(tmp_path, auth_token=token) as env:
+        state = tmp_path / "elsewhere"
+        state.mkdir()
+        (state / "api-token").write_text(f"{token}\n")
+        (state / "stack.json").write_text(
+            f'{{"controller": "{env.addr}", "token_file": "{state / "api-token"}", "processes": []}}'
+        )
+        for var in ("REPLICAPLANE_API_TOKEN", "REPLICAPLANE_API_TOKEN_FILE"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.chdir(tmp_path)  # no ./.state here: the token comes from --state-dir's stack
+        code, _, err = await ctl(env, "logs", "nope", "1", "--no-follow", "--state-dir", str(state))
+        assert (code, err.strip()) == (3, "error: service 'nope' not found")
+        # Without it, the controller refuses the call.
+        code, _, err = await ctl(env, "logs", "nope", "1", "--no-follow")
+        assert code == 6, err

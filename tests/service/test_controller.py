@@ -64,6 +64,9 @@ async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
             "provisioner_addr": provisioner_addr,
             "prober_addrs": f"127.0.0.1:{prober.port}",
             "drain_s": 0.05,
+            # A token on the API with the provisioner and prober on TCP is refused unless
+            # allowed: these run on a machine no one else uses (tests/service/test_private_sockets.py).
+            "allow_open_internal": True,
             **settings,
         }
         running = await controller_server.start(controller_server.Settings(**values))  # type: ignore[arg-type]

@@ -353,6 +353,52 @@ async def test_replicactl_dashboard_open_hands_the_token_to_the_page_in_the_frag
     assert dash.url in out
 
 
+async def test_replicactl_dashboard_open_hands_the_stacks_token_only_to_its_running_dashboard(
+    env: tc.Env, tmp_path
+) -> None:
+    token_file = tmp_path / "api-token"
+    token_file.write_text("generated-stack-token-0123456789\n")
+    opened: list[str] = []
+
+    async def open_page(*args: str, pid: int, user_env: dict[str, str] | None = None) -> str:
+        state = {
+            "pid": os.getpid(),
+            "controller": env.addr,
+            "token_file": str(token_file),
+            "processes": [{"name": "dashboard", "pid": pid, "addr": "unix:/x.sock", "url": base}],
+        }
+        (tmp_path / "st").mkdir(exist_ok=True)
+        (tmp_path / "st" / "stack.json").write_text(json.dumps(state))
+        opened.clear()
+        with mock.patch("webbrowser.open", side_effect=lambda url, *a, **k: opened.append(url) or True):
+            code, out, err = await replicactl("dashboard", "--state-dir", str(tmp_path / "st"), *args, env=user_env)
+        assert code == 0, err
+        assert "generated-stack" not in out + err, "the token is never printed"
+        return opened[0]
+
+    async with dashboard(env.addr) as dash:
+        base = dash.url.rstrip("/")
+        # The stack's own dashboard, running: the token the stack generated goes to the page.
+        assert await open_page("--open", pid=os.getpid()) == f"{base}/#token=generated-stack-token-0123456789"
+        # Another URL (here another name for the same server) gets no token of the stack's.
+        other = base.replace("127.0.0.1", "localhost")
+        assert await open_page("--open", "--url", other, pid=os.getpid()) == f"{other}/"
+        # The recorded dashboard is gone: whoever answers on its port now may be anyone.
+        gone = await asyncio.create_subprocess_exec("true")
+        await gone.wait()
+        assert await open_page("--open", pid=gone.pid) == f"{base}/"
+        # No stack recorded: the default address gets no token, not even the user's own.
+        (tmp_path / "st" / "stack.json").unlink()
+        opened.clear()
+        user_env = {
+            "REPLICAPLANE_API_TOKEN": "users-own-token-0123456789",
+            "REPLICAPLANE_DASHBOARD_HTTP_ADDR": base[7:],
+        }
+        with mock.patch("webbrowser.open", side_effect=lambda url, *a, **k: opened.append(url) or True):
+            code, _, err = await replicactl("dashboard", "--state-dir", str(tmp_path / "st"), "--open", env=user_env)
+        assert (code, opened) == (0, [f"{base}/"]), err
+
+
 async def test_replicactl_dashboard_says_when_nothing_answers(tmp_path) -> None:
     with ports.Reserved() as dead:
         code, out, err = await replicactl("dashboard", "--url", dead.url)

@@ -2,7 +2,8 @@
 
 These pin down tests/helpers/kube_api.py itself (the kubernetes backend's tests trust it):
 versions, watch resume, 410, bookmarks, server-side timeouts, selectors, graceful deletion,
-finalizers, garbage collection and scripted faults.
+finalizers, garbage collection, admission and scripted faults; and the fake scheduler of
+tests/helpers/kube_emulator.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import kube_api
+from tests.helpers import kube_api, kube_emulator
 
 NS = "/api/v1/namespaces/ns"
 
@@ -132,3 +133,82 @@ async def test_errors_are_status_objects_and_faults_are_scripted(kc: _Client) ->
     async with kc.session.get(kc.api.url + f"{NS}/pods/a") as r:
         assert (r.status, r.headers["Retry-After"]) == (429, "2")
     assert (await kc.call("GET", f"{NS}/pods/a"))[0] == 200  # the fault was used up
+
+
+def _sized(name: str, **limits: str) -> dict[str, Any]:
+    pod = _pod(name)
+    pod["spec"]["containers"][0]["resources"] = {"limits": limits}
+    return pod
+
+
+async def test_limit_ranges_and_quotas_refuse_pods_as_the_admission_plugins_do(kc: _Client) -> None:
+    # A request left out is the limit (the API server's defaulting).
+    _, pod = await kc.call("POST", f"{NS}/pods", _sized("a", cpu="1"))
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1"}
+
+    kc.api.set_limit_range("ns", {"cpu": "2"})
+    status, body = await kc.call("POST", f"{NS}/pods", _sized("b", cpu="4"))
+    assert (status, body["reason"]) == (403, "Forbidden")
+    assert body["message"] == 'pods "b" is forbidden: maximum cpu usage per Container is 2, but limit is 4'
+    kc.api.set_limit_range("ns", {})
+
+    # A quota counts the Pods that have not ended.
+    kc.api.set_quota("ns", "gpus", {"requests.nvidia.com/gpu": "1"})
+    assert (await kc.call("POST", f"{NS}/pods", _sized("g1", **{"nvidia.com/gpu": "1"})))[0] == 201
+    status, body = await kc.call("POST", f"{NS}/pods", _sized("g2", **{"nvidia.com/gpu": "1"}))
+    assert status == 403
+    assert body["message"] == (
+        'pods "g2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+        "used: requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1"
+    )
+    assert kc.api.get("pods", "ns", "g2") is None  # refused: nothing stored
+    await kc.call("PATCH", f"{NS}/pods/g1/status", {"status": {"phase": "Succeeded"}})
+    assert (await kc.call("POST", f"{NS}/pods", _sized("g2", **{"nvidia.com/gpu": "1"})))[0] == 201
+
+
+async def test_the_fake_scheduler_places_by_free_resources_and_retries_when_they_free_up(tmp_path) -> None:
+    emu = kube_emulator.Emulator(str(tmp_path), namespace="ns", nodes=[kube_emulator.gpu_node("a100", "A100", 1)])
+    emu.start()
+
+    def gpu_pod(name: str, accelerator: str) -> dict[str, Any]:
+        pod = _sized(name, **{"nvidia.com/gpu": "1"})
+        pod["spec"]["containers"][0]["command"] = ["sleep", "30"]
+        pod["spec"]["nodeSelector"] = {"replicaplane.dev/accelerator": accelerator}
+        return pod
+
+    async def scheduled(name: str) -> dict[str, Any]:
+        async with asyncio.timeout(10):
+            while True:
+                pod = await emu.pod(name)
+                conditions = {c["type"]: c for c in ((pod or {}).get("status") or {}).get("conditions") or []}
+                if pod is not None and ("PodScheduled" in conditions or pod["spec"].get("nodeName")):
+                    return pod
+                await asyncio.sleep(0.02)
+
+    def why_not(pod: dict[str, Any]) -> str:
+        (condition,) = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
+        assert (condition["status"], condition["reason"]) == ("False", "Unschedulable")
+        return str(condition["message"])
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            kc = _Client(emu.api, session)
+            await kc.call("POST", f"{NS}/pods", gpu_pod("first", "a100"))
+            assert (await scheduled("first"))["spec"]["nodeName"] == "a100"
+            await kc.call("POST", f"{NS}/pods", gpu_pod("second", "a100"))
+            assert why_not(await scheduled("second")) == "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+            await kc.call("DELETE", f"{NS}/pods/first", gracePeriodSeconds="0")
+            async with asyncio.timeout(10):  # its GPU is free again: the waiting Pod gets it
+                while not ((await emu.pod("second")) or {}).get("spec", {}).get("nodeName"):
+                    await asyncio.sleep(0.02)
+
+            await kc.call("POST", f"{NS}/pods", gpu_pod("third", "h100"))
+            reasons = why_not(await scheduled("third"))
+            assert reasons == "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
+            nodes = [kube_emulator.gpu_node("a100", "A100", 1), kube_emulator.gpu_node("h100", "H100", 1)]
+            await emu.call(emu.kubelet.set_nodes(nodes))  # a cluster autoscaler adds a node
+            async with asyncio.timeout(10):
+                while ((await emu.pod("third")) or {}).get("spec", {}).get("nodeName") != "h100":
+                    await asyncio.sleep(0.02)
+    finally:
+        emu.stop()

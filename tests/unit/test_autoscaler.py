@@ -302,3 +302,52 @@ def test_places_of_a_spec_are_its_resources_alternatives() -> None:
     ]
     k8s = top.replace("  region: us-east-1\n", "  infra: k8s/my-context\n")
     assert convert.places_of(spec.parse(k8s)) == [("resources", ("", ""))]  # a context, not a region
+
+
+@pytest.mark.parametrize(
+    ("policy", "most"),
+    [
+        (a.Policy(min_replicas=2, max_replicas=2), 2),
+        (a.Policy(min_replicas=0, max_replicas=0), 0),
+        (a.Policy(min_replicas=1, max_replicas=5, target_qps=1, num_overprovision=2), 7),
+        (a.Policy(min_replicas=4, max_replicas=2), 4),  # max below min: min wins, as clip()
+        (a.Policy(min_replicas=3, max_replicas=3, use_spot=True, base_ondemand=1), 3),  # 2 spot + 1 on-demand
+        (a.Policy(min_replicas=3, max_replicas=3, use_spot=True), 3),  # spot without fallback
+        # Dynamic fallback: every spot replica not READY may have an on-demand stand-in.
+        (a.Policy(min_replicas=1, max_replicas=4, target_qps=1, use_spot=True, dynamic_fallback=True), 8),
+        (
+            a.Policy(
+                min_replicas=1,
+                max_replicas=4,
+                target_qps=1,
+                num_overprovision=1,
+                use_spot=True,
+                base_ondemand=1,
+                dynamic_fallback=True,
+            ),
+            8,  # 4 spot (5 - 1 base) + on-demand at most the target (4)
+        ),
+    ],
+)
+def test_most_replicas_is_the_largest_count_a_policy_can_run(policy: a.Policy, most: int) -> None:
+    assert a.most_replicas(policy) == most
+    # No target and no READY count makes the autoscaler ask for more than that.
+    for target in range(policy.min_replicas, max(policy.max_replicas, policy.min_replicas) + 1):
+        if policy.kind == a.FALLBACK:
+            spot, ondemand = a.fallback_counts(policy, target=target, spot_ready=0)
+            assert spot + ondemand <= most
+        else:
+            assert policy.final(target) <= most
+
+
+def test_the_expected_accelerator_is_the_first_alternatives_first_choice() -> None:
+    from services.common import spec
+    from services.controller import convert
+
+    top = "name: s\nservice:\n  replicas: 1\nresources:\n  ports: 8080\n{}run: x\n"
+    assert convert.accelerator_of(spec.parse(top.format(""))) == ""
+    assert convert.accelerator_of(spec.parse(top.format("  accelerators: [L4, A100:2]\n"))) == "L4"
+    any_of = "  any_of:\n    - accelerators: H100:2\n    - accelerators: A100\n"
+    assert convert.accelerator_of(spec.parse(top.format(any_of))) == "H100"
+    # Until the provisioner says which alternative it placed (`accelerator_name` of its report).
+    assert convert.accelerator_name("A100:2") == "A100"

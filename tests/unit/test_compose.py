@@ -67,6 +67,10 @@ def test_compose_file_is_valid() -> None:
     assert result.stderr == "", "no warnings"
 
 
+# What only the local stack sets: its generated token and the controller's port file.
+STACK_ONLY = ("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE", "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE", "_PORT_FILE")
+
+
 def test_compose_runs_the_same_modules_with_the_same_environment_as_the_local_stack() -> None:
     services = compose_config()["services"]
     specs = plan.plan(probers=1, state_dir=".state", environ={})
@@ -75,10 +79,11 @@ def test_compose_runs_the_same_modules_with_the_same_environment_as_the_local_st
         svc = services[spec.component]
         assert svc["command"][0] in ("python", "python3")
         assert svc["command"][1:] == list(spec.argv[1:]), spec.component
-        assert sorted(svc["environment"]) == sorted(spec.env), spec.component
-        for name, value in spec.env.items():
-            if name.endswith("_HOST"):
-                continue  # host names are what compose changes on purpose
+        stack_env = {k: v for k, v in spec.env.items() if not k.endswith(STACK_ONLY)}
+        assert sorted(svc["environment"]) == sorted(stack_env), spec.component
+        for name, value in stack_env.items():
+            if name.endswith("_HOST") or "unix:" in value:
+                continue  # host names, and sockets where compose has a network, differ on purpose
             assert without_hosts(svc["environment"][name]) == without_hosts(value), name
 
 
@@ -178,11 +183,12 @@ def test_documented_compose_run_commands_leave_the_other_services_alone() -> Non
 # --- the local stack's plan ---------------------------------------------------------------
 
 
-def test_plan_defaults_match_the_shared_addresses() -> None:
+def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_api() -> None:
     specs = {s.name: s for s in plan.plan(state_dir="/st", environ={})}
     assert list(specs) == ["provisioner", "prober-1", "controller", "loadbalancer", "dashboard"]
     assert specs["dashboard"].env == {
-        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": config.DASHBOARD_ADDR,
+        # Its gRPC server answers health checks only: a socket, no TCP port to take.
+        "REPLICAPLANE_DASHBOARD_LISTEN_ADDR": "unix:/st/sockets/dashboard.sock",
         "REPLICAPLANE_DASHBOARD_HTTP_ADDR": config.DASHBOARD_HTTP_ADDR,
         "REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
         "REPLICAPLANE_DASHBOARD_METRICS_ADDR": config.DASHBOARD_METRICS_ADDR,
@@ -192,29 +198,67 @@ def test_plan_defaults_match_the_shared_addresses() -> None:
     assert specs["dashboard"].needs == {"REPLICAPLANE_DASHBOARD_CONTROLLER_ADDR": ("controller",)}
     assert "REPLICAPLANE_DASHBOARD_API_TOKEN" not in specs["dashboard"].env, "it passes on each page's token"
     assert specs["loadbalancer"].env == {
-        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": config.LOADBALANCER_ADDR,
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "unix:/st/sockets/loadbalancer.sock",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": config.LOADBALANCER_HTTP_ADDR,
         "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": "hello",
         "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
+        "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE": "/st/api-token",
         "REPLICAPLANE_LOADBALANCER_METRICS_ADDR": config.LOADBALANCER_METRICS_ADDR,
     }
     assert specs["loadbalancer"].url == f"http://{config.LOADBALANCER_HTTP_ADDR}"
     assert specs["controller"].env == {
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": config.CONTROLLER_ADDR,
         "REPLICAPLANE_CONTROLLER_STATE_DIR": "/st/controller",
-        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": config.PROVISIONER_ADDR,
-        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": config.PROBER_ADDR,
+        "REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR": "unix:/st/sockets/provisioner.sock",
+        "REPLICAPLANE_CONTROLLER_PROBER_ADDRS": "unix:/st/sockets/prober-1.sock",
+        "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE": "/st/api-token",
         "REPLICAPLANE_CONTROLLER_METRICS_ADDR": config.CONTROLLER_METRICS_ADDR,
     }
+    assert specs["provisioner"].addr == "unix:/st/sockets/provisioner.sock"
     assert specs["provisioner"].env["REPLICAPLANE_PROVISIONER_STATE_DIR"] == "/st/provisioner"
     assert specs["prober-1"].argv[1:] == ("-m", "services.prober")
 
 
+def test_plan_with_the_users_controller_token_generates_none() -> None:
+    for var in ("REPLICAPLANE_CONTROLLER_AUTH_TOKEN", "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE"):
+        specs = {s.name: s for s in plan.plan(state_dir="/st", environ={var: "x"})}
+        assert "REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE" not in specs["controller"].env
+        assert "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE" not in specs["loadbalancer"].env
+        # The internal services stay on private sockets all the same.
+        assert specs["controller"].env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"].startswith("unix:")
+
+
+def test_plan_gives_each_socket_prober_its_own_socket() -> None:
+    specs = plan.plan(probers=3, state_dir="/st", environ={})
+    probers = [s.addr for s in specs if s.component == "prober"]
+    assert probers == [f"unix:/st/sockets/prober-{i}.sock" for i in (1, 2, 3)]
+    controller = next(s for s in specs if s.component == "controller")
+    assert controller.env["REPLICAPLANE_CONTROLLER_PROBER_ADDRS"] == ",".join(probers)
+
+
+@pytest.mark.parametrize("section", ["provisioner", "prober"])
+def test_plan_refuses_an_internal_service_on_tcp_without_mtls(section: str) -> None:
+    var = config.env_name(section, "listen_addr")
+    with pytest.raises(ValueError, match=f"{var}.*every user of this machine"):
+        plan.plan(environ={var: "127.0.0.1:7000"})
+    tls = {config.env_name(section, "tls_cert_file"): "/pki/cert.pem"}
+    assert any(s.addr == "127.0.0.1:7000" for s in plan.plan(environ={var: "127.0.0.1:7000", **tls}))
+
+
+def test_plan_refuses_a_state_dir_too_long_for_sockets() -> None:
+    with pytest.raises(ValueError, match="too long"):
+        plan.plan(state_dir="/" + "d" * 120, environ={})
+
+
 def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() -> None:
+    tls = {
+        f"REPLICAPLANE_{s}_TLS_CERT_FILE": "/pki/cert.pem" for s in ("PROBER", "PROVISIONER")
+    }  # TCP for these needs mTLS
     environ = {
         "REPLICAPLANE_PROBER_LISTEN_ADDR": "127.0.0.1:7000",
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "0.0.0.0:7100",
         "REPLICAPLANE_PROVISIONER_LISTEN_ADDR": "0.0.0.0:7200",
+        **tls,
     }
     specs = plan.plan(probers=3, environ=environ)
     probers = [s.addr for s in specs if s.component == "prober"]
@@ -226,16 +270,24 @@ def test_plan_gives_each_prober_its_own_port_and_the_controller_all_of_them() ->
     assert controller.env["REPLICAPLANE_CONTROLLER_PROVISIONER_ADDR"] == "127.0.0.1:7200"
 
 
-def test_plan_default_probers_skip_the_ports_of_the_other_services() -> None:
-    # `make up PROBERS=3`: probers from 50053 must not take the balancer's 50054.
-    specs = plan.plan(probers=3, environ={})
-    ports = [plan.split_addr(s.addr)[1] for s in specs]
+def test_plan_tcp_probers_skip_the_ports_of_the_other_services() -> None:
+    # Probers from 50053 must not take the balancer's 50054.
+    environ = {
+        "REPLICAPLANE_PROBER_LISTEN_ADDR": config.PROBER_ADDR,
+        "REPLICAPLANE_PROBER_TLS_CERT_FILE": "/pki/cert.pem",
+        "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": config.LOADBALANCER_ADDR,
+    }
+    specs = plan.plan(probers=3, environ=environ)
+    ports = [plan.split_addr(s.addr)[1] for s in specs if not plan.is_unix(s.addr)]
     assert len(ports) == len(set(ports)), ports
     probers = [s.addr for s in specs if s.component == "prober"]
     assert probers == ["127.0.0.1:50053", "127.0.0.1:50055", "127.0.0.1:50056"]
-    # Nine probers reach the dashboard's 50059 and step over it.
-    ports = [plan.split_addr(s.addr)[1] for s in plan.plan(probers=9, environ={})]
+    # Nine probers reach the dashboard's 50059 (when it is on TCP) and step over it.
+    environ[config.env_name("dashboard", "listen_addr")] = config.DASHBOARD_ADDR
+    specs = plan.plan(probers=9, environ=environ)
+    ports = [plan.split_addr(s.addr)[1] for s in specs if not plan.is_unix(s.addr)]
     assert len(ports) == len(set(ports)), ports
+    assert plan.split_addr(config.DASHBOARD_ADDR)[1] in ports
 
 
 def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_serve() -> None:
@@ -243,6 +295,8 @@ def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_ser
         config.env_name(section, "listen_addr"): "127.0.0.1:0"
         for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard")
     }
+    # TCP for the provisioner and probers needs mTLS.
+    environ |= {config.env_name(section, "tls_cert_file"): "/pki/cert.pem" for section in ("provisioner", "prober")}
     environ[config.env_name("loadbalancer", "http_addr")] = "127.0.0.1:0"
     environ[config.env_name("dashboard", "http_addr")] = "127.0.0.1:0"
     specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
@@ -259,7 +313,8 @@ def test_plan_with_port_zero_lets_each_service_pick_and_wires_them_when_they_ser
 
 
 def test_peer_addresses_come_from_the_ports_the_peers_bound() -> None:
-    specs = plan.plan(probers=2, environ={config.env_name("prober", "listen_addr"): "127.0.0.1:0"})
+    environ = {config.env_name("prober", "listen_addr"): "127.0.0.1:0", "REPLICAPLANE_PROBER_TLS_CERT_FILE": "c"}
+    specs = plan.plan(probers=2, environ=environ)
     bound = {"provisioner": "0.0.0.0:50052", "prober-1": "127.0.0.1:41001", "prober-2": "127.0.0.1:41002"}
     controller = next(s for s in specs if s.name == "controller")
     env = plan.resolve(controller, bound)
@@ -272,8 +327,13 @@ def test_peer_addresses_come_from_the_ports_the_peers_bound() -> None:
     ("kwargs", "message"),
     [
         ({"probers": 0}, "at least 1"),
-        ({"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere"}}, "host:port"),
+        (
+            {"environ": {"REPLICAPLANE_PROBER_LISTEN_ADDR": "nowhere", "REPLICAPLANE_PROBER_TLS_CERT_FILE": "c"}},
+            "host:port",
+        ),
         ({"environ": {"REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1"}}, "host:port"),
+        ({"environ": {"REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "unix:/tmp/c.sock"}}, "TCP"),
+        ({"environ": {"REPLICAPLANE_DASHBOARD_HTTP_ADDR": "unix:/tmp/d.sock"}}, "TCP"),
     ],
 )
 def test_plan_rejects_what_cannot_run(kwargs, message) -> None:
@@ -282,6 +342,7 @@ def test_plan_rejects_what_cannot_run(kwargs, message) -> None:
 
 
 def test_dial_addr_turns_wildcards_into_loopback() -> None:
+    assert plan.dial_addr("unix:/st/sockets/p.sock") == "unix:/st/sockets/p.sock"
     assert plan.dial_addr("0.0.0.0:5") == "127.0.0.1:5"
     assert plan.dial_addr("[::]:5") == "127.0.0.1:5"
     assert plan.dial_addr("10.1.2.3:5") == "10.1.2.3:5"
@@ -388,13 +449,13 @@ def test_plan_gives_every_process_a_metrics_address_beside_its_grpc_port() -> No
 
 
 def test_plan_metrics_follow_port_zero_and_the_environment() -> None:
-    environ = {
-        config.env_name(s, "listen_addr"): "127.0.0.1:0" for s in ("controller", "provisioner", "prober", "dashboard")
-    }
+    # A stack on picked ports (its controller's port 0) picks its metrics ports too, for the
+    # processes on Unix sockets as well: stacks side by side never clash.
+    environ = {config.env_name("controller", "listen_addr"): "127.0.0.1:0"}
     environ[config.env_name("loadbalancer", "metrics_addr")] = ""  # metrics off for the balancer
     environ[config.env_name("provisioner", "metrics_addr")] = "127.0.0.1:9999"
     specs = {s.name: s for s in plan.plan(probers=2, environ=environ)}
-    # A process that picks its gRPC port picks its metrics port too: stacks side by side never clash.
+    assert specs["dashboard"].addr.startswith("unix:") and specs["prober-1"].addr.startswith("unix:")
     assert specs["controller"].metrics_addr == specs["dashboard"].metrics_addr == "127.0.0.1:0"
     assert specs["prober-1"].metrics_addr == specs["prober-2"].metrics_addr == "127.0.0.1:0"
     assert specs["provisioner"].metrics_addr == "127.0.0.1:9999"
@@ -402,3 +463,10 @@ def test_plan_metrics_follow_port_zero_and_the_environment() -> None:
     assert specs["loadbalancer"].env["REPLICAPLANE_LOADBALANCER_METRICS_ADDR"] == ""
     with pytest.raises(ValueError, match="METRICS_ADDR"):
         plan.plan(environ={config.env_name("controller", "metrics_addr"): "nowhere"})
+    # On fixed ports, the processes on sockets keep their default metrics ports (Prometheus
+    # scrapes TCP), counting up for more probers.
+    fixed = {s.name: s.metrics_addr for s in plan.plan(probers=2, environ={})}
+    assert fixed["provisioner"] == config.PROVISIONER_METRICS_ADDR
+    assert fixed["dashboard"] == config.DASHBOARD_METRICS_ADDR
+    assert fixed["prober-1"] == config.PROBER_METRICS_ADDR
+    assert len(set(fixed.values())) == len(fixed)

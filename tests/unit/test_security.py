@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common import errors, security
@@ -61,3 +63,21 @@ def test_tls_needs_all_three_files_and_names_each_missing_one(tmp_path) -> None:
         security.Tls(cert_file=str(cert)).server_credentials("prober")
     assert [v.field for v in err.value.violations] == ["prober.tls_key_file", "prober.tls_ca_file"]
     assert not security.Tls().enabled
+
+
+def test_client_token_falls_back_to_the_local_stack_only_for_its_own_controller(tmp_path, monkeypatch) -> None:
+    state = tmp_path / ".state"
+    state.mkdir()
+    token_file = state / "api-token"
+    token_file.write_text(f"{TOKEN}\n")
+    (state / "stack.json").write_text(json.dumps({"controller": "127.0.0.1:50051", "token_file": str(token_file)}))
+    monkeypatch.chdir(tmp_path)
+    assert security.client_token({}, target="127.0.0.1:50051") == TOKEN
+    # Never to another server, and never over what the environment says.
+    assert security.client_token({}, target="10.0.0.1:50051") == ""
+    assert security.client_token({"REPLICAPLANE_API_TOKEN": "x" * 16}, target="127.0.0.1:50051") == "x" * 16
+    # A stack running on the user's own tokens records no token file.
+    (state / "stack.json").write_text(json.dumps({"controller": "127.0.0.1:50051", "token_file": ""}))
+    assert security.client_token({}, target="127.0.0.1:50051") == ""
+    (state / "stack.json").write_text("{not json")
+    assert security.client_token({}, target="127.0.0.1:50051") == ""

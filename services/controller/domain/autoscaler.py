@@ -250,6 +250,17 @@ def fallback_counts(policy: Policy, *, target: int, spot_ready: int) -> tuple[in
     return spot, min(ondemand, target)
 
 
+def most_replicas(policy: Policy) -> int:
+    """The most replicas `policy` can ask for at once: the final target at max_replicas, and with
+    spot fallback the on-demand ones beside the spot ones (dynamic fallback starts a stand-in for
+    every spot replica that is not READY). What the controller's replica budget reserves."""
+    top = policy.clip(max(policy.max_replicas, policy.min_replicas))
+    if policy.kind == FALLBACK:
+        spot, ondemand = fallback_counts(policy, target=top, spot_ready=0)
+        return spot + ondemand
+    return policy.final(top)
+
+
 def fallback_plan(policy: Policy, latest_live: Sequence[st.ReplicaView], *, target: int) -> FallbackPlan:
     """What to launch and remove so the latest version runs the fallback mix.
 

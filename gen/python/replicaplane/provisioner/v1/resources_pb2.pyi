@@ -382,6 +382,8 @@ class ProvisionedReplica(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    ACCELERATOR_FIELD_NUMBER: _builtins.int
+    RESOURCES_PATH_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
@@ -419,6 +421,16 @@ class ProvisionedReplica(_message.Message):
     """Identity of the controller that launched the replica (`LaunchRequest.owner`); empty for
     replicas launched without one.
     """
+    accelerator: _builtins.str
+    """The accelerator the replica runs on, as NAME:COUNT (`H100:1`); empty when it has none or
+    the backend does not say. With several choices (`any_of`, `ordered`, a list of
+    accelerators) it is the one the launch could place.
+    """
+    resources_path: _builtins.str
+    """Which resources of the spec the replica runs on: the YAML path of the `any_of`/`ordered`
+    entry (`resources.any_of[1]`), or `resources` for a spec without them; empty when the
+    backend does not say.
+    """
     worker: _builtins.bool
     """True for a pool worker: it has no endpoint, is ready once its setup exited 0 (its launch
     ends with SETUP_DONE instead of RUNNING) and runs jobs (RunJob).
@@ -453,12 +465,14 @@ class ProvisionedReplica(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         price_per_hour: _builtins.float = ...,
         owner: _builtins.str = ...,
+        accelerator: _builtins.str = ...,
+        resources_path: _builtins.str = ...,
         worker: _builtins.bool = ...,
         job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "job_id", b"job_id", "name", b"name", "owner", b"owner", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "worker", b"worker", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "job_id", b"job_id", "name", b"name", "owner", b"owner", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "resources_path", b"resources_path", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "worker", b"worker", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
