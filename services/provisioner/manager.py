@@ -204,6 +204,13 @@ class Provisioner:
                 continue
             self._jobs[job.job.job_id] = job
             self._job_tokens[job.token] = job.job.job_id
+        # Which job a worker runs is the job records' fact (a replica record may be older).
+        for entry in self._entries.values():
+            entry.replica.job_id = ""
+        for job in self._jobs.values():
+            worker = self._entries.get(job.request.replica)
+            if worker is not None and not job.job.ended:
+                worker.replica.job_id = job.job.job_id
         for found in self._backend.list():
             if found.name not in self._entries:
                 log.warning("tearing down replica %s: the backend runs it but no record exists", found.name)
@@ -912,8 +919,8 @@ class Provisioner:
         self._jobs[job.job_id] = entry
         self._job_tokens[entry.token] = job.job_id
         self._logs.prepare_job(request.replica, request.job_id)
+        # Not saved with the worker's record: a restart reads it off the job records (faster).
         worker.replica.job_id = job.job_id
-        self._save(worker)
         self._save_job(entry)  # before it starts: a restart then knows it was accepted
         log.info("job %s accepted on worker %s", job.job_id, request.replica)
         return entry
@@ -1069,7 +1076,6 @@ class Provisioner:
         worker = self._entries.get(entry.request.replica)
         if worker is not None and worker.replica.job_id == job.job_id:
             worker.replica.job_id = ""  # free for the next job
-            self._save(worker)
         self._emit_job(entry, type_, message=message, exit_code=exit_code, cause=cause)
         if not self._closing:
             entry.log.set_active(False)
