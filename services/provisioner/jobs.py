@@ -83,6 +83,8 @@ class Entry:
     cancel_grace_s: float | None = None
     # Set once its worker is known lost (why), so its processes' end is reported as that.
     lost: str = ""
+    # An end the backend reported before its start was answered: (exit code or None,).
+    early_end: tuple[int | None] | None = None
 
     def to_record(self) -> dict[str, Any]:
         return {

@@ -971,6 +971,8 @@ class Provisioner:
             self._emit_job(entry, model.JobEventType.STARTED, message=f"started on worker {job.replica}")
         if not found.running:
             self._job_finished(entry, found.exit_code)
+        elif entry.early_end is not None:
+            self._job_finished(entry, entry.early_end[0])
 
     async def _consume_jobs(self) -> None:
         """Apply the backend's job ends; an error on one never ends the stream."""
@@ -1001,7 +1003,7 @@ class Provisioner:
         if entry.cancel_grace_s is not None:
             self._end_job(entry, model.JobState.CANCELLED, "cancelled")
         elif entry.job.state == model.JobState.STARTING:
-            return  # its start reports it once the backend answered
+            entry.early_end = (exit_code,)  # its start reports it once the backend answered
         elif exit_code is not None:
             self._end_job(entry, model.JobState.EXITED, f"exited with code {exit_code}", exit_code=exit_code)
         elif entry.lost:

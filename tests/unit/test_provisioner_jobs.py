@@ -216,3 +216,24 @@ def test_a_pool_spec_launches_a_worker_that_serves_no_port() -> None:
     replica = convert.replica_spec(spec)
     assert replica.worker and replica.ports == () and replica.serving_port == 0
     assert not convert.replica_spec(spec_pb2.ServiceSpec(run="serve")).worker
+
+
+async def test_an_end_reported_before_the_start_was_answered_is_not_lost(
+    prov: manager.Provisioner, fake: FakeBackend
+) -> None:
+    from services.provisioner import backend
+
+    fake.job_gate = asyncio.Event()
+    stream = prov.run_job(_job())
+    reader = asyncio.ensure_future(_events(stream, 2))
+    async with asyncio.timeout(5):
+        while not fake.job_starts:
+            await asyncio.sleep(0.01)
+    token = fake.job_starts[0].token
+    fake.jobs[token] = backend.BackendJob(token, "pool-1", running=True, start_time=2.0)
+    fake.end_job(token, 5)  # consumed while the start is still in flight
+    await asyncio.sleep(0.05)
+    fake.jobs[token] = backend.BackendJob(token, "pool-1", running=True, start_time=2.0)  # a stale answer
+    fake.job_gate.set()
+    started, exited = await reader
+    assert (started.type, exited.type, exited.exit_code) == (J.STARTED, J.EXITED, 5)
