@@ -18,8 +18,9 @@ teardown and its end is noticed as an app's. Each job is a process group of its 
 be cancelled without the worker), in the worker's working directory with the worker's
 environment and venv, carrying the worker's token (teardown and preemption kill it with the
 worker) and its own job token. Under `<name>/jobs/<token>/` it keeps `job.json` (written before
-the process starts: a job without a pid there never ran) and `exit_code` (written by the
-wrapper), so a restarted provisioner re-finds running jobs and the codes of those that ended.
+the process starts: a job without a pid there never ran, and starts when the provisioner resumes
+it) and `exit_code` (written by the wrapper), so a restarted provisioner re-finds running jobs and
+the codes of those that ended.
 """
 
 from __future__ import annotations
@@ -708,13 +709,13 @@ class LocalBackend(backend.Backend):
                 except (OSError, ValueError, TypeError):
                     log.warning("ignoring an unreadable job handle of worker %s", handle.name)
                     continue
-                self._jobs[job.token] = job
                 if not job.pid:
-                    job.exit_code = None  # never started: reported as ended without a code
-                    self._job_events.put_nowait(
-                        backend.JobEnded(job.token, job.worker, None, self._clock(), "the job never started")
-                    )
-                elif job.running and not (
+                    # Never started (or its process was not recorded, and is killed as a stray):
+                    # forgotten, so the provisioner's resume starts it now.
+                    shutil.rmtree(os.path.join(root, token), ignore_errors=True)
+                    continue
+                self._jobs[job.token] = job
+                if job.running and not (
                     procs.leader_alive(job.pid, job.start_ticks)
                     and self._watcher.watch(job.pid, functools.partial(self._job_ended, job.token))
                 ):

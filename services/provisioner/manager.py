@@ -942,7 +942,7 @@ class Provisioner:
             token=entry.token,
             worker=worker.request,
             worker_token=worker.token,
-            log=self._logs.job_path(entry.request.replica, job.job_id),
+            log=self._logs.prepare_job(entry.request.replica, job.job_id),  # again after a restart: no harm
         )
         try:
             found = await self._backend.run_job(start)

@@ -180,3 +180,45 @@ async def test_job_logs_and_records_go_with_delete_logs_or_the_workers_teardown(
     await client.collect(b.stub.RunJob(client.job_request("j-2", "pool-2", "true")))
     await client.collect(b.stub.Terminate(pb.TerminateRequest(name="pool-2")))
     assert (await _error(b.stub.GetJob(pb.GetJobRequest(job_id="j-2")))).code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_job_accepted_but_not_started_when_the_provisioner_died_starts_after_the_restart(
+    b: contract.LocalBackend,
+) -> None:
+    import json
+    import os
+
+    await _worker(b)
+    await b.stop()
+    # What a kill -9 between the job's records and its process leaves: the provisioner's record
+    # (STARTING) and the backend's handle without a pid.
+    token = "0123456789abcdef0123456789abcdef"
+    record = {
+        "request": {"job_id": "j-1", "replica": "pool-1", "run": "echo ran >> runs.txt", "envs": {}},
+        "job": {
+            "job_id": "j-1",
+            "replica": "pool-1",
+            "service": "pool",
+            "state": "STARTING",
+            "exit_code": 0,
+            "failure_reason": "",
+            "cause": "UNSPECIFIED",
+            "create_time": 1.0,
+            "start_time": 0.0,
+            "end_time": 0.0,
+        },
+        "token": token,
+        "events": [],
+    }
+    with open(os.path.join(b.state_dir, "jobs", "j-1.json"), "w", encoding="utf-8") as fh:
+        json.dump(record, fh)
+    handle_dir = os.path.join(b.state_dir, "local", "pool-1", "jobs", token)
+    os.makedirs(handle_dir)
+    with open(os.path.join(handle_dir, "job.json"), "w", encoding="utf-8") as fh:
+        json.dump({"token": token, "job_id": "j-1", "worker": "pool-1"}, fh)
+    await b.start()
+    events = await client.collect(b.stub.RunJob(client.job_request("j-1", "", "", attach_only=True)))
+    assert client.types(events) == ["STARTED", "EXITED"], [e.message for e in events]
+    assert events[-1].exit_code == 0
+    await client.collect(b.stub.RunJob(client.job_request("j-2", "pool-1", "cat runs.txt")))
+    assert await contract._job_log(b, "j-2") == "ran\n"
