@@ -187,6 +187,7 @@ async def test_a_job_accepted_but_not_started_when_the_provisioner_died_starts_a
 ) -> None:
     import json
     import os
+    import pathlib
 
     await _worker(b)
     await b.stop()
@@ -210,12 +211,10 @@ async def test_a_job_accepted_but_not_started_when_the_provisioner_died_starts_a
         "token": token,
         "events": [],
     }
-    with open(os.path.join(b.state_dir, "jobs", "j-1.json"), "w", encoding="utf-8") as fh:
-        json.dump(record, fh)
     handle_dir = os.path.join(b.state_dir, "local", "pool-1", "jobs", token)
     os.makedirs(handle_dir)
-    with open(os.path.join(handle_dir, "job.json"), "w", encoding="utf-8") as fh:
-        json.dump({"token": token, "job_id": "j-1", "worker": "pool-1"}, fh)
+    pathlib.Path(b.state_dir, "jobs", "j-1.json").write_text(json.dumps(record))
+    pathlib.Path(handle_dir, "job.json").write_text(json.dumps({"token": token, "job_id": "j-1", "worker": "pool-1"}))
     await b.start()
     events = await client.collect(b.stub.RunJob(client.job_request("j-1", "", "", attach_only=True)))
     assert client.types(events) == ["STARTED", "EXITED"], [e.message for e in events]
