@@ -185,9 +185,7 @@ async def test_job_logs_and_records_go_with_delete_logs_or_the_workers_teardown(
 async def test_a_job_accepted_but_not_started_when_the_provisioner_died_starts_after_the_restart(
     b: contract.LocalBackend,
 ) -> None:
-    import json
     import os
-    import pathlib
 
     await _worker(b)
     await b.stop()
@@ -213,11 +211,18 @@ async def test_a_job_accepted_but_not_started_when_the_provisioner_died_starts_a
     }
     handle_dir = os.path.join(b.state_dir, "local", "pool-1", "jobs", token)
     os.makedirs(handle_dir)
-    pathlib.Path(b.state_dir, "jobs", "j-1.json").write_text(json.dumps(record))
-    pathlib.Path(handle_dir, "job.json").write_text(json.dumps({"token": token, "job_id": "j-1", "worker": "pool-1"}))
+    _write_json(os.path.join(b.state_dir, "jobs", "j-1.json"), record)
+    _write_json(os.path.join(handle_dir, "job.json"), {"token": token, "job_id": "j-1", "worker": "pool-1"})
     await b.start()
     events = await client.collect(b.stub.RunJob(client.job_request("j-1", "", "", attach_only=True)))
     assert client.types(events) == ["STARTED", "EXITED"], [e.message for e in events]
     assert events[-1].exit_code == 0
     await client.collect(b.stub.RunJob(client.job_request("j-2", "pool-1", "cat runs.txt")))
     assert await contract._job_log(b, "j-2") == "ran\n"
+
+
+def _write_json(path: str, data: object) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
