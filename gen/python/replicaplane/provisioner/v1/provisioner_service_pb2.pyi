@@ -63,7 +63,9 @@ class LaunchRequest(_message.Message):
     """
     @_builtins.property
     def spec(self) -> _spec_pb2.ServiceSpec:
-        """What to run."""
+        """What to run. A spec whose `kind` is POOL makes the replica a pool worker: no port, no
+        endpoint, `setup` only, then it waits for jobs (RunJob).
+        """
 
     def __init__(
         self,

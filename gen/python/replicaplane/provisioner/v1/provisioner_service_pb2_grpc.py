@@ -119,7 +119,8 @@ class ProvisionerServiceServicer:
     def Launch(self, request, context):
         """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
         flight or running attaches to the existing launch and replays its events after
-        `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+        `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+        (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

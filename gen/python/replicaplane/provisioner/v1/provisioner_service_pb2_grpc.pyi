@@ -36,7 +36,8 @@ class ProvisionerServiceStub:
     Launch: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.LaunchRequest, _provisioner_service_pb2.LaunchResponse]
     """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
     flight or running attaches to the existing launch and replays its events after
-    `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+    `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+    (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
     """
     Terminate: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -102,7 +103,8 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     Launch: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.LaunchRequest, _provisioner_service_pb2.LaunchResponse]  # type: ignore[assignment]
     """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
     flight or running attaches to the existing launch and replays its events after
-    `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+    `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+    (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
     """
     Terminate: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -171,7 +173,8 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchResponse]]:
         """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
         flight or running attaches to the existing launch and replays its events after
-        `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+        `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+        (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
         """
 
     @_abc_1.abstractmethod
