@@ -1,4 +1,4 @@
-"""Provisioner benchmark: launch dispatch latency and app-exit event latency.
+"""Provisioner benchmark: launch dispatch latency, app-exit event latency and job dispatch latency.
 
 Starts a provisioner (local backend) on loopback, launches 60 replicas at a steady pace (one
 every 20 ms, so launches overlap with setups, app starts and exits), and measures:
@@ -8,8 +8,16 @@ every 20 ms, so launches overlap with setups, app starts and exits), and measure
   last act) to the APP_EXITED event arriving on a WatchReplicas stream. The app's own start
   is excluded.
 
+Then it launches 2 pool workers and runs 200 jobs on them, one at a time per worker, and
+measures:
+
+- job_start: from sending RunJob to the job's command running (its first act prints
+  $EPOCHREALTIME): the provisioner's part of dispatching a job to a free READY worker, bash's
+  start included.
+- job_started_event: from sending RunJob to receiving its STARTED event.
+
 Run from the repo root: `python bench/provisioner.py`. Ends with `figure:` lines. BENCH_SMOKE=1
-(or --smoke) launches 5 replicas whose apps live 0.2 s.
+(or --smoke) launches 5 replicas whose apps live 0.2 s, and runs 10 jobs.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ PACE_S = 0.02
 APP_LIFE_S = bench.pick(1.0, 0.2)
 # The app's last act is to print the exit time; bash then exits with code 3 at once.
 RUN = f'sleep {APP_LIFE_S}; echo "EXIT_AT $EPOCHREALTIME"; exit 3'
+WORKERS = 2
+JOBS = bench.pick(200, 10)
+JOB_RUN = 'echo "STARTED_AT $EPOCHREALTIME"'
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -102,6 +113,7 @@ async def run(addr: str, state_dir: str) -> dict[str, float]:
                 pass
 
         await asyncio.gather(*(terminate(i) for i in range(1, REPLICAS + 1)))
+        job_figures = await run_jobs(stub)
     left = provisioner_procs.wait_no_replicas(state_dir)
     if left:
         raise RuntimeError(f"replica processes left behind: {left}")
@@ -111,6 +123,45 @@ async def run(addr: str, state_dir: str) -> dict[str, float]:
         "launch_running_p50_ms": percentile(running_ms, 50),
         "app_exit_event_p50_ms": percentile(exit_ms, 50),
         "app_exit_event_p99_ms": percentile(exit_ms, 99),
+        **job_figures,
+    }
+
+
+async def run_jobs(stub: pb_grpc.ProvisionerServiceStub) -> dict[str, float]:
+    """Launch the workers, run the jobs on them one at a time each, tear the workers down."""
+    for w in range(1, WORKERS + 1):
+        events = [m.event async for m in stub.Launch(client.worker_request(w, "benchpool", setup="true"))]
+        if events[-1].type != resources_pb2.LAUNCH_EVENT_TYPE_SETUP_DONE:
+            raise RuntimeError(f"worker {w} did not get ready: {events[-1].message}")
+    sent: dict[str, float] = {}
+    started_event_ms: list[float] = []
+
+    async def worker_loop(w: int) -> None:
+        for n in range(w, JOBS + 1, WORKERS):
+            job_id = f"job-{n}"
+            sent[job_id] = time.time()
+            start = time.perf_counter()
+            async for message in stub.RunJob(client.job_request(job_id, f"benchpool-{w}", JOB_RUN)):
+                if message.event.type == resources_pb2.JOB_EVENT_TYPE_STARTED:
+                    started_event_ms.append((time.perf_counter() - start) * 1000)
+                elif message.event.type != resources_pb2.JOB_EVENT_TYPE_EXITED:
+                    raise RuntimeError(f"{job_id}: {message.event.message}")
+
+    await asyncio.gather(*(worker_loop(w) for w in range(1, WORKERS + 1)))
+    start_ms = []
+    for job_id, at in sent.items():
+        request = pb.StreamLogsRequest(kind=resources_pb2.LOG_KIND_JOB, job_id=job_id)
+        text = b"".join([c.data async for c in stub.StreamLogs(request)]).decode()
+        line = next(x for x in text.splitlines() if x.startswith("STARTED_AT "))
+        start_ms.append((float(line.split()[1]) - at) * 1000)
+    for w in range(1, WORKERS + 1):
+        async for _ in stub.Terminate(pb.TerminateRequest(name=f"benchpool-{w}")):
+            pass
+    return {
+        "job_start_p50_ms": percentile(start_ms, 50),
+        "job_start_p99_ms": percentile(start_ms, 99),
+        "job_started_event_p50_ms": percentile(started_event_ms, 50),
+        "job_started_event_p99_ms": percentile(started_event_ms, 99),
     }
 
 
@@ -131,6 +182,7 @@ def main() -> None:
         svc.stop()
         provisioner_procs.kill_replicas(state_dir)
     print(f"replicas: {REPLICAS}, launched every {PACE_S * 1000:.0f} ms, each app living {APP_LIFE_S} s")
+    print(f"jobs: {JOBS} on {WORKERS} workers, one at a time per worker")
     for name, value in figures.items():
         print(f"figure: {name} {value:.2f} ms")
 

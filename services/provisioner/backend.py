@@ -1,13 +1,19 @@
 """The backend interface: what a provisioner needs from whatever runs replicas.
 
-Five operations (create, delete, get, list, watch) plus start/close, and three optional
+Five operations (create, delete, get, list, watch) plus start/close, three optional
 simulation hooks (zones, zone refusal, preemption) that backends without them leave to the
-defaults here, which refuse with FAILED_PRECONDITION.
+defaults here, which refuse with FAILED_PRECONDITION, and the jobs of pool workers (run_job,
+cancel_job, get_job, watch_jobs), which a backend without them also refuses.
+
+A pool worker is created like any replica, with `ReplicaSpec.worker` set: `create()` runs its
+setup, then starts a holder instead of `run`, so the worker stays alive (and its end is noticed
+like an app's) until it is deleted. Jobs run in the worker's working directory and environment.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import builtins
 import dataclasses
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +54,21 @@ class LaunchError(Exception):
 
 class TeardownError(Exception):
     """A teardown attempt failed; it may be retried."""
+
+
+class JobStartError(Exception):
+    """A job could not be started on its worker.
+
+    Attributes:
+        message: why, fit for users (no secrets).
+        cause: whose fault it was: the infrastructure's (the worker is gone, a process could not
+            be started, the API failed) unless the job itself cannot run as given.
+    """
+
+    def __init__(self, message: str, *, cause: model.FailureCause = model.FailureCause.INFRASTRUCTURE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +137,65 @@ class BackendEvent:
     time: float = 0.0
     message: str = ""
     cause: model.FailureCause = model.FailureCause.UNSPECIFIED
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStart:
+    """One job to start on a pool worker.
+
+    Attributes:
+        job: the job request (id, worker, command, extra envs).
+        token: identifies this job's incarnation; the backend keys its state by it, so a job id
+            used again after its job was forgotten is a new job.
+        worker: the worker's launch request (its spec's envs, secrets, ...).
+        worker_token: the worker's backend token (its incarnation).
+        log: file the job's output is appended to.
+    """
+
+    job: model.JobRequest
+    token: str
+    worker: model.LaunchRequest
+    worker_token: str
+    log: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendJob:
+    """What a backend knows of one job it started.
+
+    Attributes:
+        token: the job incarnation (`JobStart.token`).
+        worker: the worker's name.
+        running: its process runs.
+        exit_code: once ended: its exit code, or None when its processes were killed without
+            one (cancelled, or the worker died).
+        start_time: when its process started (wall clock).
+    """
+
+    token: str
+    worker: str
+    running: bool
+    exit_code: int | None = None
+    start_time: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnded:
+    """A job's processes ended: with `exit_code`, or None when they were killed without one;
+    `worker_gone` when the backend knows they died with their worker."""
+
+    token: str
+    worker: str
+    exit_code: int | None
+    time: float = 0.0
+    message: str = ""
+    worker_gone: bool = False
+
+
+def job_environment(job_id: str) -> dict[str, str]:
+    """The variables that name a job to its command: SkyPilot's (its task id, and the older job id
+    name) and ours."""
+    return {"SKYPILOT_TASK_ID": job_id, "SKYPILOT_JOB_ID": job_id, "REPLICAPLANE_JOB_ID": job_id}
 
 
 class Backend(abc.ABC):
@@ -187,3 +267,30 @@ class Backend(abc.ABC):
     async def preempt(self, name: str) -> None:
         """Kill replica `name` abruptly, as a spot preemption does; no exit event follows."""
         raise errors.FailedPreconditionError(f"backend {self.name} does not simulate preemption", subject=name)
+
+    # ---- jobs on pool workers ---------------------------------------------------------------
+
+    async def run_job(self, start: JobStart) -> BackendJob:
+        """Start a job's process on its worker and return once it runs.
+
+        Idempotent by `start.token`: a job that was started already is described, never started
+        again (so a retry after a lost answer, or a restart, cannot run it twice).
+
+        Raises:
+            JobStartError: it could not be started (the worker is gone, a process failed to start).
+        """
+        raise errors.FailedPreconditionError(f"backend {self.name} does not run jobs", subject=start.job.replica)
+
+    async def cancel_job(self, token: str, *, grace_s: float) -> None:  # noqa: B027 - optional hook
+        """Stop job `token`'s processes: SIGTERM-like, `grace_s`, then kill. Its end is still
+        reported on watch_jobs(). A job that is gone counts as stopped."""
+
+    def get_job(self, token: str) -> BackendJob | None:
+        """Job `token`, or None when this backend never started it (or forgot it)."""
+        return None
+
+    async def watch_jobs(self) -> AsyncIterator[JobEnded]:
+        """Job ends, as they happen (and, after start(), the ends of jobs that ended while the
+        provisioner was down). One consumer."""
+        await asyncio.Event().wait()  # a backend without jobs reports none
+        yield JobEnded("", "", None)  # pragma: no cover - never reached

@@ -44,6 +44,7 @@ class Local(enum.Enum):
     DELETED_DURING_LAUNCH = "the replica was deleted while its launch ran"
     VANISHED = "the process group ended without an exit code"
     PREEMPTED = "the replica was preempted"
+    WORKER_EXITED = "a pool worker's holder process exited: something outside ended it"
 
 
 # Errors reading the user's files: their files are at fault. Anything else while copying
@@ -71,6 +72,7 @@ _LOCAL = {
     Local.DELETED_DURING_LAUNCH: INFRASTRUCTURE,
     Local.VANISHED: INFRASTRUCTURE,
     Local.PREEMPTED: INFRASTRUCTURE,
+    Local.WORKER_EXITED: INFRASTRUCTURE,
 }
 
 
@@ -105,6 +107,7 @@ class Kube(enum.Enum):
     START_TIMEOUT = "the Pod did not start in time"
     DELETED = "the Pod was deleted by someone else"
     DISRUPTED = "the Pod was evicted or preempted"
+    WORKER_EXITED = "a pool worker's container exited: something outside ended its holder"
 
 
 # Statuses that mean the request itself was wrong: the API server refused the object the spec
@@ -141,6 +144,7 @@ _KUBE = {
     Kube.START_TIMEOUT: INFRASTRUCTURE,
     Kube.DELETED: INFRASTRUCTURE,
     Kube.DISRUPTED: INFRASTRUCTURE,
+    Kube.WORKER_EXITED: INFRASTRUCTURE,
 }
 
 

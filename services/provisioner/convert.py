@@ -46,6 +46,8 @@ def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
     res = spec.resources
     ports = tuple(res.ports)
     serving = spec.service.port or (ports[0] if ports else 0)
+    if spec.kind == spec_pb2.FLEET_KIND_POOL:
+        ports, serving = (), 0  # a worker serves nothing
     recorded = _recorded(res)
     kind = "any_of" if res.any_of else "ordered" if res.ordered else ""
     # Entries were merged with the top level when the spec was parsed: each is whole.
@@ -66,6 +68,7 @@ def replica_spec(spec: spec_pb2.ServiceSpec) -> model.ReplicaSpec:
         resources=recorded,
         alternatives=entries,
         alternatives_kind=kind,
+        worker=spec.kind == spec_pb2.FLEET_KIND_POOL,
     )
 
 
@@ -128,6 +131,8 @@ def replica(r: model.Replica) -> resources_pb2.ProvisionedReplica:
         owner=r.owner,
         accelerator=r.accelerator,
         resources_path=r.resources_path,
+        worker=r.worker,
+        job_id=r.job_id,
     )
 
 
@@ -196,4 +201,42 @@ def zone(z: model.Zone, now: float) -> resources_pb2.Zone:
 
 def log_kind(kind: int) -> model.LogKind:
     """The log a StreamLogs request names; unspecified means the app output."""
-    return model.LogKind.LAUNCH if kind == resources_pb2.LOG_KIND_LAUNCH else model.LogKind.APP
+    if kind == resources_pb2.LOG_KIND_LAUNCH:
+        return model.LogKind.LAUNCH
+    return model.LogKind.JOB if kind == resources_pb2.LOG_KIND_JOB else model.LogKind.APP
+
+
+def job_request(req: service_pb2.RunJobRequest) -> model.JobRequest:
+    """The domain job request."""
+    return model.JobRequest(job_id=req.job_id, replica=req.replica, run=req.run, envs=dict(req.envs))
+
+
+def job(j: model.Job) -> resources_pb2.ProvisionedJob:
+    """The proto of a job."""
+    return resources_pb2.ProvisionedJob(
+        job_id=j.job_id,
+        replica=j.replica,
+        service=j.service,
+        state=resources_pb2.JobState.Value(f"JOB_STATE_{j.state.value}"),
+        exit_code=j.exit_code,
+        failure_reason=j.failure_reason,
+        cause=failure_cause(j.cause),
+        create_time=timestamp(j.create_time),
+        start_time=timestamp(j.start_time),
+        end_time=timestamp(j.end_time),
+    )
+
+
+def job_event(e: model.JobEvent) -> service_pb2.RunJobResponse:
+    """The response carrying a job event."""
+    return service_pb2.RunJobResponse(
+        event=resources_pb2.JobEvent(
+            sequence=e.sequence,
+            time=timestamp(e.time),
+            type=resources_pb2.JobEventType.Value(f"JOB_EVENT_TYPE_{e.type.value}"),
+            job=job(e.job),
+            message=e.message,
+            exit_code=e.exit_code,
+            cause=failure_cause(e.cause),
+        )
+    )

@@ -49,7 +49,7 @@ from typing import Any
 import tenacity
 from tenacity import wait as tenacity_wait
 
-from services.provisioner import alternatives, backend, causes, kube_objects, model, retries
+from services.provisioner import alternatives, backend, causes, kube_jobs, kube_objects, model, retries
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ class _Api:
         self._opts = opts
         self._client: Any = None
         self._core: Any = None
+        self._ws_client: Any = None
+        self._ws_core: Any = None
         self._errors: tuple[type[BaseException], ...] = ()
         self.on_error: Callable[[int], None] = lambda status: None
         """Called with the status of each failed try (0: no answer), for the metrics."""
@@ -226,6 +228,10 @@ class _Api:
             raise ApiError(0, f"cannot load {where}: {exc}") from None
         self._client = client.ApiClient(cfg)
         self._core = client.CoreV1Api(self._client)
+        from kubernetes.aio.stream import WsApiClient
+
+        self._ws_client = WsApiClient(cfg)  # pods/exec, for the jobs of pool workers
+        self._ws_core = client.CoreV1Api(self._ws_client)
         import aiohttp
 
         self._errors = (aiohttp.ClientError, OSError, TimeoutError, client.exceptions.ApiException)
@@ -233,6 +239,50 @@ class _Api:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
+        if self._ws_client is not None:
+            await self._ws_client.close()
+
+    async def exec(self, namespace: str, pod: str, command: builtins.list[str]) -> AsyncIterator[tuple[int, bytes]]:
+        """Run `command` in the Pod's replica container (pods/exec over a websocket) and yield
+        (channel, data) frames: 1 stdout, 2 stderr, 3 the final status.
+
+        Not retried here: a job's session decides what a failure means (kube_jobs.py).
+
+        Raises:
+            kube_jobs.ExecError: the session could not be opened (`opened` False) or broke.
+        """
+        import aiohttp
+
+        try:
+            ctx = await self._ws_core.connect_get_namespaced_pod_exec_without_preload_content(
+                pod,
+                namespace,
+                command=command,
+                container=kube_objects.CONTAINER,
+                stdout=True,
+                stderr=True,
+                stdin=False,
+                tty=False,
+            )
+            ws = await ctx.__aenter__()
+        except aiohttp.WSServerHandshakeError as exc:
+            self.on_error(exc.status)
+            raise kube_jobs.ExecError(f"exec refused ({exc.status} {exc.message})", opened=False) from None
+        except self._errors as exc:
+            self.on_error(int(getattr(exc, "status", 0) or 0))
+            raise kube_jobs.ExecError(f"exec failed: {type(exc).__name__}: {exc}", opened=False) from None
+        try:
+            async for message in ws:
+                if message.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    frame = kube_jobs.frames(message)
+                    if frame is not None:
+                        yield frame
+                elif message.type == aiohttp.WSMsgType.ERROR:
+                    raise kube_jobs.ExecError(f"exec stream broke: {ws.exception()}", opened=True)
+        except self._errors as exc:
+            raise kube_jobs.ExecError(f"exec stream broke: {type(exc).__name__}", opened=True) from None
+        finally:
+            await ctx.__aexit__(None, None, None)
 
     async def _call(self, method: str, *args: Any, retry: bool = True, **kwargs: Any) -> dict[str, Any]:
         """Call `method` and return the answer's JSON as a dict; transient failures are tried
@@ -473,6 +523,7 @@ class _Tracked:
     splits_setup: bool = False
     log_task: asyncio.Task[None] | None = None
     service: dict[str, Any] | None = None
+    worker: bool = False
 
     def touch(self) -> None:
         """Wake whoever waits for a change."""
@@ -514,6 +565,11 @@ class KubernetesBackend(backend.Backend):
         self._deleted: collections.deque[str] = collections.deque(maxlen=10_000)
         # Placement key -> when a Pod of that shape last found no capacity (any_of tries it last).
         self._found_full: dict[str, float] = {}
+        self._jobs = kube_jobs.KubeJobs(
+            lambda pod, command: self._api.exec(self._ns, pod, command),
+            worker_alive=self._worker_alive,
+            clock=clock,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -579,6 +635,7 @@ class KubernetesBackend(backend.Backend):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._jobs.close()
         await self._api.close()
 
     # ---- backend interface -----------------------------------------------------------------
@@ -685,6 +742,7 @@ class KubernetesBackend(backend.Backend):
             accelerator=alternative.accelerator,
             resources_path=alternative.path,
             splits_setup=bool(launch.spec.setup.strip()),
+            worker=launch.spec.worker,
         )
         self._tracked[launch.name] = tracked
         for note in notes:
@@ -700,7 +758,7 @@ class KubernetesBackend(backend.Backend):
             owner = kube_objects.owner_reference(created)
             if launch.spec.secrets and owner:
                 await self._own("secret", obj, owner, request.launch_log)
-            if self._cfg.service_type:
+            if self._cfg.service_type and not launch.spec.worker:  # a worker serves nothing
                 service = kube_objects.service_manifest(launch, self._cfg, token=token, owner=owner)
                 tracked.service = await self._create("service", service, token)
             result = await self._await_start(tracked, request.launch_log, image, schedule_timeout_s)
@@ -790,7 +848,7 @@ class KubernetesBackend(backend.Backend):
                 return self._describe(tracked)
             if st.running and st.started:
                 say("running", f"app started in Pod {tracked.obj} on node {st.node or '?'}")
-                if self._opts.endpoint == "load_balancer":
+                if self._opts.endpoint == "load_balancer" and not tracked.worker:
                     await self._await_load_balancer(tracked, say)
                 return self._describe(tracked)
             if st.running:
@@ -916,6 +974,7 @@ class KubernetesBackend(backend.Backend):
             self._deleted.append(tracked.token)
             if self._tracked.get(name) is tracked:
                 del self._tracked[name]
+            self._jobs.forget_worker(name)
 
     async def _delete_objects(self, obj: str, *, grace_s: float) -> str:
         """Delete our Pod, Service and Secret named `obj`; returns the deleted Pod's uid ("" if none).
@@ -972,6 +1031,35 @@ class KubernetesBackend(backend.Backend):
     def report_api_errors(self, hook: Callable[[int], None]) -> None:
         """Call `hook(status)` for each failed try of an API call (0: no answer)."""
         self._api.on_error = hook
+
+    # ---- jobs on pool workers (kube_jobs.py) -------------------------------------------------
+
+    async def run_job(self, start: backend.JobStart) -> backend.BackendJob:
+        """Exec the job into its worker's Pod (or attach to it there); see kube_jobs.py."""
+        tracked = self._tracked.get(start.job.replica)
+        if tracked is None or tracked.token != start.worker_token or not self._worker_alive(tracked.name):
+            raise backend.JobStartError(f"worker {start.job.replica} is not running")
+        return await self._jobs.run(start, tracked.obj)
+
+    async def cancel_job(self, token: str, *, grace_s: float) -> None:
+        """SIGTERM the job's process group in its Pod, SIGKILL after `grace_s`."""
+        await self._jobs.cancel(token, grace_s=grace_s)
+
+    def get_job(self, token: str) -> backend.BackendJob | None:
+        """Job `token`, if this backend ran it since it started."""
+        return self._jobs.get(token)
+
+    async def watch_jobs(self) -> AsyncIterator[backend.JobEnded]:
+        """Job ends, as their exec sessions report them (or their Pods' ends imply)."""
+        async for ended in self._jobs.ended():
+            yield ended
+
+    def _worker_alive(self, name: str) -> bool:
+        tracked = self._tracked.get(name)
+        if tracked is None or tracked.gone or tracked.reported:
+            return False
+        st = tracked.status
+        return st.running and not st.deleting and not st.disruption
 
     # ---- the watch -------------------------------------------------------------------------
 
@@ -1072,6 +1160,7 @@ class KubernetesBackend(backend.Backend):
             and any(kube_objects.SETUP_FINISHED_LINE in str(arg) for arg in container.get("command") or []),
             accelerator=annotations.get(kube_objects.ANNOTATION_ACCELERATOR, ""),
             resources_path=annotations.get(kube_objects.ANNOTATION_RESOURCES, ""),
+            worker=annotations.get(kube_objects.ANNOTATION_WORKER) == "true",
         )
         if self._log_path is not None:
             tracked.app_log = self._log_path(name, model.LogKind.APP)
@@ -1092,6 +1181,10 @@ class KubernetesBackend(backend.Backend):
             message = f"Pod {tracked.obj} was {how}"
             code = 0
             cause = causes.kubernetes(causes.Kube.DISRUPTED if st.disruption else causes.Kube.DELETED)
+        elif st.finished and tracked.worker:
+            state, code = model.AppState.EXITED, st.exit_code or 0
+            message = f"the worker's container exited with code {code}"
+            cause = causes.kubernetes(causes.Kube.WORKER_EXITED)
         elif st.finished:
             state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_objects.exit_message(st)
             cause = causes.kubernetes(causes.Kube.APP_EXITED)
@@ -1202,6 +1295,8 @@ class KubernetesBackend(backend.Backend):
     # ---- helpers ---------------------------------------------------------------------------
 
     def _endpoint(self, tracked: _Tracked) -> str:
+        if tracked.worker:
+            return ""  # a pool worker serves nothing
         port = tracked.port
         if self._opts.endpoint == "service":
             host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"

@@ -11,6 +11,10 @@ small `sh` wrapper: `setup`, then a marker file, then `exec` of `run`. A startup
 waits for the marker makes the container `started` exactly when setup has finished, which is
 when a launch counts as RUNNING (as with the local backend). A failed setup writes its exit
 code to the termination message, so it is told apart from an app exit.
+
+A pool worker's Pod opens no port and its container runs a holder after setup instead of `run`
+(a shell that sleeps until SIGTERM), so the Pod lives until teardown and its end is reported as
+an app's. Jobs are exec'd into it (kube_jobs.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ ANNOTATION_OWNER = "replicaplane.dev/owner"
 # accelerator (`H100:1`): read back when a restarted provisioner adopts the Pod.
 ANNOTATION_RESOURCES = "replicaplane.dev/resources"
 ANNOTATION_ACCELERATOR = "replicaplane.dev/accelerator"
+ANNOTATION_WORKER = "replicaplane.dev/worker"
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 CONTAINER = "replica"
@@ -53,6 +58,10 @@ SETUP_FAILED_PREFIX = "setup exited with code"
 # Printed between setup's output and the app's: the Pod log has both, the provisioner keeps
 # them apart (the launch log and the app log), as the local backend does.
 SETUP_FINISHED_LINE = "[replicaplane] setup finished; starting run"
+# A pool worker's command after setup: it sleeps until it is killed; SIGTERM ends it at once.
+HOLDER = "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
+JOBS_DIR_ENV = "REPLICAPLANE_JOBS_DIR"
+JOBS_DIR_PATH = "/tmp/.replicaplane-jobs"
 
 # $1 is setup, $2 is run. bash when the image has it (SkyPilot runs both with bash), else sh.
 WRAPPER = (
@@ -249,7 +258,9 @@ def image_of(res: dict[str, str], default: str) -> str:
 
 
 def serving_port(spec: model.ReplicaSpec) -> int:
-    """The port the app serves on inside its Pod."""
+    """The port the app serves on inside its Pod; 0 for a pool worker, which serves none."""
+    if spec.worker:
+        return 0
     return spec.serving_port or (spec.ports[0] if spec.ports else DEFAULT_PORT)
 
 
@@ -338,11 +349,14 @@ def replica_labels(launch: model.LaunchRequest, cfg: PodConfig, obj: str) -> dic
 
 
 def environment(launch: model.LaunchRequest, port: int, *, has_secret: bool) -> list[dict[str, Any]]:
-    """The container's env list: the spec's envs, then PORT, HOST and the replica ids."""
+    """The container's env list: the spec's envs, then PORT (not for a worker), HOST and the replica ids."""
     env = dict(launch.spec.envs)
+    if port:
+        env["PORT"] = str(port)
+    if launch.spec.worker:
+        env[JOBS_DIR_ENV] = JOBS_DIR_PATH
     env.update(
         {
-            "PORT": str(port),
             "HOST": "0.0.0.0",
             "REPLICA_ID": str(launch.replica_id),
             "SKYPILOT_SERVE_REPLICA_ID": str(launch.replica_id),
@@ -438,7 +452,7 @@ def pod_manifest(
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image_of(alternative.resources, cfg.default_image),
-        "command": ["/bin/sh", "-c", WRAPPER, "replicaplane-run", spec.setup, spec.run],
+        "command": ["/bin/sh", "-c", WRAPPER, "replicaplane-run", spec.setup, HOLDER if spec.worker else spec.run],
         "env": env,
         "ports": [
             {"containerPort": p, "protocol": "TCP", **({"name": "serve"} if p == port else {})}
@@ -477,6 +491,7 @@ def pod_manifest(
                 ANNOTATION_OWNER: launch.owner,
                 ANNOTATION_RESOURCES: alternative.path,
                 ANNOTATION_ACCELERATOR: alternative.accelerator,
+                **({ANNOTATION_WORKER: "true"} if spec.worker else {}),
             },
         },
         "spec": pod_spec,

@@ -1,7 +1,9 @@
-"""Replica logs on disk: the launch log (provisioner steps and setup output) and the app log.
+"""Replica logs on disk: the launch log (provisioner steps and setup output), the app log, and
+the output of each job a pool worker ran.
 
-Logs live under `<state_dir>/logs/<name>/`, apart from the replica's working files, so they
-outlive its teardown when asked to (failed replicas).
+Logs live under `<state_dir>/logs/<name>/` (a worker's jobs under its `jobs/`), apart from the
+replica's working files, so they outlive its teardown when asked to (failed replicas), and go
+with the replica's logs.
 """
 
 from __future__ import annotations
@@ -33,8 +35,30 @@ class LogStore:
         return os.path.join(self._root, name)
 
     def path(self, name: str, kind: model.LogKind) -> str:
-        """The file of log `kind` of replica `name`."""
+        """The file of log `kind` (LAUNCH or APP) of replica `name`."""
         return os.path.join(self._dir(name), f"{kind.value}.log")
+
+    def job_path(self, name: str, job_id: str) -> str:
+        """The file of the output of job `job_id` run on worker `name`."""
+        # Job ids are checked like replica names; the same guard applies.
+        self._dir(job_id)
+        return os.path.join(self._dir(name), "jobs", f"{job_id}.log")
+
+    def prepare_job(self, name: str, job_id: str) -> str:
+        """Create the job log's directory and the (empty) log; returns its path."""
+        path = self.job_path(name, job_id)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with open(path, "ab"):
+            pass
+        return path
+
+    def delete_job(self, name: str, job_id: str) -> bool:
+        """Remove the log of job `job_id` of worker `name`; True if there was one."""
+        try:
+            os.unlink(self.job_path(name, job_id))
+        except FileNotFoundError:
+            return False
+        return True
 
     def prepare(self, name: str) -> None:
         """Create the log directory of replica `name`."""
@@ -65,8 +89,13 @@ class LogStore:
         Following checks for new output every 100 ms and ends once `live()` turns false and
         everything written was sent (or when the file is removed).
         """
+        async for chunk in self.stream_file(self.path(name, kind), live=live):
+            yield chunk
+
+    async def stream_file(self, path: str, *, live: Callable[[], bool] | None = None) -> AsyncIterator[bytes]:
+        """Yield a log file's bytes, following it while `live()` is true (see stream())."""
         try:
-            fh = open(self.path(name, kind), "rb")  # noqa: SIM115, ASYNC230 - local file, closed below
+            fh = open(path, "rb")  # noqa: SIM115, ASYNC230 - local file, closed below
         except FileNotFoundError:
             return
         try:

@@ -46,9 +46,13 @@ class LaunchEventType(enum.Enum):
     RUNNING = "RUNNING"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    # A pool worker's setup exited 0: it is ready for jobs (a worker's launch ends with it).
+    SETUP_DONE = "SETUP_DONE"
 
 
-LAUNCH_TERMINAL = frozenset({LaunchEventType.RUNNING, LaunchEventType.FAILED, LaunchEventType.CANCELLED})
+LAUNCH_TERMINAL = frozenset(
+    {LaunchEventType.RUNNING, LaunchEventType.FAILED, LaunchEventType.CANCELLED, LaunchEventType.SETUP_DONE}
+)
 
 
 class TerminateEventType(enum.Enum):
@@ -78,10 +82,37 @@ class ReplicaEventType(enum.Enum):
 
 
 class LogKind(enum.Enum):
-    """Which log of a replica."""
+    """Which log: a replica's launch log or app output, or a job's output."""
 
     LAUNCH = "launch"
     APP = "app"
+    JOB = "job"
+
+
+REPLICA_LOGS = (LogKind.LAUNCH, LogKind.APP)
+"""The logs every replica has (a worker's jobs have one each besides)."""
+
+
+class JobState(enum.Enum):
+    """Where a job stands (mirrors provisioner.v1.JobState)."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+JOB_ENDED = frozenset({JobState.EXITED, JobState.FAILED, JobState.CANCELLED})
+
+
+class JobEventType(enum.Enum):
+    """What a job step was (mirrors provisioner.v1.JobEventType)."""
+
+    STARTED = "STARTED"
+    EXITED = "EXITED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +135,7 @@ class ReplicaSpec:
         alternatives: the `any_of` or `ordered` entries, in the spec's order, each in the form
             of `resources` (with the top-level fields it did not set); empty without them.
         alternatives_kind: "any_of" or "ordered" ("" without alternatives).
+        worker: a pool worker: `run` is not run; after setup a holder keeps it alive for jobs.
     """
 
     setup: str = ""
@@ -119,6 +151,7 @@ class ReplicaSpec:
     resources: dict[str, str] = dataclasses.field(default_factory=dict)
     alternatives: tuple[dict[str, str], ...] = ()
     alternatives_kind: str = ""
+    worker: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -187,6 +220,9 @@ class Replica:
     # What it runs on, when the backend says: NAME:COUNT, and the spec's resources path.
     accelerator: str = ""
     resources_path: str = ""
+    # A pool worker, and the job starting or running on it ("" when free).
+    worker: bool = False
+    job_id: str = ""
 
     def copy(self) -> Replica:
         """A snapshot that later changes do not affect."""
@@ -293,6 +329,100 @@ class ReplicaEvent:
     message: str = ""
     # For APP_EXITED, VANISHED and PREEMPTED: whose fault the change was.
     cause: FailureCause = FailureCause.UNSPECIFIED
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRequest:
+    """A request to run job `job_id` on pool worker `replica`."""
+
+    job_id: str
+    replica: str
+    run: str
+    envs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRequest:
+        """The inverse of to_dict()."""
+        return cls(**data)
+
+
+@dataclasses.dataclass
+class Job:
+    """What the provisioner knows of one job (mirrors provisioner.v1.ProvisionedJob)."""
+
+    job_id: str
+    replica: str
+    service: str
+    state: JobState = JobState.STARTING
+    exit_code: int = 0
+    failure_reason: str = ""
+    cause: FailureCause = FailureCause.UNSPECIFIED
+    create_time: float = 0.0
+    start_time: float = 0.0
+    end_time: float = 0.0
+
+    @property
+    def ended(self) -> bool:
+        """Whether the job will never run again."""
+        return self.state in JOB_ENDED
+
+    def copy(self) -> Job:
+        """A snapshot that later changes do not affect."""
+        return dataclasses.replace(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["state"] = self.state.value
+        data["cause"] = self.cause.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Job:
+        """The inverse of to_dict()."""
+        return cls(**{**data, "state": JobState(data["state"]), "cause": FailureCause(data["cause"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEvent:
+    """One step of a job; `job` is the job after the step."""
+
+    sequence: int
+    time: float
+    type: JobEventType
+    job: Job
+    message: str = ""
+    exit_code: int = 0
+    cause: FailureCause = FailureCause.UNSPECIFIED
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job's stream ends after this event."""
+        return self.type != JobEventType.STARTED
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["type"] = self.type.value
+        data["job"] = self.job.to_dict()
+        data["cause"] = self.cause.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobEvent:
+        """The inverse of to_dict()."""
+        return cls(
+            **{
+                **data,
+                "type": JobEventType(data["type"]),
+                "job": Job.from_dict(data["job"]),
+                "cause": FailureCause(data["cause"]),
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)

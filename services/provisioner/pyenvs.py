@@ -150,6 +150,10 @@ class PythonEnvs:
         async with env.turn:
             yield
 
+    def activate(self, key: str, base: dict[str, str]) -> dict[str, str]:
+        """`base` with venv `key` active (a worker's jobs run in its setup's venv)."""
+        return self.environment(self._envs.get(key) or Env(key, os.path.join(self._root, key)), base)
+
     @staticmethod
     def environment(env: Env, base: dict[str, str]) -> dict[str, str]:
         """`base` with the venv active, as `source bin/activate` would make it."""

@@ -68,7 +68,10 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def StreamLogs(
         self, request: pb.StreamLogsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamLogsResponse]:
-        async for chunk in self._p.stream_logs(request.name, convert.log_kind(request.kind), follow=request.follow):
+        chunks = self._p.stream_logs(
+            request.name, convert.log_kind(request.kind), follow=request.follow, job_id=request.job_id
+        )
+        async for chunk in chunks:
             yield pb.StreamLogsResponse(data=chunk)
 
     async def PreemptReplica(
@@ -100,4 +103,21 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def DeleteLogs(
         self, request: pb.DeleteLogsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteLogsResponse:
-        return pb.DeleteLogsResponse(deleted=self._p.delete_logs(request.name))
+        return pb.DeleteLogsResponse(deleted=self._p.delete_logs(request.name, job_id=request.job_id))
+
+    async def RunJob(
+        self, request: pb.RunJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RunJobResponse]:
+        events = self._p.run_job(
+            convert.job_request(request), after_sequence=request.after_sequence, attach_only=request.attach_only
+        )
+        async for event in events:
+            yield convert.job_event(event)
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        grace = convert.seconds(request.grace) if request.HasField("grace") else None
+        cancelled, job = await self._p.cancel_job(request.job_id, grace_s=grace)
+        return pb.CancelJobResponse(cancelled=cancelled, job=convert.job(job))
+
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
+        return pb.GetJobResponse(job=convert.job(self._p.get_job(request.job_id)))

@@ -1,4 +1,5 @@
-"""Durable provisioner records: one JSON file per replica under `<state_dir>/replicas/`.
+"""Durable provisioner records: one JSON file per replica under `<state_dir>/replicas/` (and one
+per job of a pool worker under `<state_dir>/jobs/`).
 
 A record holds what a restarted provisioner needs to re-attach to a replica: the launch
 request, the replica's last known state, its backend token and its launch and teardown event
@@ -18,11 +19,16 @@ log = logging.getLogger(__name__)
 
 
 class RecordStore:
-    """Replica records as JSON files."""
+    """Records as JSON files: replicas by default, or another `kind` (the jobs of pool workers)."""
 
-    def __init__(self, state_dir: str) -> None:
-        self._root = os.path.join(os.path.abspath(os.path.expanduser(state_dir)), "replicas")
+    def __init__(self, state_dir: str, kind: str = "replicas") -> None:
+        self._state_dir = os.path.abspath(os.path.expanduser(state_dir))
+        self._root = os.path.join(self._state_dir, kind)
         os.makedirs(self._root, mode=0o700, exist_ok=True)
+
+    def sibling(self, kind: str) -> RecordStore:
+        """A store of another kind of record in the same state dir."""
+        return RecordStore(self._state_dir, kind)
 
     def _path(self, name: str) -> str:
         return os.path.join(self._root, f"{name}.json")

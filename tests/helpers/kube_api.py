@@ -24,6 +24,11 @@ real server's protocol where a client can get it wrong:
 - `pods/{name}/log` serves a container's output as the kubelet keeps it (`LogSource`, set by
   the fake kubelet): 400 while the container has not started, `timestamps`, `sinceSeconds`,
   `tailLines`, and `follow`, which streams until the container's output ends. Gone with the Pod.
+- `pods/{name}/exec` (GET with a websocket upgrade, subprotocol `v4.channel.k8s.io`, as the
+  official client opens it) runs `command` in the Pod's container through the kubelet's
+  `exec_source`: stdout and stderr come as channel 1 and 2 frames and the end as a channel 3
+  Status (`Success`, or `NonZeroExitCode` with the code). 400 when the container is not running.
+  A client that goes away closes the session's pipes, and the process runs on (as with a CRI).
 - Services of type NodePort and LoadBalancer get a `nodePort` per port; a LoadBalancer's
   `status.loadBalancer.ingress` gets `load_balancer_ip` after `load_balancer_delay_s`.
 - PATCH takes JSON merge patches. The `status` subresource changes only `status`; the object
@@ -61,7 +66,7 @@ import os
 import re
 import secrets
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -308,6 +313,8 @@ class KubeApi:
         self.url = ""
         # Where a Pod's container log is read (the kubelet's side); None: no logs anywhere.
         self.log_source: Callable[[str, str], LogSource | None] | None = None
+        # Starts a command in a Pod's running container (the kubelet's side); None: no exec.
+        self.exec_source: Callable[[str, str, list[str]], Awaitable[asyncio.subprocess.Process | None]] | None = None
         self.log_poll_s = 0.05
         # NodePort and LoadBalancer Services: node ports from 30000, the ingress address a
         # cloud's controller would publish after a while.
@@ -467,11 +474,15 @@ class KubeApi:
                 raise StatusError(400, "the request body is not JSON") from None
         if sub == "log" and resource == "pods" and method == "GET":
             verb = "log"
+        if sub == "exec" and resource == "pods" and method in ("GET", "POST"):
+            verb = "exec"
         fault = self._fault(verb, resource, name or str((body or {}).get("metadata", {}).get("name", "")), request)
         if fault is not None and not fault.after_commit:
             raise self._fault_error(fault, resource, name)
         if verb == "log":
             return await self._pod_log(request, namespace, name, query)
+        if verb == "exec":
+            return await self._exec(request, namespace, name)
         if verb == "watch":
             return await self._watch(request, resource, namespace, query)
         result, status = self._apply(verb, resource, namespace, name, sub, query, body, request.content_type)
@@ -599,6 +610,57 @@ class KubeApi:
                 await response.write(rest)
         await response.write_eof()
         return response
+
+    async def _exec(self, request: web.Request, namespace: str, name: str) -> web.StreamResponse:
+        command = request.query.getall("command", [])
+        if ("pods", namespace, name) not in self.objects:
+            raise _not_found("pods", name)
+        if not command:
+            raise StatusError(400, "you must specify at least one command for the container")
+        proc = await self.exec_source(namespace, name, command) if self.exec_source else None
+        if proc is None:
+            raise StatusError(400, f'container not found ("{name}"): the container is not running')
+        ws = web.WebSocketResponse(protocols=("v4.channel.k8s.io",))
+        await ws.prepare(request)
+
+        async def pump(stream: asyncio.StreamReader | None, channel: int) -> None:
+            while stream is not None and (chunk := await stream.read(65536)):
+                await ws.send_bytes(bytes([channel]) + chunk)
+
+        async def client_gone() -> None:
+            async for _ in ws:  # nothing comes (stdin is off) until the client closes
+                pass
+
+        pumps = asyncio.gather(pump(proc.stdout, 1), pump(proc.stderr, 2))
+        watcher = asyncio.ensure_future(client_gone())
+        try:
+            done, _ = await asyncio.wait({pumps, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if pumps in done:
+                code = await proc.wait()
+                if code == 0:
+                    status: dict[str, Any] = {"metadata": {}, "status": "Success"}
+                else:
+                    status = {
+                        "metadata": {},
+                        "status": "Failure",
+                        "message": f"command terminated with non-zero exit code: {code}",
+                        "reason": "NonZeroExitCode",
+                        "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]},
+                    }
+                await ws.send_bytes(b"\x03" + json.dumps(status).encode())
+                await ws.close()
+        except (ConnectionError, RuntimeError):
+            pass  # the client went away
+        finally:
+            watcher.cancel()
+            pumps.cancel()
+            # As a CRI does when the client is gone: the session's pipes close, its process runs on.
+            transport = getattr(proc, "_transport", None)
+            for fd in (1, 2):
+                pipe = transport.get_pipe_transport(fd) if transport is not None else None
+                if pipe is not None:
+                    pipe.close()
+        return ws
 
     def _list(self, resource: str, namespace: str, query: dict[str, str]) -> dict[str, Any]:
         if query.get("fieldSelector"):

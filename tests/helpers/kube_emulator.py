@@ -29,6 +29,10 @@ namespace, through the same API as any client (its requests are never faulted):
 - A Pod being deleted gets SIGTERM, SIGKILL after its deletionGracePeriodSeconds, and once
   the process is gone the kubelet deletes it with grace 0, so "the Pod object is gone"
   implies "the app is dead", as on a real node.
+- `exec` (the API's pods/exec) runs a command in a running container: a process with the
+  container's env, in its directory. Every process of a Pod (its command, what is exec'd, what
+  they start in groups of their own) carries a marker in its environment, and all of them die
+  with the container, as in a real one's PID namespace.
 
 Chaos hooks model what others do to Pods: `delete_pod` (node loss, someone's kubectl),
 `evict` (kubelet eviction: Failed/Evicted with a DisruptionTarget condition), `hold` and
@@ -61,12 +65,15 @@ import aiohttp
 from kubernetes.aio import client as kc
 
 from services.provisioner import ports as port_rules
+from services.provisioner import procs
 from tests.helpers import kube_api
 
 T = TypeVar("T")
 
 PORT_ANNOTATION = "fake-kubelet.test/port"
 LOG_FILE = "container.log"
+POD_MARKER = "FAKE_KUBELET_POD"
+"""Environment marker on every process of a fake Pod: its directory."""
 HOLD_FINALIZER = "fake-kubelet.test/hold"
 KUBELET_AGENT = "fake-kubelet"
 NODE = "fake-node"
@@ -154,6 +161,11 @@ def _pump(stream: Any, path: str) -> None:
             out.flush()
 
 
+def _kill_marked(pod_dir: str) -> None:
+    """SIGKILL every process of a fake Pod, whatever group it is in."""
+    procs.signal_pids(procs.pids_with_env(POD_MARKER, pod_dir), signal.SIGKILL)
+
+
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as fh:
         return fh.read()
@@ -170,6 +182,7 @@ class _FakePod:
     port: int = 0
     task: asyncio.Task[None] | None = None
     deleted: bool = False
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _token(pod: dict[str, Any]) -> str:
@@ -409,6 +422,7 @@ class FakeKubelet:
         if fake.deleted:
             return
         code = fake.proc.wait()
+        _kill_marked(fake.dir)  # the container's end is the end of every process in it
         code = 128 - code if code < 0 else code  # killed by signal N: 128+N, as a runtime reports it
         message = ""
         with contextlib.suppress(OSError):
@@ -488,6 +502,8 @@ class FakeKubelet:
             env[item["name"]] = port_rules.substitute(value, mapping)
         env["PORT"] = str(fake.port)
         env["HOST"] = "127.0.0.1"
+        env[POD_MARKER] = fake.dir
+        fake.env = env
         command = [
             port_rules.substitute(str(a), mapping)
             for a in (container.get("command") or []) + (container.get("args") or [])
@@ -504,6 +520,8 @@ class FakeKubelet:
 
     def _kill(self, fake: _FakePod, *, grace_s: float) -> None:
         proc = fake.proc
+        if grace_s <= 0:
+            _kill_marked(fake.dir)
         if proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -579,8 +597,34 @@ class FakeKubelet:
         )
 
     def alive(self) -> list[str]:
-        """Names of Pods whose process runs."""
-        return sorted(n for n, f in self.pods.items() if f.proc is not None and f.proc.poll() is None)
+        """Names of Pods whose process runs, and `<pod dir> (pid N)` for each process left of a
+        Pod whose container ended (none should be: they die with it)."""
+        running = {n: f for n, f in self.pods.items() if f.proc is not None and f.proc.poll() is None}
+        out = sorted(running)
+        live_dirs = {f.dir for f in running.values()}
+        root = os.path.abspath(self.workdir)
+        for pid in procs.pids_with_env(POD_MARKER):
+            where = procs.env_value(pid, POD_MARKER) or ""
+            if where.startswith(root + os.sep) and where not in live_dirs:
+                out.append(f"{os.path.basename(where)} (pid {pid})")
+        return out
+
+    async def exec_source(self, namespace: str, name: str, command: list[str]) -> asyncio.subprocess.Process | None:
+        """Start `command` in Pod `name`'s running container (the API's pods/exec); None if it does not run."""
+        fake = self.pods.get(name)
+        if namespace != self.namespace or fake is None or fake.proc is None or fake.proc.poll() is not None:
+            return None
+        if fake.deleted:
+            return None
+        return await asyncio.create_subprocess_exec(
+            *command,
+            env=fake.env,
+            cwd=fake.dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
 
 
 class Emulator:
@@ -629,6 +673,7 @@ class Emulator:
         self.url = await self.api.start()
         self.kubelet = FakeKubelet(self.url, self.namespace, os.path.join(self.workdir, "pods"), self.nodes)
         self.api.log_source = self.kubelet.log_source
+        self.api.exec_source = self.kubelet.exec_source
         kubelet = asyncio.get_running_loop().create_task(self.kubelet.run())
         self._ready.set()
         try:

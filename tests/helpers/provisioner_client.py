@@ -110,3 +110,29 @@ async def next_event(call: grpc.aio.UnaryStreamCall, type_: int, timeout: float 
                 raise AssertionError("watch stream ended")
             if message.event.type == type_:
                 return message.event
+
+
+def worker_spec(
+    setup: str = "",
+    *,
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> spec_pb2.ServiceSpec:
+    """A pool spec: a worker runs `setup`, then waits for jobs."""
+    return spec_pb2.ServiceSpec(
+        kind=spec_pb2.FLEET_KIND_POOL,
+        setup=setup,
+        envs=dict(envs or {}),
+        secrets=dict(secrets or {}),
+        service=spec_pb2.ServiceSection(pool=spec_pb2.PoolPolicy(min_workers=1, max_workers=1)),
+    )
+
+
+def worker_request(replica_id: int, service: str = "pool", *, setup: str = "", **fields: object) -> pb.LaunchRequest:
+    """A LaunchRequest for pool worker `{service}-{replica_id}`."""
+    return launch_request(replica_id, service, spec_=worker_spec(setup), **fields)
+
+
+def job_request(job_id: str, replica: str, run: str, **fields: object) -> pb.RunJobRequest:
+    """A RunJobRequest."""
+    return pb.RunJobRequest(job_id=job_id, replica=replica, run=run, **fields)  # type: ignore[arg-type]

@@ -26,6 +26,8 @@ class FakeBackend(backend.Backend):
     None for success. `gates[name]`, when set, is an asyncio.Event create() waits on first
     (to hold a launch in flight). `delete_failures[name]` counts delete() calls that fail.
     `exit_during_create[name]` makes the app exit (with that code) before create() returns.
+    Jobs: `job_gate`, when set, is an event run_job() waits on first; `job_starts` records every
+    run_job() call, `job_cancels` every cancel_job(); end_job() reports a job's end.
     """
 
     name = "fake"
@@ -41,6 +43,11 @@ class FakeBackend(backend.Backend):
         self.running: dict[str, backend.BackendReplica] = {}
         self.started = asyncio.Event()  # set whenever a create() begins
         self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
+        self.job_gate: asyncio.Event | None = None
+        self.job_starts: list[backend.JobStart] = []
+        self.job_cancels: list[tuple[str, float]] = []
+        self.jobs: dict[str, backend.BackendJob] = {}
+        self._job_events: asyncio.Queue[backend.JobEnded] = asyncio.Queue()
         self._tokens = itertools.count(1)
         self._ports = itertools.count(20000)
 
@@ -108,3 +115,33 @@ class FakeBackend(backend.Backend):
     async def preempt(self, name: str) -> None:
         """Record the preemption."""
         self.preempted.append(name)
+
+    async def run_job(self, start: backend.JobStart) -> backend.BackendJob:
+        """Record the call, wait on the gate; a token started before is only described."""
+        self.job_starts.append(start)
+        if self.job_gate is not None:
+            await self.job_gate.wait()
+        if start.token not in self.jobs:
+            self.jobs[start.token] = backend.BackendJob(start.token, start.job.replica, running=True, start_time=2.0)
+        return self.jobs[start.token]
+
+    async def cancel_job(self, token: str, *, grace_s: float) -> None:
+        """Record the cancel; a running job ends killed."""
+        self.job_cancels.append((token, grace_s))
+        if token in self.jobs and self.jobs[token].running:
+            self.end_job(token, None)
+
+    def get_job(self, token: str) -> backend.BackendJob | None:
+        """Job `token`."""
+        return self.jobs.get(token)
+
+    async def watch_jobs(self) -> AsyncIterator[backend.JobEnded]:
+        """Ends pushed with end_job()."""
+        while True:
+            yield await self._job_events.get()
+
+    def end_job(self, token: str, code: int | None, *, worker_gone: bool = False) -> None:
+        """Report that job `token` ended with `code` (None: killed)."""
+        job = self.jobs[token]
+        self.jobs[token] = dataclasses.replace(job, running=False, exit_code=code)
+        self._job_events.put_nowait(backend.JobEnded(token, job.worker, code, 3.0, "ended", worker_gone=worker_gone))

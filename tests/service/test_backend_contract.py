@@ -342,3 +342,143 @@ async def _until_log(b: Backend, name: str, text: str, timeout: float = 10.0) ->
             if text in b"".join(c.data for c in chunks).decode():
                 return
             await asyncio.sleep(0.05)
+
+
+# ---- pool workers and their jobs ------------------------------------------------------------
+
+USER = resources_pb2.FAILURE_CAUSE_USER
+INFRA = resources_pb2.FAILURE_CAUSE_INFRASTRUCTURE
+J = resources_pb2.JobEventType
+
+
+async def _worker(b: Backend, setup: str = "", **spec_fields: object) -> list:
+    spec = client.worker_spec(setup, **spec_fields)  # type: ignore[arg-type]
+    return await _launch(b, client.launch_request(1, "pool", spec_=spec))
+
+
+async def _job_log(b: Backend, job_id: str) -> str:
+    kind = resources_pb2.LOG_KIND_JOB
+    chunks = await client.collect(b.stub.StreamLogs(pb.StreamLogsRequest(kind=kind, job_id=job_id)))
+    return b"".join(c.data for c in chunks).decode()
+
+
+async def _started(call: grpc.aio.UnaryStreamCall, timeout: float = 10.0) -> resources_pb2.JobEvent:
+    """Read a RunJob stream up to its STARTED event."""
+    async with asyncio.timeout(timeout):
+        message = await call.read()
+    assert message is not grpc.aio.EOF, "the job stream ended before STARTED"
+    assert message.event.type == J.JOB_EVENT_TYPE_STARTED, message.event
+    return message.event
+
+
+async def _rest(call: grpc.aio.UnaryStreamCall, timeout: float = 15.0) -> list:
+    """The events left on a stream read with read() (iterating it is not allowed then)."""
+    out = []
+    async with asyncio.timeout(timeout):
+        while (message := await call.read()) is not grpc.aio.EOF:
+            out.append(message.event)
+    return out
+
+
+async def test_a_worker_is_ready_when_its_setup_exits_zero_and_stays_up(backend: Backend) -> None:
+    events = await _worker(backend, "echo preparing the worker")
+    assert client.types(events) == ["QUEUED", "PROVISIONING", "SETUP_DONE"]
+    done = events[-1]
+    assert (done.endpoint, done.replica.endpoint) == ("", "")
+    assert done.replica.worker and done.replica.state == resources_pb2.REPLICA_STATE_RUNNING
+    await asyncio.sleep(0.3)  # nothing ends a worker but a teardown
+    assert (await _replica(backend, "pool-1")).app_state == RUNNING
+    kind = resources_pb2.LOG_KIND_LAUNCH
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="pool-1", kind=kind)))
+    assert "preparing the worker" in b"".join(c.data for c in chunks).decode()
+    teardown = await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert client.types(teardown)[-1] == "TERMINATED"
+    assert await backend.left_running() == []
+
+
+async def test_a_worker_whose_setup_fails_is_failed_by_the_user_with_its_setup_log_kept(backend: Backend) -> None:
+    events = await _worker(backend, "echo missing dependency; exit 5")
+    assert client.types(events)[-1] == "FAILED"
+    assert (events[-1].cause, events[-1].message) == (USER, "setup exited with code 5")
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1", keep_logs=True)))
+    assert await backend.left_running() == []
+    kind = resources_pb2.LOG_KIND_LAUNCH
+    chunks = await client.collect(backend.stub.StreamLogs(pb.StreamLogsRequest(name="pool-1", kind=kind)))
+    assert "missing dependency" in b"".join(c.data for c in chunks).decode()
+
+
+async def test_a_job_runs_in_the_workers_directory_and_environment_and_reports_its_exit_code(
+    backend: Backend,
+) -> None:
+    await _worker(backend, "echo made-by-setup > marker", envs={"POOL_ENV": "from-the-pool"})
+    run = 'cat marker; echo "$POOL_ENV $JOB_ENV $SKYPILOT_TASK_ID $SKYPILOT_JOB_ID $REPLICAPLANE_JOB_ID"; exit 3'
+    request = client.job_request("j-1", "pool-1", run, envs={"JOB_ENV": "from-the-job"})
+    events = await client.collect(backend.stub.RunJob(request))
+    assert client.types(events) == ["STARTED", "EXITED"]
+    assert (events[-1].exit_code, events[-1].job.state, events[-1].job.exit_code) == (
+        3,
+        resources_pb2.JOB_STATE_EXITED,
+        3,
+    )
+    assert events[0].job.start_time.seconds > 0 and events[0].job.replica == "pool-1"
+    assert await _job_log(backend, "j-1") == "made-by-setup\nfrom-the-pool from-the-job j-1 j-1 j-1\n"
+    got = (await backend.stub.GetJob(pb.GetJobRequest(job_id="j-1"))).job
+    assert (got.state, got.exit_code, got.service) == (resources_pb2.JOB_STATE_EXITED, 3, "pool")
+    assert (await _replica(backend, "pool-1")).job_id == ""  # free again
+    assert client.types(await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "true")))) == [
+        "STARTED",
+        "EXITED",
+    ]
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []
+
+
+async def test_one_job_at_a_time_and_cancel_stops_it_and_frees_the_worker(backend: Backend) -> None:
+    await _worker(backend)
+    first = backend.stub.RunJob(client.job_request("j-1", "pool-1", "echo working; sleep 30"))
+    await _started(first)
+    assert (await _replica(backend, "pool-1")).job_id == "j-1"
+    with pytest.raises(grpc.aio.AioRpcError) as busy:
+        await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "true")))
+    assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already runs job j-1" in (busy.value.details() or "")
+    cancelled = await backend.stub.CancelJob(pb.CancelJobRequest(job_id="j-1", grace=client.duration(0.5)))
+    assert cancelled.cancelled and cancelled.job.state == resources_pb2.JOB_STATE_CANCELLED
+    assert client.types(await _rest(first)) == ["CANCELLED"]
+    again = await backend.stub.CancelJob(pb.CancelJobRequest(job_id="j-1"))
+    assert not again.cancelled  # ended already
+    events = await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "echo second")))
+    assert client.types(events) == ["STARTED", "EXITED"] and events[-1].exit_code == 0
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []
+
+
+async def test_a_job_attached_to_again_even_across_a_restart_never_runs_twice(backend: Backend) -> None:
+    await _worker(backend)
+    request = client.job_request("j-1", "pool-1", "echo run >> runs.txt; sleep 2; echo finished")
+    first, second = backend.stub.RunJob(request), backend.stub.RunJob(request)
+    assert (await _started(first)).sequence == (await _started(second)).sequence == 1
+    await backend.restart()  # both streams are cut; the job goes on
+    attach = client.job_request("j-1", "", "", after_sequence=1, attach_only=True)
+    events = await client.collect(backend.stub.RunJob(attach))
+    assert client.types(events) == ["EXITED"] and events[-1].exit_code == 0
+    replay = await client.collect(backend.stub.RunJob(request))  # the same request again
+    assert client.types(replay) == ["STARTED", "EXITED"]
+    await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "cat runs.txt")))
+    assert await _job_log(backend, "j-2") == "run\n"
+    assert (await _job_log(backend, "j-1")).splitlines()[-1] == "finished"
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []
+
+
+async def test_a_worker_dying_mid_job_ends_the_job_failed_by_the_infrastructure(backend: Backend) -> None:
+    await _worker(backend)
+    call = backend.stub.RunJob(client.job_request("j-1", "pool-1", "sleep 30"))
+    await _started(call)
+    await backend.vanish("pool-1")
+    rest = await _rest(call)
+    assert client.types(rest) == ["FAILED"]
+    assert rest[-1].cause == INFRA and "worker died" in rest[-1].message
+    assert rest[-1].job.state == resources_pb2.JOB_STATE_FAILED
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []  # the job's processes went with the worker

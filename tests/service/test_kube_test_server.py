@@ -2,7 +2,7 @@
 
 These pin down tests/helpers/kube_api.py itself (the kubernetes backend's tests trust it):
 versions, watch resume, 410, bookmarks, server-side timeouts, selectors, graceful deletion,
-finalizers, garbage collection, admission and scripted faults; and the fake scheduler of
+finalizers, garbage collection, admission, exec and scripted faults; and the fake scheduler of
 tests/helpers/kube_emulator.py.
 """
 
@@ -210,5 +210,45 @@ async def test_the_fake_scheduler_places_by_free_resources_and_retries_when_they
             async with asyncio.timeout(10):
                 while ((await emu.pod("third")) or {}).get("spec", {}).get("nodeName") != "h100":
                     await asyncio.sleep(0.02)
+    finally:
+        emu.stop()
+
+
+async def test_exec_runs_in_the_pods_container_streams_channels_and_dies_with_it(tmp_path) -> None:
+    emu = kube_emulator.Emulator(str(tmp_path), namespace="ns").start()
+    pod = _pod("worker")
+    pod["spec"]["containers"][0].update(command=["sh", "-c", "sleep 30"], env=[{"name": "WHO", "value": "pod-env"}])
+
+    async def exec_(command: list[str]) -> list[tuple[int, bytes]]:
+        query = [("command", c) for c in command] + [("stdout", "true"), ("stderr", "true")]
+        url = emu.url.replace("http", "ws", 1) + f"{NS}/pods/worker/exec"
+        frames: list[tuple[int, bytes]] = []
+        async with session.ws_connect(url, params=query, protocols=("v4.channel.k8s.io",)) as ws:
+            async for message in ws:
+                frames.append((message.data[0], bytes(message.data[1:])))
+        return frames
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            kc = _Client(emu.api, session)
+            async with session.get(emu.url + f"{NS}/pods/worker/exec", params={"command": "true"}) as r:
+                assert r.status == 404  # no such Pod
+            await kc.call("POST", f"{NS}/pods", pod)
+            async with asyncio.timeout(10):
+                while not emu.kubelet.alive():
+                    await asyncio.sleep(0.02)
+            frames = await exec_(["sh", "-c", 'echo "$WHO in $(basename $PWD)"; echo oops >&2; exit 3'])
+            out = b"".join(d for c, d in frames if c == 1).decode()
+            assert out.startswith("pod-env in worker-") and b"".join(d for c, d in frames if c == 2) == b"oops\n"
+            status = json.loads(next(d for c, d in frames if c == 3))
+            assert status["reason"] == "NonZeroExitCode" and status["details"]["causes"][0]["message"] == "3"
+            # What an exec starts in a group of its own dies with the container.
+            await exec_(["sh", "-c", "setsid sleep 30 >/dev/null 2>&1 < /dev/null &"])
+            await emu.call(emu.kubelet.delete_pod("worker"))
+            async with asyncio.timeout(10):
+                while emu.kubelet.alive():
+                    await asyncio.sleep(0.05)
+            async with session.get(emu.url + f"{NS}/pods/worker/exec", params={"command": "true"}) as r:
+                assert r.status == 404
     finally:
         emu.stop()

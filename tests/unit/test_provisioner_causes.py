@@ -48,6 +48,7 @@ FAST = manager.Options(
         (Local.DELETED_DURING_LAUNCH, None, INFRA),
         (Local.VANISHED, None, INFRA),
         (Local.PREEMPTED, None, INFRA),
+        (Local.WORKER_EXITED, None, INFRA),  # a worker's holder never exits by itself
     ],
 )
 def test_local_failures_are_classified(failure: causes.Local, err: int | None, cause: model.FailureCause) -> None:
@@ -89,6 +90,7 @@ def test_every_local_failure_has_a_cause() -> None:
         (Kube.UNRUNNABLE_SPEC, 0, "", USER),
         (Kube.SETUP_EXITED, 0, "", USER),
         (Kube.APP_EXITED, 0, "", USER),
+        (Kube.WORKER_EXITED, 0, "", INFRA),
         (Kube.UNSCHEDULABLE, 0, "0/3 nodes are available: 3 Insufficient cpu.", INFRA),
         (Kube.START_TIMEOUT, 0, "", INFRA),
         (Kube.DELETED, 0, "", INFRA),

@@ -53,6 +53,20 @@ def test_pod_manifest_carries_labels_env_command_and_ports() -> None:
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 3600
 
 
+def test_a_pool_workers_pod_opens_no_port_and_runs_the_holder_after_setup() -> None:
+    launch = _launch("pool-1", run="", ports=(), serving_port=0, setup="pip install x", worker=True)
+    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][-2:] == ["pip install x", ko.HOLDER]
+    assert container["ports"] == [] and "startupProbe" in container  # ready once setup is done
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "PORT" not in env and env[ko.JOBS_DIR_ENV] == ko.JOBS_DIR_PATH
+    assert pod["metadata"]["annotations"][ko.ANNOTATION_WORKER] == "true"
+    assert ko.serving_port(launch.spec) == 0
+    service, _ = ko.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
+    assert ko.ANNOTATION_WORKER not in service["metadata"]["annotations"]
+
+
 def test_no_setup_means_no_startup_probe() -> None:
     pod, _ = ko.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
     assert "startupProbe" not in pod["spec"]["containers"][0]

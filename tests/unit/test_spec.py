@@ -379,7 +379,7 @@ def test_name_argument_wins_over_yaml_name() -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
 def test_example_specs_are_valid(path: pathlib.Path) -> None:
     parsed = spec.parse(path.read_text())
-    assert parsed.service.port > 0
+    assert parsed.service.port > 0 or spec.is_pool(parsed)  # a pool's workers serve no port
 
 
 def test_example_specs_exercise_the_features() -> None:
@@ -417,7 +417,7 @@ BAD = {
         {"resources.any_of[1].clod"},
     ),
     "unknown_load_balancer_key": ("service: {load_balancer: {timeout: 1}}\n" + PORT, {"service.load_balancer.timeout"}),
-    "top_level_pool": ("pool: {workers: 1}\nservice: {}\n" + PORT, {"pool"}),
+    "top_level_pool_beside_a_service": ("pool: {workers: 1}\nservice: {}\n" + PORT, {"pool", "resources.ports"}),
     "service_workers": ("service: {workers: 2}\n" + PORT, {"service.workers"}),
     "service_tls": ("service: {tls: {keyfile: k, certfile: c}}\n" + PORT, {"service.tls"}),
     "job_recovery": ("service: {}\nresources: {ports: 80, job_recovery: FAILOVER}\n", {"resources.job_recovery"}),

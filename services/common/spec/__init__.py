@@ -1,4 +1,4 @@
-"""Parse and validate SkyPilot-style service task YAML into a `replicaplane.common.v1.ServiceSpec`.
+"""Parse and validate SkyPilot-style service (or pool) task YAML into a `replicaplane.common.v1.ServiceSpec`.
 
 `parse()` turns YAML text into the stored message or raises `errors.ValidationError` with every
 problem found, each naming its field as a dotted path (`service.replica_policy.max_replicas`,
@@ -11,7 +11,7 @@ The parts, by concern:
 - `schema`: accepted keys, refused SkyPilot keys, defaults and limits.
 - `loading`: safe YAML loading (size, alias bombs, duplicate keys, unstorable strings).
 - `parsing`: `parse()`, the task-level fields and service names.
-- `service`, `probe`, `resources`, `rollout`: one section each.
+- `service`, `pool`, `probe`, `resources`, `rollout`: one section each.
 - `checks`: the violation collector the section readers share.
 - `redact`: masking header and secret values for display.
 - `compare`: the in-place update rule; `derived`: answers read off a parsed spec.
@@ -23,7 +23,9 @@ from services.common.pbtime import duration, seconds
 from services.common.spec.compare import is_in_place_update, launch_config
 from services.common.spec.derived import (
     autoscaler_kind,
+    failure_threshold_s,
     is_autoscaling,
+    is_pool,
     probe_method_and_body,
     uses_ondemand_fallback,
 )
@@ -37,8 +39,10 @@ from services.common.spec.schema import (
     DEFAULT_LB_STREAM_TIMEOUT_S,
     DEFAULT_LOAD_BALANCING_POLICY,
     DEFAULT_MIN_REPLICAS,
+    DEFAULT_POOL_FAILURE_THRESHOLD_S,
     DEFAULT_PROBE_INTERVAL_S,
     DEFAULT_PROBE_TIMEOUT_S,
+    DEFAULT_QUEUE_LENGTH_THRESHOLD,
     DEFAULT_READINESS_PATH,
     DEFAULT_UPSCALE_DELAY_S,
     LOAD_BALANCING_POLICIES,
@@ -59,8 +63,10 @@ __all__ = [
     "DEFAULT_LB_STREAM_TIMEOUT_S",
     "DEFAULT_LOAD_BALANCING_POLICY",
     "DEFAULT_MIN_REPLICAS",
+    "DEFAULT_POOL_FAILURE_THRESHOLD_S",
     "DEFAULT_PROBE_INTERVAL_S",
     "DEFAULT_PROBE_TIMEOUT_S",
+    "DEFAULT_QUEUE_LENGTH_THRESHOLD",
     "DEFAULT_READINESS_PATH",
     "DEFAULT_UPSCALE_DELAY_S",
     "LOAD_BALANCING_POLICIES",
@@ -75,8 +81,10 @@ __all__ = [
     "autoscaler_kind",
     "duration",
     "effective_name",
+    "failure_threshold_s",
     "is_autoscaling",
     "is_in_place_update",
+    "is_pool",
     "launch_config",
     "mask_secrets",
     "parse",

@@ -8,8 +8,10 @@ from replicaplane.common.v1 import spec_pb2
 def launch_config(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
     """Returns the part of a spec that decides how a replica is launched, normalized.
 
-    The `service` section, the YAML text and the task name are cleared, and `resources.any_of`
-    is sorted, so two specs launch alike exactly when their launch configs are equal.
+    The `service` section (a pool's `pool` policy included), the YAML text and the task name are
+    cleared, `resources.any_of` is sorted and an unset `kind` reads as SERVICE (specs stored
+    before pools), so two specs launch alike exactly when their launch configs are equal. A
+    service and a pool never launch alike.
 
     Args:
         spec: A parsed spec.
@@ -22,6 +24,8 @@ def launch_config(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
     out.ClearField("service")
     out.ClearField("yaml")
     out.ClearField("name")
+    if out.kind == spec_pb2.FLEET_KIND_UNSPECIFIED:
+        out.kind = spec_pb2.FLEET_KIND_SERVICE
     entries = sorted(out.resources.any_of, key=lambda r: r.SerializeToString(deterministic=True))
     copies = [spec_pb2.Resources() for _ in entries]
     for copy, entry in zip(copies, entries, strict=True):
@@ -34,7 +38,8 @@ def launch_config(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
 def is_in_place_update(old: spec_pb2.ServiceSpec, new: spec_pb2.ServiceSpec) -> bool:
     """Says whether replicas of `old` can be kept, version bumped, under `new` (spec.md 7.2).
 
-    True when the specs differ only in the `service:` section, neither has a workdir or a
+    True when the specs differ only in the `service:` section (for a pool: only in `pool:`, its
+    sizes, thresholds and delays), both are services or both pools, neither has a workdir or a
     non-empty file_mounts, and `resources.any_of` is equal ignoring order. A change of the
     serving port (`service.ports`) is not in place: the replica was launched serving the old one.
 

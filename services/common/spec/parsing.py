@@ -1,7 +1,8 @@
 """`parse()`: a task YAML to a `ServiceSpec`, with the task-level fields and service names.
 
 The top level (name, envs, secrets, run/setup, workdir, file_mounts, num_nodes) is read here;
-`service`, `resources` and `readiness_probe` have their own modules. Every problem becomes a
+`service`, `pool`, `resources` and `readiness_probe` have their own modules. A spec is a service,
+or a pool when it has `pool:` (top level, or inside `service:`). Every problem becomes a
 violation naming its field; header and secret values never appear in one.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from replicaplane.common.v1 import spec_pb2
 from services.common import errors
-from services.common.spec import checks, loading, redact, resources, schema, service
+from services.common.spec import checks, loading, pool, redact, resources, schema, service
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -22,7 +23,7 @@ _ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9
 def parse(
     yaml_text: str, *, name: str = "", require_name: bool = False, replica_cap: int = schema.MAX_REPLICAS_PER_SERVICE
 ) -> spec_pb2.ServiceSpec:
-    """Parses and validates a SkyPilot-style service task YAML.
+    """Parses and validates a SkyPilot-style service (or pool) task YAML.
 
     Args:
         yaml_text: The task YAML.
@@ -63,7 +64,7 @@ def parse(
     out.secrets.update(secrets)
     # SkyPilot fills ${VAR} references to envs and secrets into these three sections.
     substitutions = {**envs, **secrets}
-    for key in ("service", "file_mounts", "workdir"):
+    for key in ("service", "pool", "file_mounts", "workdir"):
         if config.get(key) is not None:
             config[key] = _substitute(config[key], substitutions)
 
@@ -86,18 +87,34 @@ def parse(
 
     alternatives = resources.parse(c, config.get("resources"), out.resources)
     raw_service = config.get("service")
-    service_port: int | None = None
-    if raw_service is None:
-        c.add("service", "a service section is required")
+    top_pool = "pool" in config
+    if top_pool or (isinstance(raw_service, Mapping) and "pool" in raw_service):
+        out.kind = spec_pb2.FLEET_KIND_POOL
+        if top_pool:
+            raw_pool, pool_path = config["pool"], "pool"
+            if raw_service is not None:
+                c.add("pool", "pool and service are mutually exclusive: a pool runs jobs, a service serves requests")
+        else:
+            assert isinstance(raw_service, Mapping)
+            c.keys(raw_service, "service", frozenset({"pool"}), pool.REFUSED_BESIDE)
+            raw_pool, pool_path = raw_service["pool"], "service.pool"
+        pool.parse(c, raw_pool, pool_path, out.service.pool)
+        pool.check_resources(c, config.get("resources"), alternatives)
+        # As SkyPilot, a pool's `run` is not run: workers run setup, and each job its own command.
+        out.ClearField("run")
+    elif raw_service is None:
+        c.add("service", "a service (or pool) section is required")
     else:
+        out.kind = spec_pb2.FLEET_KIND_SERVICE
+        service_port: int | None = None
         section = c.mapping(raw_service, "service")
         if section is not None:
             # With no readable resources there is nothing to check spot settings against.
             on_demand = any(not a.resources.use_spot for a in alternatives)
             service_port = service.parse(c, section, out.service, on_demand=on_demand)
-    port = resources.serving_port(c, alternatives, service_port)
-    if port is not None:
-        out.service.port = port
+        port = resources.serving_port(c, alternatives, service_port)
+        if port is not None:
+            out.service.port = port
 
     # Secrets are substituted into fields a description may quote (an enum, a path).
     hidden = redact.secret_values(out)

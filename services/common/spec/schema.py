@@ -20,6 +20,10 @@ DEFAULT_UPSCALE_DELAY_S = 300.0
 DEFAULT_DOWNSCALE_DELAY_S = 1200.0
 DEFAULT_LB_STREAM_TIMEOUT_S = 120.0
 DEFAULT_LOAD_BALANCING_POLICY = spec_pb2.LOAD_BALANCING_POLICY_LEAST_LOAD
+# Pools (reference 2.2 and 11): a queued job per worker grows the pool, and a READY worker that
+# stops being available is replaced after 10 s.
+DEFAULT_QUEUE_LENGTH_THRESHOLD = 1
+DEFAULT_POOL_FAILURE_THRESHOLD_S = 10.0
 
 # Rollout defaults: a rollout that is not READY in 10 minutes fails, a failed one goes back, and a
 # new version fails with 5 points more errors than the stable one over 30 s and 20 requests.
@@ -61,7 +65,7 @@ ROLLOUT_STRATEGIES = {
 # Keys per section. A key in an `UNSUPPORTED_*` table is a SkyPilot key Replicaplane rejects
 # with the reason given; any other key outside the accepted set is "unknown".
 TOP_KEYS = frozenset(
-    {"name", "workdir", "setup", "run", "envs", "secrets", "file_mounts", "resources", "service", "num_nodes"}
+    {"name", "workdir", "setup", "run", "envs", "secrets", "file_mounts", "resources", "service", "pool", "num_nodes"}
 )
 SERVICE_KEYS = frozenset(
     {"readiness_probe", "replica_policy", "replicas", "load_balancing_policy", "ports", "load_balancer", "rollout"}
@@ -88,6 +92,17 @@ POLICY_KEYS = frozenset(
         "base_ondemand_fallback_replicas",
         "dynamic_ondemand_fallback",
         "spot_placer",
+    }
+)
+POOL_KEYS = frozenset(
+    {
+        "workers",
+        "min_workers",
+        "max_workers",
+        "queue_length_threshold",
+        "upscale_delay_seconds",
+        "downscale_delay_seconds",
+        "failure_threshold_seconds",
     }
 )
 LB_KEYS = frozenset({"stream_timeout_seconds"})
@@ -121,7 +136,6 @@ RESOURCE_ENTRY_KEYS = RESOURCE_KEYS - {"any_of", "ordered"}
 _JOB_RECOVERY = "job_recovery is not allowed for services: preempted replicas are replaced by the autoscaler"
 _VOLUMES = "volumes are not supported; use file_mounts"
 UNSUPPORTED_TOP = {
-    "pool": "pools are not supported: Replicaplane runs services; use a service: section",
     "event_callback": "event callbacks are not supported",
     "inputs": "optimizer hints (inputs) are not supported",
     "outputs": "optimizer hints (outputs) are not supported",
@@ -131,8 +145,7 @@ UNSUPPORTED_TOP = {
     "rollout": "rollout: belongs in the service: section (service.rollout)",
 }
 UNSUPPORTED_SERVICE = {
-    "pool": "pools are not supported",
-    "workers": "pools are not supported; use replicas",
+    "workers": "workers sizes a pool (pool: {workers: N}, which runs jobs); a service uses replicas",
     "tls": "TLS termination is not supported; terminate TLS at your load balancer or ingress",
 }
 UNSUPPORTED_RESOURCES = {
@@ -161,5 +174,6 @@ ACCEPTED_KEYS: Mapping[str, frozenset[str]] = {
     "service.rollout": ROLLOUT_KEYS,
     "service.rollout.steps[]": ROLLOUT_STEP_KEYS,
     "service.rollout.analysis": ROLLOUT_ANALYSIS_KEYS,
+    "pool": POOL_KEYS,
     "resources": RESOURCE_KEYS,
 }

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!replicaplane/common/v1/spec.proto\x12\x16replicaplane.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xb2\x04\n\x0bServiceSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x37\n\x07service\x18\x02 \x01(\x0b\x32&.replicaplane.common.v1.ServiceSection\x12\x34\n\tresources\x18\x03 \x01(\x0b\x32!.replicaplane.common.v1.Resources\x12;\n\x04\x65nvs\x18\x04 \x03(\x0b\x32-.replicaplane.common.v1.ServiceSpec.EnvsEntry\x12\r\n\x05setup\x18\x05 \x01(\t\x12\x0b\n\x03run\x18\x06 \x01(\t\x12\x0f\n\x07workdir\x18\x07 \x01(\t\x12H\n\x0b\x66ile_mounts\x18\x08 \x03(\x0b\x32\x33.replicaplane.common.v1.ServiceSpec.FileMountsEntry\x12\x11\n\tnum_nodes\x18\t \x01(\x05\x12\x0c\n\x04yaml\x18\n \x01(\t\x12\x41\n\x07secrets\x18\x0b \x03(\x0b\x32\x30.replicaplane.common.v1.ServiceSpec.SecretsEntry\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0f\x46ileMountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x03\n\x0eServiceSection\x12?\n\x0freadiness_probe\x18\x01 \x01(\x0b\x32&.replicaplane.common.v1.ReadinessProbe\x12=\n\x0ereplica_policy\x18\x02 \x01(\x0b\x32%.replicaplane.common.v1.ReplicaPolicy\x12J\n\x15load_balancing_policy\x18\x03 \x01(\x0e\x32+.replicaplane.common.v1.LoadBalancingPolicy\x12\x0c\n\x04port\x18\x04 \x01(\x05\x12 \n\x18\x66ixed_replicas_shorthand\x18\x05 \x01(\x08\x12\x43\n\rload_balancer\x18\x06 \x01(\x0b\x32,.replicaplane.common.v1.LoadBalancerSettings\x12\x36\n\x07rollout\x18\x07 \x01(\x0b\x32%.replicaplane.common.v1.RolloutPolicy\"\x86\x02\n\rRolloutPolicy\x12\x39\n\x08strategy\x18\x01 \x01(\x0e\x32\'.replicaplane.common.v1.RolloutStrategy\x12\x32\n\x05steps\x18\x02 \x03(\x0b\x32#.replicaplane.common.v1.RolloutStep\x12\x34\n\x11progress_deadline\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rauto_rollback\x18\x04 \x01(\x08\x12\x39\n\x08\x61nalysis\x18\x05 \x01(\x0b\x32\'.replicaplane.common.v1.RolloutAnalysis\"G\n\x0bRolloutStep\x12\x0e\n\x06weight\x18\x01 \x01(\x05\x12(\n\x05pause\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb5\x01\n\x0fRolloutAnalysis\x12#\n\x1bmax_error_rate_increase_pct\x18\x01 \x01(\x01\x12)\n\x06window\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmin_requests\x18\x03 \x01(\x05\x12\"\n\x15max_latency_p99_ratio\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_max_latency_p99_ratio\"\xff\x02\n\x0eReadinessProbe\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x30\n\rinitial_delay\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0eprobe_interval\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12@\n\x1d\x63onsecutive_failure_threshold\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0epost_data_json\x18\x06 \x01(\t\x12\x44\n\x07headers\x18\x07 \x03(\x0b\x32\x33.replicaplane.common.v1.ReadinessProbe.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x04\n\rReplicaPolicy\x12\x14\n\x0cmin_replicas\x18\x01 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x02 \x01(\x05\x12\x1e\n\x16target_qps_per_replica\x18\x03 \x01(\x01\x12\x66\n\x1atarget_qps_per_accelerator\x18\x04 \x03(\x0b\x32\x42.replicaplane.common.v1.ReplicaPolicy.TargetQpsPerAcceleratorEntry\x12\x30\n\rupscale_delay\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64ownscale_delay\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11num_overprovision\x18\x07 \x01(\x05\x12\'\n\x1f\x62\x61se_ondemand_fallback_replicas\x18\x08 \x01(\x05\x12!\n\x19\x64ynamic_ondemand_fallback\x18\t \x01(\x08\x12\x37\n\x0bspot_placer\x18\n \x01(\x0e\x32\".replicaplane.common.v1.SpotPlacer\x1a>\n\x1cTargetQpsPerAcceleratorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x14LoadBalancerSettings\x12\x31\n\x0estream_timeout\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9e\x03\n\tResources\x12\r\n\x05ports\x18\x01 \x03(\x05\x12\x10\n\x08use_spot\x18\x02 \x01(\x08\x12\x0c\n\x04\x63pus\x18\x03 \x01(\t\x12\x0e\n\x06memory\x18\x04 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x05 \x01(\t\x12\r\n\x05\x63loud\x18\x06 \x01(\t\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\x0c\n\x04zone\x18\x08 \x01(\t\x12\x15\n\rinstance_type\x18\t \x01(\t\x12\x11\n\tdisk_size\x18\n \x01(\x05\x12\x10\n\x08image_id\x18\x0b \x01(\t\x12=\n\x06labels\x18\x0c \x03(\x0b\x32-.replicaplane.common.v1.Resources.LabelsEntry\x12\x31\n\x06\x61ny_of\x18\r \x03(\x0b\x32!.replicaplane.common.v1.Resources\x12\x32\n\x07ordered\x18\x0e \x03(\x0b\x32!.replicaplane.common.v1.Resources\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xbe\x01\n\x13LoadBalancingPolicy\x12%\n!LOAD_BALANCING_POLICY_UNSPECIFIED\x10\x00\x12%\n!LOAD_BALANCING_POLICY_ROUND_ROBIN\x10\x01\x12$\n LOAD_BALANCING_POLICY_LEAST_LOAD\x10\x02\x12\x33\n/LOAD_BALANCING_POLICY_INSTANCE_AWARE_LEAST_LOAD\x10\x03*\x8f\x01\n\x0fRolloutStrategy\x12 \n\x1cROLLOUT_STRATEGY_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROLLOUT_STRATEGY_ROLLING\x10\x01\x12\x1f\n\x1bROLLOUT_STRATEGY_BLUE_GREEN\x10\x02\x12\x1b\n\x17ROLLOUT_STRATEGY_CANARY\x10\x03*K\n\nSpotPlacer\x12\x1b\n\x17SPOT_PLACER_UNSPECIFIED\x10\x00\x12 \n\x1cSPOT_PLACER_DYNAMIC_FALLBACK\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!replicaplane/common/v1/spec.proto\x12\x16replicaplane.common.v1\x1a\x1egoogle/protobuf/duration.proto\"\xe3\x04\n\x0bServiceSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x37\n\x07service\x18\x02 \x01(\x0b\x32&.replicaplane.common.v1.ServiceSection\x12\x34\n\tresources\x18\x03 \x01(\x0b\x32!.replicaplane.common.v1.Resources\x12;\n\x04\x65nvs\x18\x04 \x03(\x0b\x32-.replicaplane.common.v1.ServiceSpec.EnvsEntry\x12\r\n\x05setup\x18\x05 \x01(\t\x12\x0b\n\x03run\x18\x06 \x01(\t\x12\x0f\n\x07workdir\x18\x07 \x01(\t\x12H\n\x0b\x66ile_mounts\x18\x08 \x03(\x0b\x32\x33.replicaplane.common.v1.ServiceSpec.FileMountsEntry\x12\x11\n\tnum_nodes\x18\t \x01(\x05\x12\x0c\n\x04yaml\x18\n \x01(\t\x12\x41\n\x07secrets\x18\x0b \x03(\x0b\x32\x30.replicaplane.common.v1.ServiceSpec.SecretsEntry\x12/\n\x04kind\x18\x0c \x01(\x0e\x32!.replicaplane.common.v1.FleetKind\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0f\x46ileMountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbb\x03\n\x0eServiceSection\x12?\n\x0freadiness_probe\x18\x01 \x01(\x0b\x32&.replicaplane.common.v1.ReadinessProbe\x12=\n\x0ereplica_policy\x18\x02 \x01(\x0b\x32%.replicaplane.common.v1.ReplicaPolicy\x12J\n\x15load_balancing_policy\x18\x03 \x01(\x0e\x32+.replicaplane.common.v1.LoadBalancingPolicy\x12\x0c\n\x04port\x18\x04 \x01(\x05\x12 \n\x18\x66ixed_replicas_shorthand\x18\x05 \x01(\x08\x12\x43\n\rload_balancer\x18\x06 \x01(\x0b\x32,.replicaplane.common.v1.LoadBalancerSettings\x12\x36\n\x07rollout\x18\x07 \x01(\x0b\x32%.replicaplane.common.v1.RolloutPolicy\x12\x30\n\x04pool\x18\x08 \x01(\x0b\x32\".replicaplane.common.v1.PoolPolicy\"\x93\x02\n\nPoolPolicy\x12\x13\n\x0bmin_workers\x18\x01 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x02 \x01(\x05\x12\x1e\n\x16queue_length_threshold\x18\x03 \x01(\x05\x12\x30\n\rupscale_delay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64ownscale_delay\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11\x66\x61ilure_threshold\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1f\n\x17\x66ixed_workers_shorthand\x18\x07 \x01(\x08\"\x86\x02\n\rRolloutPolicy\x12\x39\n\x08strategy\x18\x01 \x01(\x0e\x32\'.replicaplane.common.v1.RolloutStrategy\x12\x32\n\x05steps\x18\x02 \x03(\x0b\x32#.replicaplane.common.v1.RolloutStep\x12\x34\n\x11progress_deadline\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rauto_rollback\x18\x04 \x01(\x08\x12\x39\n\x08\x61nalysis\x18\x05 \x01(\x0b\x32\'.replicaplane.common.v1.RolloutAnalysis\"G\n\x0bRolloutStep\x12\x0e\n\x06weight\x18\x01 \x01(\x05\x12(\n\x05pause\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb5\x01\n\x0fRolloutAnalysis\x12#\n\x1bmax_error_rate_increase_pct\x18\x01 \x01(\x01\x12)\n\x06window\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cmin_requests\x18\x03 \x01(\x05\x12\"\n\x15max_latency_p99_ratio\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_max_latency_p99_ratio\"\xff\x02\n\x0eReadinessProbe\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x30\n\rinitial_delay\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0eprobe_interval\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12@\n\x1d\x63onsecutive_failure_threshold\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0epost_data_json\x18\x06 \x01(\t\x12\x44\n\x07headers\x18\x07 \x03(\x0b\x32\x33.replicaplane.common.v1.ReadinessProbe.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x89\x04\n\rReplicaPolicy\x12\x14\n\x0cmin_replicas\x18\x01 \x01(\x05\x12\x14\n\x0cmax_replicas\x18\x02 \x01(\x05\x12\x1e\n\x16target_qps_per_replica\x18\x03 \x01(\x01\x12\x66\n\x1atarget_qps_per_accelerator\x18\x04 \x03(\x0b\x32\x42.replicaplane.common.v1.ReplicaPolicy.TargetQpsPerAcceleratorEntry\x12\x30\n\rupscale_delay\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64ownscale_delay\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11num_overprovision\x18\x07 \x01(\x05\x12\'\n\x1f\x62\x61se_ondemand_fallback_replicas\x18\x08 \x01(\x05\x12!\n\x19\x64ynamic_ondemand_fallback\x18\t \x01(\x08\x12\x37\n\x0bspot_placer\x18\n \x01(\x0e\x32\".replicaplane.common.v1.SpotPlacer\x1a>\n\x1cTargetQpsPerAcceleratorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"I\n\x14LoadBalancerSettings\x12\x31\n\x0estream_timeout\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9e\x03\n\tResources\x12\r\n\x05ports\x18\x01 \x03(\x05\x12\x10\n\x08use_spot\x18\x02 \x01(\x08\x12\x0c\n\x04\x63pus\x18\x03 \x01(\t\x12\x0e\n\x06memory\x18\x04 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x05 \x01(\t\x12\r\n\x05\x63loud\x18\x06 \x01(\t\x12\x0e\n\x06region\x18\x07 \x01(\t\x12\x0c\n\x04zone\x18\x08 \x01(\t\x12\x15\n\rinstance_type\x18\t \x01(\t\x12\x11\n\tdisk_size\x18\n \x01(\x05\x12\x10\n\x08image_id\x18\x0b \x01(\t\x12=\n\x06labels\x18\x0c \x03(\x0b\x32-.replicaplane.common.v1.Resources.LabelsEntry\x12\x31\n\x06\x61ny_of\x18\r \x03(\x0b\x32!.replicaplane.common.v1.Resources\x12\x32\n\x07ordered\x18\x0e \x03(\x0b\x32!.replicaplane.common.v1.Resources\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*T\n\tFleetKind\x12\x1a\n\x16\x46LEET_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46LEET_KIND_SERVICE\x10\x01\x12\x13\n\x0f\x46LEET_KIND_POOL\x10\x02*\xbe\x01\n\x13LoadBalancingPolicy\x12%\n!LOAD_BALANCING_POLICY_UNSPECIFIED\x10\x00\x12%\n!LOAD_BALANCING_POLICY_ROUND_ROBIN\x10\x01\x12$\n LOAD_BALANCING_POLICY_LEAST_LOAD\x10\x02\x12\x33\n/LOAD_BALANCING_POLICY_INSTANCE_AWARE_LEAST_LOAD\x10\x03*\x8f\x01\n\x0fRolloutStrategy\x12 \n\x1cROLLOUT_STRATEGY_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROLLOUT_STRATEGY_ROLLING\x10\x01\x12\x1f\n\x1bROLLOUT_STRATEGY_BLUE_GREEN\x10\x02\x12\x1b\n\x17ROLLOUT_STRATEGY_CANARY\x10\x03*K\n\nSpotPlacer\x12\x1b\n\x17SPOT_PLACER_UNSPECIFIED\x10\x00\x12 \n\x1cSPOT_PLACER_DYNAMIC_FALLBACK\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,40 +44,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICAPOLICY_TARGETQPSPERACCELERATORENTRY']._serialized_options = b'8\001'
   _globals['_RESOURCES_LABELSENTRY']._loaded_options = None
   _globals['_RESOURCES_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_LOADBALANCINGPOLICY']._serialized_start=2979
-  _globals['_LOADBALANCINGPOLICY']._serialized_end=3169
-  _globals['_ROLLOUTSTRATEGY']._serialized_start=3172
-  _globals['_ROLLOUTSTRATEGY']._serialized_end=3315
-  _globals['_SPOTPLACER']._serialized_start=3317
-  _globals['_SPOTPLACER']._serialized_end=3392
+  _globals['_FLEETKIND']._serialized_start=3355
+  _globals['_FLEETKIND']._serialized_end=3439
+  _globals['_LOADBALANCINGPOLICY']._serialized_start=3442
+  _globals['_LOADBALANCINGPOLICY']._serialized_end=3632
+  _globals['_ROLLOUTSTRATEGY']._serialized_start=3635
+  _globals['_ROLLOUTSTRATEGY']._serialized_end=3778
+  _globals['_SPOTPLACER']._serialized_start=3780
+  _globals['_SPOTPLACER']._serialized_end=3855
   _globals['_SERVICESPEC']._serialized_start=94
-  _globals['_SERVICESPEC']._serialized_end=656
-  _globals['_SERVICESPEC_ENVSENTRY']._serialized_start=514
-  _globals['_SERVICESPEC_ENVSENTRY']._serialized_end=557
-  _globals['_SERVICESPEC_FILEMOUNTSENTRY']._serialized_start=559
-  _globals['_SERVICESPEC_FILEMOUNTSENTRY']._serialized_end=608
-  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_start=610
-  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_end=656
-  _globals['_SERVICESECTION']._serialized_start=659
-  _globals['_SERVICESECTION']._serialized_end=1052
-  _globals['_ROLLOUTPOLICY']._serialized_start=1055
-  _globals['_ROLLOUTPOLICY']._serialized_end=1317
-  _globals['_ROLLOUTSTEP']._serialized_start=1319
-  _globals['_ROLLOUTSTEP']._serialized_end=1390
-  _globals['_ROLLOUTANALYSIS']._serialized_start=1393
-  _globals['_ROLLOUTANALYSIS']._serialized_end=1574
-  _globals['_READINESSPROBE']._serialized_start=1577
-  _globals['_READINESSPROBE']._serialized_end=1960
-  _globals['_READINESSPROBE_HEADERSENTRY']._serialized_start=1914
-  _globals['_READINESSPROBE_HEADERSENTRY']._serialized_end=1960
-  _globals['_REPLICAPOLICY']._serialized_start=1963
-  _globals['_REPLICAPOLICY']._serialized_end=2484
-  _globals['_REPLICAPOLICY_TARGETQPSPERACCELERATORENTRY']._serialized_start=2422
-  _globals['_REPLICAPOLICY_TARGETQPSPERACCELERATORENTRY']._serialized_end=2484
-  _globals['_LOADBALANCERSETTINGS']._serialized_start=2486
-  _globals['_LOADBALANCERSETTINGS']._serialized_end=2559
-  _globals['_RESOURCES']._serialized_start=2562
-  _globals['_RESOURCES']._serialized_end=2976
-  _globals['_RESOURCES_LABELSENTRY']._serialized_start=2931
-  _globals['_RESOURCES_LABELSENTRY']._serialized_end=2976
+  _globals['_SERVICESPEC']._serialized_end=705
+  _globals['_SERVICESPEC_ENVSENTRY']._serialized_start=563
+  _globals['_SERVICESPEC_ENVSENTRY']._serialized_end=606
+  _globals['_SERVICESPEC_FILEMOUNTSENTRY']._serialized_start=608
+  _globals['_SERVICESPEC_FILEMOUNTSENTRY']._serialized_end=657
+  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_start=659
+  _globals['_SERVICESPEC_SECRETSENTRY']._serialized_end=705
+  _globals['_SERVICESECTION']._serialized_start=708
+  _globals['_SERVICESECTION']._serialized_end=1151
+  _globals['_POOLPOLICY']._serialized_start=1154
+  _globals['_POOLPOLICY']._serialized_end=1429
+  _globals['_ROLLOUTPOLICY']._serialized_start=1432
+  _globals['_ROLLOUTPOLICY']._serialized_end=1694
+  _globals['_ROLLOUTSTEP']._serialized_start=1696
+  _globals['_ROLLOUTSTEP']._serialized_end=1767
+  _globals['_ROLLOUTANALYSIS']._serialized_start=1770
+  _globals['_ROLLOUTANALYSIS']._serialized_end=1951
+  _globals['_READINESSPROBE']._serialized_start=1954
+  _globals['_READINESSPROBE']._serialized_end=2337
+  _globals['_READINESSPROBE_HEADERSENTRY']._serialized_start=2291
+  _globals['_READINESSPROBE_HEADERSENTRY']._serialized_end=2337
+  _globals['_REPLICAPOLICY']._serialized_start=2340
+  _globals['_REPLICAPOLICY']._serialized_end=2861
+  _globals['_REPLICAPOLICY_TARGETQPSPERACCELERATORENTRY']._serialized_start=2799
+  _globals['_REPLICAPOLICY_TARGETQPSPERACCELERATORENTRY']._serialized_end=2861
+  _globals['_LOADBALANCERSETTINGS']._serialized_start=2863
+  _globals['_LOADBALANCERSETTINGS']._serialized_end=2936
+  _globals['_RESOURCES']._serialized_start=2939
+  _globals['_RESOURCES']._serialized_end=3353
+  _globals['_RESOURCES_LABELSENTRY']._serialized_start=3308
+  _globals['_RESOURCES_LABELSENTRY']._serialized_end=3353
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _FleetKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FleetKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FleetKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FLEET_KIND_UNSPECIFIED: _FleetKind.ValueType  # 0
+    """Not set: a service (specs stored before pools existed)."""
+    FLEET_KIND_SERVICE: _FleetKind.ValueType  # 1
+    """Replicas that serve HTTP behind a load balancer; sized by `service.replica_policy`."""
+    FLEET_KIND_POOL: _FleetKind.ValueType  # 2
+    """Workers that run jobs; no port, no endpoint, no load balancer; sized by `service.pool`."""
+
+class FleetKind(_FleetKind, metaclass=_FleetKindEnumTypeWrapper):
+    """FleetKind says what a spec's fleet does."""
+
+FLEET_KIND_UNSPECIFIED: FleetKind.ValueType  # 0
+"""Not set: a service (specs stored before pools existed)."""
+FLEET_KIND_SERVICE: FleetKind.ValueType  # 1
+"""Replicas that serve HTTP behind a load balancer; sized by `service.replica_policy`."""
+FLEET_KIND_POOL: FleetKind.ValueType  # 2
+"""Workers that run jobs; no port, no endpoint, no load balancer; sized by `service.pool`."""
+Global___FleetKind: _TypeAlias = FleetKind  # noqa: Y015
+
 class _LoadBalancingPolicy:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -175,12 +199,15 @@ class ServiceSpec(_message.Message):
     NUM_NODES_FIELD_NUMBER: _builtins.int
     YAML_FIELD_NUMBER: _builtins.int
     SECRETS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The task name from the YAML `name:` key, if any."""
     setup: _builtins.str
     """Shell commands run once before `run`, in the replica's working directory."""
     run: _builtins.str
-    """Shell command that starts the replica's app."""
+    """Shell command that starts the replica's app. Empty for a pool: its workers run only `setup`,
+    and each job brings its own command.
+    """
     workdir: _builtins.str
     """Local directory copied into each replica's working directory; empty for none."""
     num_nodes: _builtins.int
@@ -189,6 +216,10 @@ class ServiceSpec(_message.Message):
     """The YAML text the spec was parsed from. In controller responses it is the document
     re-emitted from the redacted values (header and secret values replaced, comments and
     layout not kept), never the text as sent.
+    """
+    kind: Global___FleetKind.ValueType
+    """What the fleet is: a service (replicas serving HTTP) or a pool (workers running jobs). The
+    parser always sets it; a spec stored before pools existed (UNSPECIFIED) is a service.
     """
     @_builtins.property
     def service(self) -> Global___ServiceSection:
@@ -224,10 +255,11 @@ class ServiceSpec(_message.Message):
         num_nodes: _builtins.int = ...,
         yaml: _builtins.str = ...,
         secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        kind: Global___FleetKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources", "service", b"service"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "name", b"name", "num_nodes", b"num_nodes", "resources", b"resources", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "workdir", b"workdir", "yaml", b"yaml"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "name", b"name", "num_nodes", b"num_nodes", "resources", b"resources", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "workdir", b"workdir", "yaml", b"yaml"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -246,6 +278,7 @@ class ServiceSection(_message.Message):
     FIXED_REPLICAS_SHORTHAND_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_FIELD_NUMBER: _builtins.int
     ROLLOUT_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     load_balancing_policy: Global___LoadBalancingPolicy.ValueType
     """How a load balancer spreads requests over ready replicas."""
     port: _builtins.int
@@ -268,6 +301,14 @@ class ServiceSection(_message.Message):
     def rollout(self) -> Global___RolloutPolicy:
         """How an update to this spec is rolled out (`service.rollout:`). The parser always fills it,
         with defaults; a spec stored without it (from before rollouts) means the defaults too.
+        Not set for a pool.
+        """
+
+    @_builtins.property
+    def pool(self) -> Global___PoolPolicy:
+        """The pool's sizes and timings (`pool:` or `service.pool:`); set exactly when the spec's
+        `kind` is POOL. A pool's `readiness_probe`, `replica_policy`, `load_balancer` and `rollout`
+        are not set and its `load_balancing_policy` is UNSPECIFIED: workers have no port and no probe.
         """
 
     def __init__(
@@ -280,14 +321,71 @@ class ServiceSection(_message.Message):
         fixed_replicas_shorthand: _builtins.bool = ...,
         load_balancer: Global___LoadBalancerSettings | None = ...,
         rollout: Global___RolloutPolicy | None = ...,
+        pool: Global___PoolPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load_balancer", b"load_balancer", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load_balancer", b"load_balancer", "pool", b"pool", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fixed_replicas_shorthand", b"fixed_replicas_shorthand", "load_balancer", b"load_balancer", "load_balancing_policy", b"load_balancing_policy", "port", b"port", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fixed_replicas_shorthand", b"fixed_replicas_shorthand", "load_balancer", b"load_balancer", "load_balancing_policy", b"load_balancing_policy", "pool", b"pool", "port", b"port", "readiness_probe", b"readiness_probe", "replica_policy", b"replica_policy", "rollout", b"rollout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServiceSection: _TypeAlias = ServiceSection  # noqa: Y015
+
+@_typing.final
+class PoolPolicy(_message.Message):
+    """PoolPolicy is the `pool:` section: how many workers a pool runs and when it scales."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_WORKERS_FIELD_NUMBER: _builtins.int
+    MAX_WORKERS_FIELD_NUMBER: _builtins.int
+    QUEUE_LENGTH_THRESHOLD_FIELD_NUMBER: _builtins.int
+    UPSCALE_DELAY_FIELD_NUMBER: _builtins.int
+    DOWNSCALE_DELAY_FIELD_NUMBER: _builtins.int
+    FAILURE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    FIXED_WORKERS_SHORTHAND_FIELD_NUMBER: _builtins.int
+    min_workers: _builtins.int
+    """Fewest workers. `workers: N` sets it to N; with only `max_workers` it is 1 (as SkyPilot)."""
+    max_workers: _builtins.int
+    """Most workers; equal to `min_workers` for a fixed-size pool."""
+    queue_length_threshold: _builtins.int
+    """Queued jobs per worker that make the pool grow (SkyPilot's queue-length autoscaler). Default
+    1 when `max_workers` is set; 0 for a fixed-size pool.
+    """
+    fixed_workers_shorthand: _builtins.bool
+    """True when the YAML gave a fixed size with `workers: N` (and no `max_workers`)."""
+    @_builtins.property
+    def upscale_delay(self) -> _duration_pb2.Duration:
+        """How long a higher target must hold before scaling up. Default 300 s."""
+
+    @_builtins.property
+    def downscale_delay(self) -> _duration_pb2.Duration:
+        """How long a lower target must hold before scaling down. Default 1200 s."""
+
+    @_builtins.property
+    def failure_threshold(self) -> _duration_pb2.Duration:
+        """How long a worker that was READY may be unavailable (dead, preempted, vanished) before it is
+        replaced and counted as failed (`failure_threshold_seconds`). Default 10 s (services: 180 s).
+        """
+
+    def __init__(
+        self,
+        *,
+        min_workers: _builtins.int = ...,
+        max_workers: _builtins.int = ...,
+        queue_length_threshold: _builtins.int = ...,
+        upscale_delay: _duration_pb2.Duration | None = ...,
+        downscale_delay: _duration_pb2.Duration | None = ...,
+        failure_threshold: _duration_pb2.Duration | None = ...,
+        fixed_workers_shorthand: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["downscale_delay", b"downscale_delay", "failure_threshold", b"failure_threshold", "upscale_delay", b"upscale_delay"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["downscale_delay", b"downscale_delay", "failure_threshold", b"failure_threshold", "fixed_workers_shorthand", b"fixed_workers_shorthand", "max_workers", b"max_workers", "min_workers", b"min_workers", "queue_length_threshold", b"queue_length_threshold", "upscale_delay", b"upscale_delay"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolPolicy: _TypeAlias = PoolPolicy  # noqa: Y015
 
 @_typing.final
 class RolloutPolicy(_message.Message):

@@ -27,13 +27,15 @@ from replicaplane.common.v1 import spec_pb2 as replicaplane_dot_common_dot_v1_do
 from replicaplane.provisioner.v1 import resources_pb2 as replicaplane_dot_provisioner_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5replicaplane/provisioner/v1/provisioner_service.proto\x12\x1breplicaplane.provisioner.v1\x1a\x1egoogle/protobuf/duration.proto\x1a!replicaplane/common/v1/spec.proto\x1a+replicaplane/provisioner/v1/resources.proto\"\xe2\x01\n\rLaunchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x31\n\x04spec\x18\x05 \x01(\x0b\x32#.replicaplane.common.v1.ServiceSpec\x12\x10\n\x08use_spot\x18\x06 \x01(\x08\x12\x0c\n\x04zone\x18\x07 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x08 \x01(\x03\x12\x13\n\x0b\x61ttach_only\x18\t \x01(\x08\x12\r\n\x05owner\x18\n \x01(\t\"I\n\x0eLaunchResponse\x12\x37\n\x05\x65vent\x18\x01 \x01(\x0b\x32(.replicaplane.provisioner.v1.LaunchEvent\"u\n\x10TerminateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x05\x64rain\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tkeep_logs\x18\x03 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"O\n\x11TerminateResponse\x12:\n\x05\x65vent\x18\x01 \x01(\x0b\x32+.replicaplane.provisioner.v1.TerminateEvent\"#\n\x13\x43\x61ncelLaunchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x14\x43\x61ncelLaunchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"!\n\x11GetReplicaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"V\n\x12GetReplicaResponse\x12@\n\x07replica\x18\x01 \x01(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\"M\n\x13ListReplicasRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"r\n\x14ListReplicasResponse\x12\x41\n\x08replicas\x18\x01 \x03(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\".\n\x14WatchReplicasRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x03\"Q\n\x15WatchReplicasResponse\x12\x38\n\x05\x65vent\x18\x01 \x01(\x0b\x32).replicaplane.provisioner.v1.ReplicaEvent\"e\n\x11StreamLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.replicaplane.provisioner.v1.LogKind\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\"\n\x12StreamLogsResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"%\n\x15PreemptReplicaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x16PreemptReplicaResponse\x12@\n\x07replica\x18\x01 \x01(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\"Y\n\x1aSetZoneAvailabilityRequest\x12\x0c\n\x04zone\x18\x01 \x01(\t\x12-\n\nrefuse_for\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"N\n\x1bSetZoneAvailabilityResponse\x12/\n\x04zone\x18\x01 \x01(\x0b\x32!.replicaplane.provisioner.v1.Zone\"\x12\n\x10ListZonesRequest\"E\n\x11ListZonesResponse\x12\x30\n\x05zones\x18\x01 \x03(\x0b\x32!.replicaplane.provisioner.v1.Zone\"!\n\x11\x44\x65leteLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x12\x44\x65leteLogsResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"E\n\x10\x43heckSpecRequest\x12\x31\n\x04spec\x18\x01 \x01(\x0b\x32#.replicaplane.common.v1.ServiceSpec\"\x83\x01\n\x11\x43heckSpecResponse\x12:\n\x08problems\x18\x01 \x03(\x0b\x32(.replicaplane.provisioner.v1.SpecProblem\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x02 \x03(\t\x12\x1c\n\x14\x61\x63\x63\x65lerators_limited\x18\x03 \x01(\x08\"1\n\x0bSpecProblem\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t2\x91\x0b\n\x12ProvisionerService\x12\x63\n\x06Launch\x12*.replicaplane.provisioner.v1.LaunchRequest\x1a+.replicaplane.provisioner.v1.LaunchResponse0\x01\x12l\n\tTerminate\x12-.replicaplane.provisioner.v1.TerminateRequest\x1a..replicaplane.provisioner.v1.TerminateResponse0\x01\x12s\n\x0c\x43\x61ncelLaunch\x12\x30.replicaplane.provisioner.v1.CancelLaunchRequest\x1a\x31.replicaplane.provisioner.v1.CancelLaunchResponse\x12r\n\nGetReplica\x12..replicaplane.provisioner.v1.GetReplicaRequest\x1a/.replicaplane.provisioner.v1.GetReplicaResponse\"\x03\x90\x02\x01\x12x\n\x0cListReplicas\x12\x30.replicaplane.provisioner.v1.ListReplicasRequest\x1a\x31.replicaplane.provisioner.v1.ListReplicasResponse\"\x03\x90\x02\x01\x12x\n\rWatchReplicas\x12\x31.replicaplane.provisioner.v1.WatchReplicasRequest\x1a\x32.replicaplane.provisioner.v1.WatchReplicasResponse0\x01\x12o\n\nStreamLogs\x12..replicaplane.provisioner.v1.StreamLogsRequest\x1a/.replicaplane.provisioner.v1.StreamLogsResponse0\x01\x12y\n\x0ePreemptReplica\x12\x32.replicaplane.provisioner.v1.PreemptReplicaRequest\x1a\x33.replicaplane.provisioner.v1.PreemptReplicaResponse\x12\x88\x01\n\x13SetZoneAvailability\x12\x37.replicaplane.provisioner.v1.SetZoneAvailabilityRequest\x1a\x38.replicaplane.provisioner.v1.SetZoneAvailabilityResponse\x12o\n\tListZones\x12-.replicaplane.provisioner.v1.ListZonesRequest\x1a..replicaplane.provisioner.v1.ListZonesResponse\"\x03\x90\x02\x01\x12r\n\nDeleteLogs\x12..replicaplane.provisioner.v1.DeleteLogsRequest\x1a/.replicaplane.provisioner.v1.DeleteLogsResponse\"\x03\x90\x02\x02\x12o\n\tCheckSpec\x12-.replicaplane.provisioner.v1.CheckSpecRequest\x1a..replicaplane.provisioner.v1.CheckSpecResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5replicaplane/provisioner/v1/provisioner_service.proto\x12\x1breplicaplane.provisioner.v1\x1a\x1egoogle/protobuf/duration.proto\x1a!replicaplane/common/v1/spec.proto\x1a+replicaplane/provisioner/v1/resources.proto\"\xe2\x01\n\rLaunchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x31\n\x04spec\x18\x05 \x01(\x0b\x32#.replicaplane.common.v1.ServiceSpec\x12\x10\n\x08use_spot\x18\x06 \x01(\x08\x12\x0c\n\x04zone\x18\x07 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x08 \x01(\x03\x12\x13\n\x0b\x61ttach_only\x18\t \x01(\x08\x12\r\n\x05owner\x18\n \x01(\t\"I\n\x0eLaunchResponse\x12\x37\n\x05\x65vent\x18\x01 \x01(\x0b\x32(.replicaplane.provisioner.v1.LaunchEvent\"u\n\x10TerminateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x05\x64rain\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tkeep_logs\x18\x03 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\"O\n\x11TerminateResponse\x12:\n\x05\x65vent\x18\x01 \x01(\x0b\x32+.replicaplane.provisioner.v1.TerminateEvent\"#\n\x13\x43\x61ncelLaunchRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x14\x43\x61ncelLaunchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"!\n\x11GetReplicaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"V\n\x12GetReplicaResponse\x12@\n\x07replica\x18\x01 \x01(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\"M\n\x13ListReplicasRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"r\n\x14ListReplicasResponse\x12\x41\n\x08replicas\x18\x01 \x03(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\".\n\x14WatchReplicasRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x03\"Q\n\x15WatchReplicasResponse\x12\x38\n\x05\x65vent\x18\x01 \x01(\x0b\x32).replicaplane.provisioner.v1.ReplicaEvent\"u\n\x11StreamLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.replicaplane.provisioner.v1.LogKind\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x0e\n\x06job_id\x18\x04 \x01(\t\"\"\n\x12StreamLogsResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"%\n\x15PreemptReplicaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x16PreemptReplicaResponse\x12@\n\x07replica\x18\x01 \x01(\x0b\x32/.replicaplane.provisioner.v1.ProvisionedReplica\"Y\n\x1aSetZoneAvailabilityRequest\x12\x0c\n\x04zone\x18\x01 \x01(\t\x12-\n\nrefuse_for\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"N\n\x1bSetZoneAvailabilityResponse\x12/\n\x04zone\x18\x01 \x01(\x0b\x32!.replicaplane.provisioner.v1.Zone\"\x12\n\x10ListZonesRequest\"E\n\x11ListZonesResponse\x12\x30\n\x05zones\x18\x01 \x03(\x0b\x32!.replicaplane.provisioner.v1.Zone\"1\n\x11\x44\x65leteLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"%\n\x12\x44\x65leteLogsResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"E\n\x10\x43heckSpecRequest\x12\x31\n\x04spec\x18\x01 \x01(\x0b\x32#.replicaplane.common.v1.ServiceSpec\"\x83\x01\n\x11\x43heckSpecResponse\x12:\n\x08problems\x18\x01 \x03(\x0b\x32(.replicaplane.provisioner.v1.SpecProblem\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x02 \x03(\t\x12\x1c\n\x14\x61\x63\x63\x65lerators_limited\x18\x03 \x01(\x08\"1\n\x0bSpecProblem\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\xdb\x01\n\rRunJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0b\n\x03run\x18\x03 \x01(\t\x12\x42\n\x04\x65nvs\x18\x04 \x03(\x0b\x32\x34.replicaplane.provisioner.v1.RunJobRequest.EnvsEntry\x12\x16\n\x0e\x61\x66ter_sequence\x18\x05 \x01(\x03\x12\x13\n\x0b\x61ttach_only\x18\x06 \x01(\x08\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x0eRunJobResponse\x12\x34\n\x05\x65vent\x18\x01 \x01(\x0b\x32%.replicaplane.provisioner.v1.JobEvent\"L\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x05grace\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"`\n\x11\x43\x61ncelJobResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x38\n\x03job\x18\x02 \x01(\x0b\x32+.replicaplane.provisioner.v1.ProvisionedJob\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"J\n\x0eGetJobResponse\x12\x38\n\x03job\x18\x01 \x01(\x0b\x32+.replicaplane.provisioner.v1.ProvisionedJob2\xcf\r\n\x12ProvisionerService\x12\x63\n\x06Launch\x12*.replicaplane.provisioner.v1.LaunchRequest\x1a+.replicaplane.provisioner.v1.LaunchResponse0\x01\x12l\n\tTerminate\x12-.replicaplane.provisioner.v1.TerminateRequest\x1a..replicaplane.provisioner.v1.TerminateResponse0\x01\x12s\n\x0c\x43\x61ncelLaunch\x12\x30.replicaplane.provisioner.v1.CancelLaunchRequest\x1a\x31.replicaplane.provisioner.v1.CancelLaunchResponse\x12r\n\nGetReplica\x12..replicaplane.provisioner.v1.GetReplicaRequest\x1a/.replicaplane.provisioner.v1.GetReplicaResponse\"\x03\x90\x02\x01\x12x\n\x0cListReplicas\x12\x30.replicaplane.provisioner.v1.ListReplicasRequest\x1a\x31.replicaplane.provisioner.v1.ListReplicasResponse\"\x03\x90\x02\x01\x12x\n\rWatchReplicas\x12\x31.replicaplane.provisioner.v1.WatchReplicasRequest\x1a\x32.replicaplane.provisioner.v1.WatchReplicasResponse0\x01\x12o\n\nStreamLogs\x12..replicaplane.provisioner.v1.StreamLogsRequest\x1a/.replicaplane.provisioner.v1.StreamLogsResponse0\x01\x12y\n\x0ePreemptReplica\x12\x32.replicaplane.provisioner.v1.PreemptReplicaRequest\x1a\x33.replicaplane.provisioner.v1.PreemptReplicaResponse\x12\x88\x01\n\x13SetZoneAvailability\x12\x37.replicaplane.provisioner.v1.SetZoneAvailabilityRequest\x1a\x38.replicaplane.provisioner.v1.SetZoneAvailabilityResponse\x12o\n\tListZones\x12-.replicaplane.provisioner.v1.ListZonesRequest\x1a..replicaplane.provisioner.v1.ListZonesResponse\"\x03\x90\x02\x01\x12r\n\nDeleteLogs\x12..replicaplane.provisioner.v1.DeleteLogsRequest\x1a/.replicaplane.provisioner.v1.DeleteLogsResponse\"\x03\x90\x02\x02\x12\x63\n\x06RunJob\x12*.replicaplane.provisioner.v1.RunJobRequest\x1a+.replicaplane.provisioner.v1.RunJobResponse0\x01\x12o\n\tCancelJob\x12-.replicaplane.provisioner.v1.CancelJobRequest\x1a..replicaplane.provisioner.v1.CancelJobResponse\"\x03\x90\x02\x02\x12\x66\n\x06GetJob\x12*.replicaplane.provisioner.v1.GetJobRequest\x1a+.replicaplane.provisioner.v1.GetJobResponse\"\x03\x90\x02\x01\x12o\n\tCheckSpec\x12-.replicaplane.provisioner.v1.CheckSpecRequest\x1a..replicaplane.provisioner.v1.CheckSpecResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'replicaplane.provisioner.v1.provisioner_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RUNJOBREQUEST_ENVSENTRY']._loaded_options = None
+  _globals['_RUNJOBREQUEST_ENVSENTRY']._serialized_options = b'8\001'
   _globals['_PROVISIONERSERVICE'].methods_by_name['GetReplica']._loaded_options = None
   _globals['_PROVISIONERSERVICE'].methods_by_name['GetReplica']._serialized_options = b'\220\002\001'
   _globals['_PROVISIONERSERVICE'].methods_by_name['ListReplicas']._loaded_options = None
@@ -42,6 +44,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROVISIONERSERVICE'].methods_by_name['ListZones']._serialized_options = b'\220\002\001'
   _globals['_PROVISIONERSERVICE'].methods_by_name['DeleteLogs']._loaded_options = None
   _globals['_PROVISIONERSERVICE'].methods_by_name['DeleteLogs']._serialized_options = b'\220\002\002'
+  _globals['_PROVISIONERSERVICE'].methods_by_name['CancelJob']._loaded_options = None
+  _globals['_PROVISIONERSERVICE'].methods_by_name['CancelJob']._serialized_options = b'\220\002\002'
+  _globals['_PROVISIONERSERVICE'].methods_by_name['GetJob']._loaded_options = None
+  _globals['_PROVISIONERSERVICE'].methods_by_name['GetJob']._serialized_options = b'\220\002\001'
   _globals['_PROVISIONERSERVICE'].methods_by_name['CheckSpec']._loaded_options = None
   _globals['_PROVISIONERSERVICE'].methods_by_name['CheckSpec']._serialized_options = b'\220\002\001'
   _globals['_LAUNCHREQUEST']._serialized_start=199
@@ -69,31 +75,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREPLICASRESPONSE']._serialized_start=1148
   _globals['_WATCHREPLICASRESPONSE']._serialized_end=1229
   _globals['_STREAMLOGSREQUEST']._serialized_start=1231
-  _globals['_STREAMLOGSREQUEST']._serialized_end=1332
-  _globals['_STREAMLOGSRESPONSE']._serialized_start=1334
-  _globals['_STREAMLOGSRESPONSE']._serialized_end=1368
-  _globals['_PREEMPTREPLICAREQUEST']._serialized_start=1370
-  _globals['_PREEMPTREPLICAREQUEST']._serialized_end=1407
-  _globals['_PREEMPTREPLICARESPONSE']._serialized_start=1409
-  _globals['_PREEMPTREPLICARESPONSE']._serialized_end=1499
-  _globals['_SETZONEAVAILABILITYREQUEST']._serialized_start=1501
-  _globals['_SETZONEAVAILABILITYREQUEST']._serialized_end=1590
-  _globals['_SETZONEAVAILABILITYRESPONSE']._serialized_start=1592
-  _globals['_SETZONEAVAILABILITYRESPONSE']._serialized_end=1670
-  _globals['_LISTZONESREQUEST']._serialized_start=1672
-  _globals['_LISTZONESREQUEST']._serialized_end=1690
-  _globals['_LISTZONESRESPONSE']._serialized_start=1692
-  _globals['_LISTZONESRESPONSE']._serialized_end=1761
-  _globals['_DELETELOGSREQUEST']._serialized_start=1763
-  _globals['_DELETELOGSREQUEST']._serialized_end=1796
-  _globals['_DELETELOGSRESPONSE']._serialized_start=1798
-  _globals['_DELETELOGSRESPONSE']._serialized_end=1835
-  _globals['_CHECKSPECREQUEST']._serialized_start=1837
-  _globals['_CHECKSPECREQUEST']._serialized_end=1906
-  _globals['_CHECKSPECRESPONSE']._serialized_start=1909
-  _globals['_CHECKSPECRESPONSE']._serialized_end=2040
-  _globals['_SPECPROBLEM']._serialized_start=2042
-  _globals['_SPECPROBLEM']._serialized_end=2091
-  _globals['_PROVISIONERSERVICE']._serialized_start=2094
-  _globals['_PROVISIONERSERVICE']._serialized_end=3519
+  _globals['_STREAMLOGSREQUEST']._serialized_end=1348
+  _globals['_STREAMLOGSRESPONSE']._serialized_start=1350
+  _globals['_STREAMLOGSRESPONSE']._serialized_end=1384
+  _globals['_PREEMPTREPLICAREQUEST']._serialized_start=1386
+  _globals['_PREEMPTREPLICAREQUEST']._serialized_end=1423
+  _globals['_PREEMPTREPLICARESPONSE']._serialized_start=1425
+  _globals['_PREEMPTREPLICARESPONSE']._serialized_end=1515
+  _globals['_SETZONEAVAILABILITYREQUEST']._serialized_start=1517
+  _globals['_SETZONEAVAILABILITYREQUEST']._serialized_end=1606
+  _globals['_SETZONEAVAILABILITYRESPONSE']._serialized_start=1608
+  _globals['_SETZONEAVAILABILITYRESPONSE']._serialized_end=1686
+  _globals['_LISTZONESREQUEST']._serialized_start=1688
+  _globals['_LISTZONESREQUEST']._serialized_end=1706
+  _globals['_LISTZONESRESPONSE']._serialized_start=1708
+  _globals['_LISTZONESRESPONSE']._serialized_end=1777
+  _globals['_DELETELOGSREQUEST']._serialized_start=1779
+  _globals['_DELETELOGSREQUEST']._serialized_end=1828
+  _globals['_DELETELOGSRESPONSE']._serialized_start=1830
+  _globals['_DELETELOGSRESPONSE']._serialized_end=1867
+  _globals['_CHECKSPECREQUEST']._serialized_start=1869
+  _globals['_CHECKSPECREQUEST']._serialized_end=1938
+  _globals['_CHECKSPECRESPONSE']._serialized_start=1941
+  _globals['_CHECKSPECRESPONSE']._serialized_end=2072
+  _globals['_SPECPROBLEM']._serialized_start=2074
+  _globals['_SPECPROBLEM']._serialized_end=2123
+  _globals['_RUNJOBREQUEST']._serialized_start=2126
+  _globals['_RUNJOBREQUEST']._serialized_end=2345
+  _globals['_RUNJOBREQUEST_ENVSENTRY']._serialized_start=2302
+  _globals['_RUNJOBREQUEST_ENVSENTRY']._serialized_end=2345
+  _globals['_RUNJOBRESPONSE']._serialized_start=2347
+  _globals['_RUNJOBRESPONSE']._serialized_end=2417
+  _globals['_CANCELJOBREQUEST']._serialized_start=2419
+  _globals['_CANCELJOBREQUEST']._serialized_end=2495
+  _globals['_CANCELJOBRESPONSE']._serialized_start=2497
+  _globals['_CANCELJOBRESPONSE']._serialized_end=2593
+  _globals['_GETJOBREQUEST']._serialized_start=2595
+  _globals['_GETJOBREQUEST']._serialized_end=2626
+  _globals['_GETJOBRESPONSE']._serialized_start=2628
+  _globals['_GETJOBRESPONSE']._serialized_end=2702
+  _globals['_PROVISIONERSERVICE']._serialized_start=2705
+  _globals['_PROVISIONERSERVICE']._serialized_end=4448
 # @@protoc_insertion_point(module_scope)

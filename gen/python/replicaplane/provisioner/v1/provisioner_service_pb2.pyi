@@ -63,7 +63,9 @@ class LaunchRequest(_message.Message):
     """
     @_builtins.property
     def spec(self) -> _spec_pb2.ServiceSpec:
-        """What to run."""
+        """What to run. A spec whose `kind` is POOL makes the replica a pool worker: no port, no
+        endpoint, `setup` only, then it waits for jobs (RunJob).
+        """
 
     def __init__(
         self,
@@ -371,29 +373,33 @@ Global___WatchReplicasResponse: _TypeAlias = WatchReplicasResponse  # noqa: Y015
 
 @_typing.final
 class StreamLogsRequest(_message.Message):
-    """StreamLogsRequest names a replica's log."""
+    """StreamLogsRequest names a replica's or a job's log."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Replica name."""
+    """Replica name. For a JOB log it may be empty; given, it must be the job's worker."""
     kind: _resources_pb2.LogKind.ValueType
     """Which log."""
     follow: _builtins.bool
-    """Keep streaming new output while the replica runs."""
+    """Keep streaming new output while the replica (for a JOB log: the job) runs."""
+    job_id: _builtins.str
+    """For a JOB log: the job."""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         kind: _resources_pb2.LogKind.ValueType = ...,
         follow: _builtins.bool = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "kind", b"kind", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "job_id", b"job_id", "kind", b"kind", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -562,21 +568,25 @@ Global___ListZonesResponse: _TypeAlias = ListZonesResponse  # noqa: Y015
 
 @_typing.final
 class DeleteLogsRequest(_message.Message):
-    """DeleteLogsRequest names the replica whose logs go."""
+    """DeleteLogsRequest names the replica, or the job, whose logs go."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Replica name."""
+    """Replica name; ignored when `job_id` is set."""
+    job_id: _builtins.str
+    """Delete only this finished job's log and forget the job."""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,3 +699,203 @@ class SpecProblem(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SpecProblem: _TypeAlias = SpecProblem  # noqa: Y015
+
+@_typing.final
+class RunJobRequest(_message.Message):
+    """RunJobRequest says which job to run on which worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    ENVS_FIELD_NUMBER: _builtins.int
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    ATTACH_ONLY_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id, the idempotency key, chosen by the caller and unique on this provisioner: lowercase
+    letters, digits and '-', at most 128 characters, starting and ending with a letter or digit.
+    """
+    replica: _builtins.str
+    """Full name of the pool worker to run on (a replica launched from a pool spec)."""
+    run: _builtins.str
+    """Shell command of the job, run with bash in the worker's working directory and environment
+    (its spec's envs and secrets, its Python venv on the local backend), plus `envs` and
+    SKYPILOT_TASK_ID, SKYPILOT_JOB_ID and REPLICAPLANE_JOB_ID set to the job id. Must not be
+    empty. At most 1 MiB.
+    """
+    after_sequence: _builtins.int
+    """When attaching, replay only events after this sequence number."""
+    attach_only: _builtins.bool
+    """Only attach to a known job; NOT_FOUND if there is none."""
+    @_builtins.property
+    def envs(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment of the job; names match [A-Za-z_][A-Za-z0-9_]*. They win over the
+        worker's. Not secret: on the kubernetes backend they travel in the exec request.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        replica: _builtins.str = ...,
+        run: _builtins.str = ...,
+        envs: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        after_sequence: _builtins.int = ...,
+        attach_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "attach_only", b"attach_only", "envs", b"envs", "job_id", b"job_id", "replica", b"replica", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunJobRequest: _TypeAlias = RunJobRequest  # noqa: Y015
+
+@_typing.final
+class RunJobResponse(_message.Message):
+    """RunJobResponse is one job event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> _resources_pb2.JobEvent:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: _resources_pb2.JobEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunJobResponse: _TypeAlias = RunJobResponse  # noqa: Y015
+
+@_typing.final
+class CancelJobRequest(_message.Message):
+    """CancelJobRequest names the job to cancel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GRACE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id."""
+    @_builtins.property
+    def grace(self) -> _duration_pb2.Duration:
+        """Time between SIGTERM and SIGKILL. Unset: the provisioner's kill grace (`kill_grace_s`);
+        zero: SIGKILL at once.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        grace: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace", b"grace", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015
+
+@_typing.final
+class CancelJobResponse(_message.Message):
+    """CancelJobResponse says whether the job was cancelled."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.bool
+    """True if the job was starting or running and is now cancelled."""
+    @_builtins.property
+    def job(self) -> _resources_pb2.ProvisionedJob:
+        """The job after the call."""
+
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.bool = ...,
+        job: _resources_pb2.ProvisionedJob | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobResponse: _TypeAlias = CancelJobResponse  # noqa: Y015
+
+@_typing.final
+class GetJobRequest(_message.Message):
+    """GetJobRequest names a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobRequest: _TypeAlias = GetJobRequest  # noqa: Y015
+
+@_typing.final
+class GetJobResponse(_message.Message):
+    """GetJobResponse is the job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job(self) -> _resources_pb2.ProvisionedJob:
+        """The job."""
+
+    def __init__(
+        self,
+        *,
+        job: _resources_pb2.ProvisionedJob | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015

@@ -90,6 +90,21 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
                 _registered_method=True)
+        self.RunJob = channel.unary_stream(
+                '/replicaplane.provisioner.v1.ProvisionerService/RunJob',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/replicaplane.provisioner.v1.ProvisionerService/CancelJob',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobResponse.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/replicaplane.provisioner.v1.ProvisionerService/GetJob',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobResponse.FromString,
+                _registered_method=True)
         self.CheckSpec = channel.unary_unary(
                 '/replicaplane.provisioner.v1.ProvisionerService/CheckSpec',
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CheckSpecRequest.SerializeToString,
@@ -104,7 +119,8 @@ class ProvisionerServiceServicer:
     def Launch(self, request, context):
         """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
         flight or running attaches to the existing launch and replays its events after
-        `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+        `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+        (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,8 +164,9 @@ class ProvisionerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamLogs(self, request, context):
-        """Streams a replica's launch log or app output, during its life and after teardown.
-        Returns NOT_FOUND if no log exists.
+        """Streams a replica's launch log or app output, or a job's output, during its life and after
+        teardown. Returns NOT_FOUND if no log exists, INVALID_ARGUMENT for a JOB log without
+        `job_id`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,8 +196,40 @@ class ProvisionerServiceServicer:
 
     def DeleteLogs(self, request, context):
         """Deletes the logs kept for a replica that is gone (its record was purged or its service
-        deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
-        are not there succeeds with `deleted` false.
+        deleted), with the logs and records of the jobs it ran; or, with `job_id`, one finished
+        job's log and record (the job is forgotten: RunJob with its id then starts it anew).
+        Returns FAILED_PRECONDITION while the replica still exists (or the job still runs);
+        deleting logs that are not there succeeds with `deleted` false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunJob(self, request, context):
+        """Runs a job on a pool worker and streams its progress: STARTED once its process runs, then
+        one terminal event (EXITED with its code, FAILED, CANCELLED). Keyed by `job_id`: a second
+        call for a known job never starts it again; it replays the job's events after
+        `after_sequence` and follows it (a controller that restarted re-attaches this way). Returns
+        INVALID_ARGUMENT for a bad request (naming the field; also for a replica that is not a pool
+        worker), NOT_FOUND for an unknown worker (or, with `attach_only`, an unknown job),
+        ALREADY_EXISTS when the job id is known on another worker, and FAILED_PRECONDITION when the
+        worker is not ready (not running, or its setup has not finished) or already runs another job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Cancels a job: its processes get SIGTERM, then SIGKILL after `grace`; its stream ends with
+        CANCELLED. A job that already ended is left as it is (`cancelled` false). Returns NOT_FOUND
+        for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Gets a job. Returns NOT_FOUND for an unknown job (never run here, or forgotten with its logs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +300,21 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     servicer.DeleteLogs,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.SerializeToString,
+            ),
+            'RunJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunJob,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobResponse.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobResponse.SerializeToString,
             ),
             'CheckSpec': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckSpec,
@@ -556,6 +620,87 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/DeleteLogs',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.DeleteLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/RunJob',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.RunJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/CancelJob',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/GetJob',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.GetJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

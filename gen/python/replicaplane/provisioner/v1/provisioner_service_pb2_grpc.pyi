@@ -36,7 +36,8 @@ class ProvisionerServiceStub:
     Launch: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.LaunchRequest, _provisioner_service_pb2.LaunchResponse]
     """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
     flight or running attaches to the existing launch and replays its events after
-    `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+    `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+    (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
     """
     Terminate: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -53,8 +54,9 @@ class ProvisionerServiceStub:
     WatchReplicas: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.WatchReplicasRequest, _provisioner_service_pb2.WatchReplicasResponse]
     """Streams app and replica state changes of every managed replica. Resumable."""
     StreamLogs: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.StreamLogsRequest, _provisioner_service_pb2.StreamLogsResponse]
-    """Streams a replica's launch log or app output, during its life and after teardown.
-    Returns NOT_FOUND if no log exists.
+    """Streams a replica's launch log or app output, or a job's output, during its life and after
+    teardown. Returns NOT_FOUND if no log exists, INVALID_ARGUMENT for a JOB log without
+    `job_id`.
     """
     PreemptReplica: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.PreemptReplicaRequest, _provisioner_service_pb2.PreemptReplicaResponse]
     """Chaos and test tool: preempts a replica, named in full (kills it and reports it
@@ -66,9 +68,28 @@ class ProvisionerServiceStub:
     """Lists zones with prices and availability."""
     DeleteLogs: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.DeleteLogsRequest, _provisioner_service_pb2.DeleteLogsResponse]
     """Deletes the logs kept for a replica that is gone (its record was purged or its service
-    deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
-    are not there succeeds with `deleted` false.
+    deleted), with the logs and records of the jobs it ran; or, with `job_id`, one finished
+    job's log and record (the job is forgotten: RunJob with its id then starts it anew).
+    Returns FAILED_PRECONDITION while the replica still exists (or the job still runs);
+    deleting logs that are not there succeeds with `deleted` false.
     """
+    RunJob: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.RunJobRequest, _provisioner_service_pb2.RunJobResponse]
+    """Runs a job on a pool worker and streams its progress: STARTED once its process runs, then
+    one terminal event (EXITED with its code, FAILED, CANCELLED). Keyed by `job_id`: a second
+    call for a known job never starts it again; it replays the job's events after
+    `after_sequence` and follows it (a controller that restarted re-attaches this way). Returns
+    INVALID_ARGUMENT for a bad request (naming the field; also for a replica that is not a pool
+    worker), NOT_FOUND for an unknown worker (or, with `attach_only`, an unknown job),
+    ALREADY_EXISTS when the job id is known on another worker, and FAILED_PRECONDITION when the
+    worker is not ready (not running, or its setup has not finished) or already runs another job.
+    """
+    CancelJob: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelJobRequest, _provisioner_service_pb2.CancelJobResponse]
+    """Cancels a job: its processes get SIGTERM, then SIGKILL after `grace`; its stream ends with
+    CANCELLED. A job that already ended is left as it is (`cancelled` false). Returns NOT_FOUND
+    for an unknown job.
+    """
+    GetJob: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.GetJobRequest, _provisioner_service_pb2.GetJobResponse]
+    """Gets a job. Returns NOT_FOUND for an unknown job (never run here, or forgotten with its logs)."""
     CheckSpec: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.CheckSpecRequest, _provisioner_service_pb2.CheckSpecResponse]
     """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
     workdir or file mount source it cannot find), so a service is refused before it launches.
@@ -82,7 +103,8 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     Launch: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.LaunchRequest, _provisioner_service_pb2.LaunchResponse]  # type: ignore[assignment]
     """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
     flight or running attaches to the existing launch and replays its events after
-    `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+    `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+    (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
     """
     Terminate: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -99,8 +121,9 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     WatchReplicas: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.WatchReplicasRequest, _provisioner_service_pb2.WatchReplicasResponse]  # type: ignore[assignment]
     """Streams app and replica state changes of every managed replica. Resumable."""
     StreamLogs: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.StreamLogsRequest, _provisioner_service_pb2.StreamLogsResponse]  # type: ignore[assignment]
-    """Streams a replica's launch log or app output, during its life and after teardown.
-    Returns NOT_FOUND if no log exists.
+    """Streams a replica's launch log or app output, or a job's output, during its life and after
+    teardown. Returns NOT_FOUND if no log exists, INVALID_ARGUMENT for a JOB log without
+    `job_id`.
     """
     PreemptReplica: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.PreemptReplicaRequest, _provisioner_service_pb2.PreemptReplicaResponse]  # type: ignore[assignment]
     """Chaos and test tool: preempts a replica, named in full (kills it and reports it
@@ -112,9 +135,28 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     """Lists zones with prices and availability."""
     DeleteLogs: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.DeleteLogsRequest, _provisioner_service_pb2.DeleteLogsResponse]  # type: ignore[assignment]
     """Deletes the logs kept for a replica that is gone (its record was purged or its service
-    deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
-    are not there succeeds with `deleted` false.
+    deleted), with the logs and records of the jobs it ran; or, with `job_id`, one finished
+    job's log and record (the job is forgotten: RunJob with its id then starts it anew).
+    Returns FAILED_PRECONDITION while the replica still exists (or the job still runs);
+    deleting logs that are not there succeeds with `deleted` false.
     """
+    RunJob: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.RunJobRequest, _provisioner_service_pb2.RunJobResponse]  # type: ignore[assignment]
+    """Runs a job on a pool worker and streams its progress: STARTED once its process runs, then
+    one terminal event (EXITED with its code, FAILED, CANCELLED). Keyed by `job_id`: a second
+    call for a known job never starts it again; it replays the job's events after
+    `after_sequence` and follows it (a controller that restarted re-attaches this way). Returns
+    INVALID_ARGUMENT for a bad request (naming the field; also for a replica that is not a pool
+    worker), NOT_FOUND for an unknown worker (or, with `attach_only`, an unknown job),
+    ALREADY_EXISTS when the job id is known on another worker, and FAILED_PRECONDITION when the
+    worker is not ready (not running, or its setup has not finished) or already runs another job.
+    """
+    CancelJob: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelJobRequest, _provisioner_service_pb2.CancelJobResponse]  # type: ignore[assignment]
+    """Cancels a job: its processes get SIGTERM, then SIGKILL after `grace`; its stream ends with
+    CANCELLED. A job that already ended is left as it is (`cancelled` false). Returns NOT_FOUND
+    for an unknown job.
+    """
+    GetJob: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.GetJobRequest, _provisioner_service_pb2.GetJobResponse]  # type: ignore[assignment]
+    """Gets a job. Returns NOT_FOUND for an unknown job (never run here, or forgotten with its logs)."""
     CheckSpec: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.CheckSpecRequest, _provisioner_service_pb2.CheckSpecResponse]  # type: ignore[assignment]
     """Reports what of a spec this provisioner cannot run (accelerators its backend lacks, a
     workdir or file mount source it cannot find), so a service is refused before it launches.
@@ -131,7 +173,8 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchResponse]]:
         """Launches a replica and streams its progress. Keyed by `name`: a second call for a name in
         flight or running attaches to the existing launch and replays its events after
-        `after_sequence`. Returns INVALID_ARGUMENT for a bad request.
+        `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
+        (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
         """
 
     @_abc_1.abstractmethod
@@ -184,8 +227,9 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _provisioner_service_pb2.StreamLogsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.StreamLogsResponse], _abc.AsyncIterator[_provisioner_service_pb2.StreamLogsResponse]]:
-        """Streams a replica's launch log or app output, during its life and after teardown.
-        Returns NOT_FOUND if no log exists.
+        """Streams a replica's launch log or app output, or a job's output, during its life and after
+        teardown. Returns NOT_FOUND if no log exists, INVALID_ARGUMENT for a JOB log without
+        `job_id`.
         """
 
     @_abc_1.abstractmethod
@@ -221,9 +265,46 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_provisioner_service_pb2.DeleteLogsResponse, _abc.Awaitable[_provisioner_service_pb2.DeleteLogsResponse]]:
         """Deletes the logs kept for a replica that is gone (its record was purged or its service
-        deleted). Returns FAILED_PRECONDITION while the replica still exists; deleting logs that
-        are not there succeeds with `deleted` false.
+        deleted), with the logs and records of the jobs it ran; or, with `job_id`, one finished
+        job's log and record (the job is forgotten: RunJob with its id then starts it anew).
+        Returns FAILED_PRECONDITION while the replica still exists (or the job still runs);
+        deleting logs that are not there succeeds with `deleted` false.
         """
+
+    @_abc_1.abstractmethod
+    def RunJob(
+        self,
+        request: _provisioner_service_pb2.RunJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.RunJobResponse], _abc.AsyncIterator[_provisioner_service_pb2.RunJobResponse]]:
+        """Runs a job on a pool worker and streams its progress: STARTED once its process runs, then
+        one terminal event (EXITED with its code, FAILED, CANCELLED). Keyed by `job_id`: a second
+        call for a known job never starts it again; it replays the job's events after
+        `after_sequence` and follows it (a controller that restarted re-attaches this way). Returns
+        INVALID_ARGUMENT for a bad request (naming the field; also for a replica that is not a pool
+        worker), NOT_FOUND for an unknown worker (or, with `attach_only`, an unknown job),
+        ALREADY_EXISTS when the job id is known on another worker, and FAILED_PRECONDITION when the
+        worker is not ready (not running, or its setup has not finished) or already runs another job.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelJob(
+        self,
+        request: _provisioner_service_pb2.CancelJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_provisioner_service_pb2.CancelJobResponse, _abc.Awaitable[_provisioner_service_pb2.CancelJobResponse]]:
+        """Cancels a job: its processes get SIGTERM, then SIGKILL after `grace`; its stream ends with
+        CANCELLED. A job that already ended is left as it is (`cancelled` false). Returns NOT_FOUND
+        for an unknown job.
+        """
+
+    @_abc_1.abstractmethod
+    def GetJob(
+        self,
+        request: _provisioner_service_pb2.GetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_provisioner_service_pb2.GetJobResponse, _abc.Awaitable[_provisioner_service_pb2.GetJobResponse]]:
+        """Gets a job. Returns NOT_FOUND for an unknown job (never run here, or forgotten with its logs)."""
 
     @_abc_1.abstractmethod
     def CheckSpec(

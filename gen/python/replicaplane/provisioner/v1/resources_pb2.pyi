@@ -141,6 +141,12 @@ class _LaunchEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Launc
     """The launch failed for good. Terminal."""
     LAUNCH_EVENT_TYPE_CANCELLED: _LaunchEventType.ValueType  # 7
     """The launch was cancelled and its leftovers torn down. Terminal."""
+    LAUNCH_EVENT_TYPE_SETUP_DONE: _LaunchEventType.ValueType  # 8
+    """A pool worker's setup exited 0: the worker is ready for jobs. Terminal: a worker's launch
+    ends with it instead of RUNNING (the replica's state is RUNNING, with no endpoint). Nothing
+    needs to poll for readiness; the worker stays alive until torn down, and its end is reported
+    on WatchReplicas as any replica's (APP_EXITED, VANISHED, PREEMPTED).
+    """
 
 class LaunchEventType(_LaunchEventType, metaclass=_LaunchEventTypeEnumTypeWrapper):
     """LaunchEventType says what a launch step was."""
@@ -161,6 +167,12 @@ LAUNCH_EVENT_TYPE_FAILED: LaunchEventType.ValueType  # 6
 """The launch failed for good. Terminal."""
 LAUNCH_EVENT_TYPE_CANCELLED: LaunchEventType.ValueType  # 7
 """The launch was cancelled and its leftovers torn down. Terminal."""
+LAUNCH_EVENT_TYPE_SETUP_DONE: LaunchEventType.ValueType  # 8
+"""A pool worker's setup exited 0: the worker is ready for jobs. Terminal: a worker's launch
+ends with it instead of RUNNING (the replica's state is RUNNING, with no endpoint). Nothing
+needs to poll for readiness; the worker stays alive until torn down, and its end is reported
+on WatchReplicas as any replica's (APP_EXITED, VANISHED, PREEMPTED).
+"""
 Global___LaunchEventType: _TypeAlias = LaunchEventType  # noqa: Y015
 
 class _TerminateEventType:
@@ -247,6 +259,78 @@ REPLICA_EVENT_TYPE_SNAPSHOT_END: ReplicaEventType.ValueType  # 7
 """End of the snapshot: live events follow."""
 Global___ReplicaEventType: _TypeAlias = ReplicaEventType  # noqa: Y015
 
+class _JobState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_STATE_UNSPECIFIED: _JobState.ValueType  # 0
+    """Not set."""
+    JOB_STATE_STARTING: _JobState.ValueType  # 1
+    """Accepted; its process is being started."""
+    JOB_STATE_RUNNING: _JobState.ValueType  # 2
+    """Its process runs."""
+    JOB_STATE_EXITED: _JobState.ValueType  # 3
+    """Its process exited; see `exit_code`."""
+    JOB_STATE_FAILED: _JobState.ValueType  # 4
+    """It could not start, or its worker died or was torn down while it ran; see `cause`."""
+    JOB_STATE_CANCELLED: _JobState.ValueType  # 5
+    """It was cancelled."""
+
+class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper):
+    """JobState is where a job stands."""
+
+JOB_STATE_UNSPECIFIED: JobState.ValueType  # 0
+"""Not set."""
+JOB_STATE_STARTING: JobState.ValueType  # 1
+"""Accepted; its process is being started."""
+JOB_STATE_RUNNING: JobState.ValueType  # 2
+"""Its process runs."""
+JOB_STATE_EXITED: JobState.ValueType  # 3
+"""Its process exited; see `exit_code`."""
+JOB_STATE_FAILED: JobState.ValueType  # 4
+"""It could not start, or its worker died or was torn down while it ran; see `cause`."""
+JOB_STATE_CANCELLED: JobState.ValueType  # 5
+"""It was cancelled."""
+Global___JobState: _TypeAlias = JobState  # noqa: Y015
+
+class _JobEventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobEventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_EVENT_TYPE_UNSPECIFIED: _JobEventType.ValueType  # 0
+    """Not set."""
+    JOB_EVENT_TYPE_STARTED: _JobEventType.ValueType  # 1
+    """The job's process started (the event's time says when)."""
+    JOB_EVENT_TYPE_EXITED: _JobEventType.ValueType  # 2
+    """The job's process exited with `exit_code`. Terminal."""
+    JOB_EVENT_TYPE_FAILED: _JobEventType.ValueType  # 3
+    """The job could not start, or its worker died, was preempted or was torn down while it ran
+    ("worker died"): see `cause` and `message`. Terminal.
+    """
+    JOB_EVENT_TYPE_CANCELLED: _JobEventType.ValueType  # 4
+    """The job was cancelled (CancelJob). Terminal."""
+
+class JobEventType(_JobEventType, metaclass=_JobEventTypeEnumTypeWrapper):
+    """JobEventType says what a job step was."""
+
+JOB_EVENT_TYPE_UNSPECIFIED: JobEventType.ValueType  # 0
+"""Not set."""
+JOB_EVENT_TYPE_STARTED: JobEventType.ValueType  # 1
+"""The job's process started (the event's time says when)."""
+JOB_EVENT_TYPE_EXITED: JobEventType.ValueType  # 2
+"""The job's process exited with `exit_code`. Terminal."""
+JOB_EVENT_TYPE_FAILED: JobEventType.ValueType  # 3
+"""The job could not start, or its worker died, was preempted or was torn down while it ran
+("worker died"): see `cause` and `message`. Terminal.
+"""
+JOB_EVENT_TYPE_CANCELLED: JobEventType.ValueType  # 4
+"""The job was cancelled (CancelJob). Terminal."""
+Global___JobEventType: _TypeAlias = JobEventType  # noqa: Y015
+
 class _LogKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -259,6 +343,8 @@ class _LogKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LogKind.Value
     """The launch log: setup output and provisioner steps."""
     LOG_KIND_APP: _LogKind.ValueType  # 2
     """The app's stdout and stderr."""
+    LOG_KIND_JOB: _LogKind.ValueType  # 3
+    """A job's stdout and stderr (`StreamLogsRequest.job_id`)."""
 
 class LogKind(_LogKind, metaclass=_LogKindEnumTypeWrapper):
     """LogKind chooses which log of a replica to read."""
@@ -269,6 +355,8 @@ LOG_KIND_LAUNCH: LogKind.ValueType  # 1
 """The launch log: setup output and provisioner steps."""
 LOG_KIND_APP: LogKind.ValueType  # 2
 """The app's stdout and stderr."""
+LOG_KIND_JOB: LogKind.ValueType  # 3
+"""A job's stdout and stderr (`StreamLogsRequest.job_id`)."""
 Global___LogKind: _TypeAlias = LogKind  # noqa: Y015
 
 @_typing.final
@@ -296,6 +384,8 @@ class ProvisionedReplica(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     ACCELERATOR_FIELD_NUMBER: _builtins.int
     RESOURCES_PATH_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Replica name, the launch key (the `LaunchRequest.name` it was launched with). The
     controller names replicas `{service}-{replica_id}-{uid}`, `uid` being 8 hex digits unique to
@@ -341,6 +431,12 @@ class ProvisionedReplica(_message.Message):
     entry (`resources.any_of[1]`), or `resources` for a spec without them; empty when the
     backend does not say.
     """
+    worker: _builtins.bool
+    """True for a pool worker: it has no endpoint, is ready once its setup exited 0 (its launch
+    ends with SETUP_DONE instead of RUNNING) and runs jobs (RunJob).
+    """
+    job_id: _builtins.str
+    """For a worker: the job starting or running on it; empty when it is free."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When the launch was requested."""
@@ -371,14 +467,83 @@ class ProvisionedReplica(_message.Message):
         owner: _builtins.str = ...,
         accelerator: _builtins.str = ...,
         resources_path: _builtins.str = ...,
+        worker: _builtins.bool = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "name", b"name", "owner", b"owner", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "resources_path", b"resources_path", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "app_state", b"app_state", "attempt", b"attempt", "backend", b"backend", "create_time", b"create_time", "endpoint", b"endpoint", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "job_id", b"job_id", "name", b"name", "owner", b"owner", "price_per_hour", b"price_per_hour", "replica_id", b"replica_id", "resources_path", b"resources_path", "service", b"service", "start_time", b"start_time", "state", b"state", "version", b"version", "worker", b"worker", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProvisionedReplica: _TypeAlias = ProvisionedReplica  # noqa: Y015
+
+@_typing.final
+class ProvisionedJob(_message.Message):
+    """ProvisionedJob is what the provisioner knows of one job it runs on a pool worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    SERVICE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """Job id (`RunJobRequest.job_id`)."""
+    replica: _builtins.str
+    """Full name of the worker it runs on."""
+    service: _builtins.str
+    """The worker's service (pool) name."""
+    state: Global___JobState.ValueType
+    """Where the job stands."""
+    exit_code: _builtins.int
+    """Exit code once EXITED (0: it succeeded)."""
+    failure_reason: _builtins.str
+    """Why the job FAILED (could not start, its worker died) or was CANCELLED."""
+    cause: Global___FailureCause.ValueType
+    """For FAILED: whose fault it was. INFRASTRUCTURE (its worker died or was preempted, a
+    provisioner restart lost it before it started): run it again elsewhere. USER: its command
+    could not be started as given.
+    """
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When RunJob accepted it."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When its process started."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """When it ended."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        replica: _builtins.str = ...,
+        service: _builtins.str = ...,
+        state: Global___JobState.ValueType = ...,
+        exit_code: _builtins.int = ...,
+        failure_reason: _builtins.str = ...,
+        cause: Global___FailureCause.ValueType = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "create_time", b"create_time", "end_time", b"end_time", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "job_id", b"job_id", "replica", b"replica", "service", b"service", "start_time", b"start_time", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProvisionedJob: _TypeAlias = ProvisionedJob  # noqa: Y015
 
 @_typing.final
 class Zone(_message.Message):
@@ -579,3 +744,53 @@ class ReplicaEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaEvent: _TypeAlias = ReplicaEvent  # noqa: Y015
+
+@_typing.final
+class JobEvent(_message.Message):
+    """JobEvent is one step of a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Sequence number within this job; starts at 1."""
+    type: Global___JobEventType.ValueType
+    """What happened."""
+    message: _builtins.str
+    """Human-readable detail: why it failed, for example."""
+    exit_code: _builtins.int
+    """For EXITED: the job's exit code."""
+    cause: Global___FailureCause.ValueType
+    """For FAILED: whose fault it was."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When the step happened."""
+
+    @_builtins.property
+    def job(self) -> Global___ProvisionedJob:
+        """The job after this step."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        type: Global___JobEventType.ValueType = ...,
+        job: Global___ProvisionedJob | None = ...,
+        message: _builtins.str = ...,
+        exit_code: _builtins.int = ...,
+        cause: Global___FailureCause.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "exit_code", b"exit_code", "job", b"job", "message", b"message", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobEvent: _TypeAlias = JobEvent  # noqa: Y015
