@@ -8,14 +8,17 @@ test takes a port on purpose.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +35,7 @@ pytestmark = pytest.mark.e2e
 REPO = base.REPO
 EXAMPLE = base.EXAMPLE
 APP = os.path.join(REPO, "examples", "hello", "app.py")
+COMPONENTS = ("CONTROLLER", "PROVISIONER", "PROBER", "LOADBALANCER", "DASHBOARD")
 
 
 def up_command(state_dir: Path, *extra: str) -> str:
@@ -131,6 +135,55 @@ def test_ctrl_c_stops_the_whole_stack_when_its_output_goes_through_tee(state_dir
     assert not (state_dir / "stack.json").exists()
 
 
+def _controlling_terminal() -> None:
+    """In the child: make stdin (the pty) the controlling terminal of its new session."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_closing_the_terminal_stops_the_whole_stack(state_dir, tmp_path) -> None:
+    main, child = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir), "--example", EXAMPLE],
+            cwd=REPO,
+            env=base.stack_env(),
+            stdin=child,
+            stdout=child,
+            stderr=child,
+            start_new_session=True,
+            preexec_fn=_controlling_terminal,
+        )
+    finally:
+        os.close(child)
+    seen = bytearray()
+
+    def read_terminal() -> bool:
+        while select.select([main], [], [], 0)[0]:
+            try:
+                seen.extend(os.read(main, 65536))
+            except OSError:
+                return False
+        return b"hello: replica 1 READY" in seen and b"hello: replica 2 READY" in seen
+
+    try:
+        wait_for(read_terminal, 180, "hello not READY", lambda: f"{seen.decode(errors='replace')}")
+        pids = stack_pids(read_state(state_dir))
+        os.close(main)  # the terminal window closes: SIGHUP, and every later write fails
+        main = -1
+        proc.wait(timeout=200)
+    finally:
+        if main >= 0:
+            os.close(main)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert not left_running(pids)
+    assert base.processes_touching(str(tmp_path), []) == []
+    tail = text(state_dir / "stack.log")
+    assert "services left: none (1 deleted)" in tail and "stack stopped" in tail, tail
+
+
 def test_a_killed_stack_takes_its_processes_with_it_and_down_removes_its_replicas(state_dir, tmp_path) -> None:
     up = base.stack(
         "up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, env=base.stack_env(), timeout=240
@@ -166,7 +219,9 @@ def test_ports_in_use_are_named_before_anything_starts(state_dir) -> None:
     holder.listen()
     with holder:
         taken = f"127.0.0.1:{holder.getsockname()[1]}"
-        env = {**base.stack_env(), "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": taken}
+        # Metrics on picked ports, so only the taken one can clash whatever else runs here.
+        metrics = {f"REPLICAPLANE_{c}_METRICS_ADDR": "127.0.0.1:0" for c in COMPONENTS}
+        env = {**base.stack_env(), **metrics, "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": taken}
         up = base.stack("up", "--state-dir", str(state_dir), "--example", EXAMPLE, env=env, timeout=60)
     assert up.returncode != 0
     lines = up.stdout.splitlines() + up.stderr.splitlines()
@@ -227,7 +282,8 @@ def test_a_bad_example_yaml_is_one_line(state_dir, tmp_path) -> None:
     up = base.stack("up", "--state-dir", str(state_dir), "--example", str(bad), env=base.stack_env(), timeout=60)
     assert up.returncode != 0
     output = (up.stdout + up.stderr).strip().splitlines()
-    assert len(output) == 1 and str(bad) in output[0] and "line 1" in output[0], output
+    assert len(output) == 1 and str(bad) in output[0] and "not valid YAML" in output[0], output
+    assert "at line 2" in output[0] and "line 1" in output[0], output
 
 
 def test_a_balancer_that_cannot_bind_names_its_http_port_and_log(state_dir, tmp_path) -> None:
