@@ -287,13 +287,14 @@ def test_a_bad_example_yaml_is_one_line(state_dir, tmp_path) -> None:
 
 
 def test_a_balancer_that_cannot_bind_names_its_http_port_and_log(state_dir, tmp_path) -> None:
+    # Held all along, but not listening yet: the stack's check (which binds with SO_REUSEADDR, as
+    # servers do) finds it free. It listens before the balancer starts: the stack starts the
+    # balancer only once the controller serves, and is held (SIGSTOP) meanwhile.
     holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     holder.bind(("127.0.0.1", 0))
     port = holder.getsockname()[1]
-    # The port is free when the stack checks it and taken before the balancer starts: the stack
-    # starts the balancer only once the controller serves, so it is held while the stack waits.
     env = {**base.stack_env(), "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": f"127.0.0.1:{port}"}
-    holder.close()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.stack", "up", "--state-dir", str(state_dir)],
         cwd=REPO,
@@ -304,17 +305,15 @@ def test_a_balancer_that_cannot_bind_names_its_http_port_and_log(state_dir, tmp_
     )
     try:
         wait_for(lambda: (state_dir / "logs" / "provisioner.log").exists(), 60, "the stack started nothing")
-        proc.send_signal(signal.SIGSTOP)  # hold it while the port is taken
+        proc.send_signal(signal.SIGSTOP)
         try:
             assert not (state_dir / "logs" / "loadbalancer.log").exists(), "the balancer started already"
-            holder = socket.socket()
-            holder.bind(("127.0.0.1", port))
             holder.listen()
         finally:
             proc.send_signal(signal.SIGCONT)
-        with holder:
-            out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=120)
     finally:
+        holder.close()
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
