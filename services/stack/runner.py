@@ -50,7 +50,6 @@ class _Output:
     """Where progress lines go once stdout is gone (the file, else nowhere)."""
 
     fallback = os.devnull
-    lost = False
 
 
 def keep_output_in(path: str) -> None:
@@ -60,7 +59,6 @@ def keep_output_in(path: str) -> None:
 
 def _lose_stdout() -> None:
     """Point stdout and stderr at the fallback file, so every later write (ours, grpc's) works."""
-    _Output.lost = True
     fd = os.open(_Output.fallback, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -624,10 +622,16 @@ async def up(
             os.unlink(files.token_path)  # the user's own tokens guard the API
     stack = Stack(specs, files, out, token=token, announce=not cleanup_only)
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # an impatient second Ctrl-C: the cleanup goes on, say what it waits for
+            out(f"already stopping: deleting every service first (at most {delete_timeout:.0f} s each)")
+        stop.set()
+
     loop = asyncio.get_running_loop()
     # SIGHUP: the terminal closed; clean up as for Ctrl-C (lines go to stack.log from then on).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     main = asyncio.create_task(_run(stack, example, ready_timeout, follow=not cleanup_only))
     exits = asyncio.create_task(stack.watch_exits())
     stopped = asyncio.create_task(stop.wait())
