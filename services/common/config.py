@@ -71,6 +71,33 @@ def _convert(raw: Any, hint: Any, path: str) -> Any:
     return raw
 
 
+def read_file(path: str) -> dict[str, Any]:
+    """The settings file named by REPLICAPLANE_CONFIG: a mapping of sections.
+
+    Raises:
+        errors.ValidationError: it cannot be read, is not YAML, or is not a mapping; the violation
+            names REPLICAPLANE_CONFIG and the file.
+    """
+
+    def bad(why: str) -> errors.ValidationError:
+        return errors.ValidationError([errors.FieldViolation(CONFIG_FILE_ENV, f"{path}: {why}")], subject="settings")
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except OSError as exc:
+        raise bad(exc.strerror or str(exc)) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise bad(f"not valid YAML{where}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise bad("must be a mapping of sections (controller:, provisioner:, ...)")
+    return doc
+
+
 def load(cls: type[T], section: str, *, environ: Mapping[str, str] | None = None, **overrides: Any) -> T:
     """Build settings of type `cls` from defaults, the config file, the environment and overrides.
 
@@ -91,9 +118,14 @@ def load(cls: type[T], section: str, *, environ: Mapping[str, str] | None = None
 
     path = env.get(CONFIG_FILE_ENV)
     if path:
-        with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh) or {}
-        for key, raw in (doc.get(section) or {}).items():
+        doc = read_file(path)
+        part = doc.get(section) or {}
+        if not isinstance(part, dict):
+            raise errors.ValidationError(
+                [errors.FieldViolation(section, f"{CONFIG_FILE_ENV} ({path}): must be a mapping of settings")],
+                subject=f"{section} settings",
+            )
+        for key, raw in part.items():
             if key not in names:
                 violations.append(errors.FieldViolation(f"{section}.{key}", "unknown setting"))
                 continue

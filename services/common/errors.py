@@ -116,6 +116,12 @@ class UnavailableError(ReplicaplaneError):
     reason = "UNAVAILABLE"
 
 
+class StartupError(RuntimeError):
+    """A service cannot start: the message names the setting or resource at fault (a port in
+    use, an address of another host). A user's mistake, not a bug, so it is reported in one line
+    without a traceback (logs.setup)."""
+
+
 def require(violations: list[FieldViolation], *, subject: str = "request") -> None:
     """Raise ValidationError if any violation was collected."""
     if violations:

@@ -107,7 +107,9 @@ def finish(
     else:
         port = server.add_secure_port(listen_addr, credentials)
     if port == 0:
-        raise RuntimeError(f"could not bind {listen_addr}")
+        raise errors.StartupError(
+            f"could not bind {listen_addr} for its gRPC API (in use, or not an address of this host)"
+        )
     if socket_path:
         os.chmod(socket_path, 0o600)
     return Built(server=server, port=port, health=health_servicer, service_names=tuple(service_names), metrics=metrics)
@@ -174,7 +176,7 @@ async def serve_metrics(built: Built, addr: str, *, port_file: str = "") -> metr
     except ValueError as exc:
         raise errors.ValidationError([errors.FieldViolation(setting, str(exc))], subject="settings") from None
     except OSError as exc:
-        raise RuntimeError(
+        raise errors.StartupError(
             f"could not serve metrics on {addr} ({exc.strerror or exc}); set {setting} to another "
             "address, or to an empty value to turn metrics off"
         ) from None

@@ -6,7 +6,10 @@ import logging
 import os
 import re
 import sys
+import types
 from collections.abc import Mapping
+
+from services.common import errors
 
 REDACTED = "<redacted>"
 
@@ -46,16 +49,54 @@ class RedactingFormatter(logging.Formatter):
         return redact_text(super().format(record))
 
 
+LEVEL_ENV = "REPLICAPLANE_LOG_LEVEL"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The log levels a service takes (logging's other names, WARN and FATAL, work too)."""
+
+_log = logging.getLogger(__name__)
+
+
 def setup(component: str, level: str | None = None) -> None:
     """Configure root logging for a service process.
 
     Args:
         component: name shown in each line (controller, provisioner, prober).
         level: log level name; defaults to REPLICAPLANE_LOG_LEVEL or INFO.
+
+    Also reports an error that stops the process through the log: a bad setting or a port in use
+    (errors.ValidationError, errors.StartupError) as one line naming it, anything else with its
+    traceback, redacted like every other line.
+
+    Raises:
+        errors.StartupError: the level is not a level name.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(RedactingFormatter(f"%(asctime)s {component} %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("REPLICAPLANE_LOG_LEVEL", "INFO")).upper())
+    sys.excepthook = _report_exit
+    root.setLevel(check_level(level or os.environ.get(LEVEL_ENV, "INFO")))
+
+
+def check_level(name: str) -> str:
+    """The log level `name` (any case) as logging knows it.
+
+    Raises:
+        errors.StartupError: it is not a level; the message names REPLICAPLANE_LOG_LEVEL.
+    """
+    level = name.strip().upper()
+    if level not in logging.getLevelNamesMapping():
+        raise errors.StartupError(f"{LEVEL_ENV}: unknown log level {name!r}; use one of {', '.join(LEVELS)}")
+    return level
+
+
+def _report_exit(kind: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
+    """sys.excepthook of a service: the error that ends it, as one redacted log line for a
+    user's mistake, with the traceback for anything else (a bug)."""
+    if isinstance(exc, errors.ValidationError | errors.StartupError):
+        _log.critical("cannot start: %s", exc)
+    elif isinstance(exc, KeyboardInterrupt):
+        sys.__excepthook__(kind, exc, tb)
+    else:
+        _log.critical("stopped by an unexpected error", exc_info=(kind, exc, tb))

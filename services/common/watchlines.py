@@ -78,7 +78,12 @@ class WatchPrinter:
             if self._replica_status.pop((name, replica_id), None) is not None:
                 out.append(f"{name}: replica {replica_id} removed {counts}")
         if resp.deleted:
+            # Forget it whole: a service created again under this name starts afresh.
             self._service_status.pop(name, None)
+            self._balancer_url.pop(name, None)
+            for key in [k for k in self._replica_status if k[0] == name]:
+                del self._replica_status[key]
+                self._reason.pop(key, None)
             out.append(f"{name}: deleted")
         elif self._service_status.get(name) != svc.status:
             self._service_status[name] = svc.status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
@@ -141,6 +142,11 @@ def api_token(settings: Settings) -> str:
     return security.client_token()
 
 
+def _bind_error(exc: OSError) -> str:
+    """Why a bind failed, in a few words (asyncio wraps the errno in a long message)."""
+    return os.strerror(exc.errno).lower() if exc.errno else str(exc)
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
@@ -222,13 +228,20 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
         tracker=lambda: px.connections,
     )
     host, port = _split(settings.http_addr)
-    runner, http_port = await proxy.start_http(
-        px,
-        host,
-        port,
-        ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile),
-        shutdown_timeout_s=settings.shutdown_grace_s,
-    )
+    try:
+        runner, http_port = await proxy.start_http(
+            px,
+            host,
+            port,
+            ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile),
+            shutdown_timeout_s=settings.shutdown_grace_s,
+        )
+    except OSError as exc:
+        await px.close()
+        raise errors.StartupError(
+            f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
+            f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
+        ) from None
     if settings.http_port_file:
         grpc_server.write_port_file(settings.http_port_file, http_port)
     token = api_token(settings)

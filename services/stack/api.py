@@ -120,10 +120,14 @@ class Controller:
         out(f"{resp.service.name}: created from {yaml_path}")
         return resp.service.name
 
-    async def follow(self, name: str, printer: WatchPrinter, out: Out) -> None:
+    async def follow(self, name: str, printer: WatchPrinter, out: Out, *, say_not_found: bool = True) -> bool:
         """Print `name`'s changes until it is deleted or the task is cancelled.
 
         A cut stream is resumed from the last sequence number seen, with a growing pause.
+
+        Returns:
+            True once the service is gone (deleted, or not found); False if the controller
+            cannot watch services.
         """
         after = 0
         failures = 0
@@ -136,18 +140,81 @@ class Controller:
                     for line in printer.lines(resp):
                         out(line)
                     if resp.deleted:
-                        return
+                        return True
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    out(f"{name}: not found")
-                    return
+                    if say_not_found:
+                        out(f"{name}: not found")
+                    return True
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     out(f"{name}: the controller cannot watch services yet; not following")
-                    return
+                    return False
                 if failures == 0:
                     out(f"{name}: watch interrupted ({err.code().name}); reconnecting")
                 failures += 1
             await asyncio.sleep(min(0.2 * 2**failures, 5.0))
+
+    async def follow_all(self, out: Out, *, first: Sequence[str] = (), interval: float = 1.0, limit: int = 100) -> None:
+        """Print the changes of every service, the ones created later included, until cancelled.
+
+        `ListServices` every `interval` seconds finds new services (the controller has no watch
+        over all of them); each gets a follower until it is deleted, and a service created again
+        under the same name gets a new one. At most `limit` services are followed at once.
+
+        Args:
+            out: where lines go.
+            first: services to follow at once, before the first listing (the stack's example).
+            interval: seconds between listings.
+            limit: most services followed at once; the others are named once.
+        """
+        printer = WatchPrinter()
+        followers: dict[str, asyncio.Task[bool]] = {}
+        unwatchable: set[str] = set()
+        skipped: set[str] = set()
+        known = set(first)
+        listing_failed = False
+
+        def start(name: str) -> None:
+            if name in unwatchable:
+                return
+            task = followers.get(name)
+            if task is not None and not task.done():
+                return
+            if task is not None and not task.result():
+                unwatchable.add(name)
+                return
+            if sum(not t.done() for t in followers.values()) >= limit:
+                if name not in skipped:
+                    skipped.add(name)
+                    out(f"{name}: not followed here ({limit} services already are; see `replicactl status`)")
+                return
+            if name not in known:
+                out(f"{name}: found; following it")
+                known.add(name)
+            skipped.discard(name)
+            followers[name] = asyncio.create_task(self.follow(name, printer, out, say_not_found=False))
+
+        try:
+            for name in first:
+                start(name)
+            while True:
+                try:
+                    names = await self.list_names()
+                    listing_failed = False
+                except StackError as exc:
+                    if not listing_failed:
+                        out(f"looking for new services failed ({exc}); retrying")
+                    listing_failed = True
+                    names = []
+                for name in names:
+                    start(name)
+                # Deleted services: a name created again later is announced again.
+                known &= set(names) | {n for n, t in followers.items() if not t.done()}
+                await asyncio.sleep(interval)
+        finally:
+            for task in followers.values():
+                task.cancel()
+            await asyncio.gather(*followers.values(), return_exceptions=True)
 
     async def list_names(self) -> list[str]:
         """Every service the controller has, in name order (all pages).

@@ -6,8 +6,11 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import yaml
+
+from services.common import config, errors, logs, specfile
 from services.stack import api, plan, runner
 
 DEFAULT_STATE_DIR = ".state"
@@ -65,17 +68,60 @@ async def _create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _example_name(path: str) -> str:
+    """The `name:` of the example YAML ("" for none), after checking it reads and parses.
+
+    Raises:
+        api.StackError: it cannot be read, is not YAML, or names a path that does not exist; the
+            message names the file (and the line) in one line.
+    """
+    try:
+        specfile.load(path)
+        return api.spec_name(path)
+    except FileNotFoundError:
+        raise api.StackError(f"no such file: {path}") from None
+    except specfile.PathError as exc:
+        raise api.StackError(f"{path}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise api.StackError(f"cannot read {path}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        # Position only: the offending line may hold a secret.
+        what = exc.problem or "syntax error"
+        if exc.problem_mark is not None:
+            what += f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}"
+        if exc.context and exc.context_mark is not None:
+            what += f" ({exc.context} at line {exc.context_mark.line + 1})"
+        raise api.StackError(f"{path} is not valid YAML: {what}") from None
+    except yaml.YAMLError:
+        raise api.StackError(f"{path} is not valid YAML") from None
+
+
+def _check_settings(environ: Mapping[str, str]) -> None:
+    """The settings every process reads, checked once here rather than failing in each.
+
+    Raises:
+        errors.ValidationError: REPLICAPLANE_CONFIG cannot be read or is not a mapping.
+        errors.StartupError: REPLICAPLANE_LOG_LEVEL is not a level.
+    """
+    if path := environ.get(config.CONFIG_FILE_ENV):
+        config.read_file(path)
+    logs.check_level(environ.get(logs.LEVEL_ENV, "INFO"))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse the command line and run it; exits with the command's code."""
+    """Parse the command line and run it; exits with the command's code.
+
+    Every mistake the stack can see before it starts (a bad setting, an unreadable example, a
+    port in use) is one line naming it, never a traceback.
+    """
     args = _parser().parse_args(argv)
     if args.command == "up":
         state_dir = os.path.abspath(args.state_dir)
-        if args.example and not os.path.isfile(args.example):
-            sys.exit(f"error: no such file: {args.example}")
-        balanced = (api.spec_name(args.example) if args.example else None) or plan.DEFAULT_BALANCED_SERVICE
         try:
+            _check_settings(os.environ)
+            balanced = (_example_name(args.example) if args.example else "") or plan.DEFAULT_BALANCED_SERVICE
             specs = plan.plan(probers=args.probers, state_dir=state_dir, balanced_service=balanced)
-        except ValueError as exc:
+        except (ValueError, api.StackError, errors.ValidationError, errors.StartupError) as exc:
             sys.exit(f"error: {exc}")
         if args.detach:
             child = ["up", "--state-dir", state_dir, "--probers", str(args.probers)]
@@ -84,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.example:
                 child += ["--example", os.path.abspath(args.example)]
             timeout = args.ready_timeout * len(specs) + 60
-            sys.exit(runner.detach(child, state_dir=state_dir, timeout=timeout))
+            sys.exit(runner.detach(child, state_dir=state_dir, timeout=timeout, specs=specs))
         example = os.path.abspath(args.example) if args.example else None
         sys.exit(
             asyncio.run(

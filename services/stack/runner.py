@@ -1,7 +1,11 @@
 """Runs the local stack: starts the service processes, creates the example, cleans up on stop.
 
-Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes the
-services it created (so the provisioner tears every replica down) before it stops the children.
+Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes every
+service (so the provisioner tears every replica down) before it stops the children. The stack
+finishes that cleanup whatever happened to its terminal: a pipe whose reader died with the same
+Ctrl-C (`make up | tee`) or a closed terminal sends its lines to `stack.log` instead. Should the
+stack itself be killed (SIGKILL), the kernel sends each child SIGTERM (PR_SET_PDEATHSIG), so no
+service outlives it; `down` then deletes the services left behind.
 
 The state dir is private (0700): it holds the internal services' sockets, the API token the
 stack generates (0600), the stores, replica logs and specs.
@@ -11,19 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.common import config, security
-from services.stack import api, plan
+from services.stack import api, plan, preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,9 +39,48 @@ STOP_TIMEOUT_S = 10.0
 _BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
 
 
+FOLLOW_MAX = 100
+"""Services the stack's terminal follows at most; the rest are named once (the dashboard and
+`replicactl status` show every one)."""
+DISCOVER_INTERVAL_S = 1.0
+"""How often the stack looks for services created or deleted through the API."""
+
+
+class _Output:
+    """Where progress lines go once stdout is gone (the file, else nowhere)."""
+
+    fallback = os.devnull
+
+
+def keep_output_in(path: str) -> None:
+    """Send progress lines to `path` if stdout goes away (a pipe's reader died, the terminal closed)."""
+    _Output.fallback = path
+
+
+def _lose_stdout() -> None:
+    """Point stdout and stderr at the fallback file, so every later write (ours, grpc's) works."""
+    fd = os.open(_Output.fallback, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def say(line: str) -> None:
-    """Print a progress line with the time of day."""
-    print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+    """Print a progress line with the time of day.
+
+    Never raises for a dead stdout: Ctrl-C on `make up 2>&1 | tee FILE` stops tee as well, and the
+    stack must still delete its services and stop its processes, so the line goes to the
+    fallback file (keep_output_in) instead.
+    """
+    text = f"{time.strftime('%H:%M:%S')} {line}\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError:  # EPIPE (SIGPIPE is ignored in Python), EIO from a closed terminal
+        with contextlib.suppress(OSError):
+            _lose_stdout()
+            sys.stdout.write(text)  # the failed write left nothing buffered
+            sys.stdout.flush()
 
 
 def dashboard_line(url: str) -> str:
@@ -52,6 +97,39 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 _HAVE_PROC = os.path.isdir("/proc/self")
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Any:
+    """libc's prctl, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    return None
+
+
+_PRCTL = _prctl()  # resolved here, so the forked child only calls it
+
+
+def die_with_this_process() -> Callable[[], None] | None:
+    """A preexec_fn that makes a child get SIGTERM when this process dies, even by SIGKILL.
+
+    Linux ties the signal to the thread that forked the child, so call Popen from the main thread
+    (the event loop's), never from a worker thread that may end first. The hook runs between fork
+    and exec and does no more than two system calls.
+    """
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+    prctl = _PRCTL
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call above took effect
+            os._exit(1)
+
+    return hook
 
 
 def _cmdline(pid: int) -> str | None:
@@ -213,10 +291,21 @@ def private_dir(path: str, out: api.Out) -> bool:
 class Stack:
     """The service processes of one stack and the services it created."""
 
-    def __init__(self, specs: Sequence[plan.ProcessSpec], files: StateFiles, out: api.Out, *, token: str = "") -> None:
+    def __init__(
+        self,
+        specs: Sequence[plan.ProcessSpec],
+        files: StateFiles,
+        out: api.Out,
+        *,
+        token: str = "",
+        announce: bool = True,
+    ) -> None:
         self.specs = list(specs)
         self.files = files
         self.out = out
+        # False: say nothing about where each process serves (a stack that only cleans up).
+        self.announce = announce
+        self.served: set[str] = set()  # processes that answered their health check
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.created: list[str] = []
         self.ready = False
@@ -305,6 +394,7 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_this_process(),
             )
 
     async def start(self, timeout: float) -> None:
@@ -345,11 +435,10 @@ class Stack:
             kinds[files[config.env_name(spec.component, "metrics_port_file")]] = "metrics"
         deadline = time.monotonic() + timeout
         while not _all_exist(list(kinds)):
-            if (code := self.procs[name].poll()) is not None:
-                log = os.path.join(self.files.log_dir, f"{name}.log")
-                raise api.StackError(f"{name} exited with code {code} before it served; see {log}")
+            if self.procs[name].poll() is not None:
+                raise api.StackError(self.failure(name))
             if time.monotonic() > deadline:
-                raise api.StackError(f"{name} reported no port in {timeout:.0f} s")
+                raise api.StackError(f"{name} reported no port in {timeout:.0f} s (log: {self.log_path(name)})")
             await asyncio.sleep(0.05)
         changed = False
         for path, kind in kinds.items():
@@ -367,13 +456,26 @@ class Stack:
         if changed:
             self.save()
 
+    def log_path(self, name: str) -> str:
+        """The log file of process `name`."""
+        return os.path.join(self.files.log_dir, f"{name}.log")
+
+    def failure(self, name: str) -> str:
+        """One line on why process `name` exited: the error it logged last (the setting or port at
+        fault), its exit code otherwise, and its log."""
+        proc = self.procs[name]
+        log = self.log_path(name)
+        started = name in self.served
+        if reason := exit_reason(log):
+            return f"{name} {'stopped' if started else 'did not start'}: {reason} (log: {log})"
+        return f"{name} exited with code {proc.returncode}{'' if started else ' before it served'} (log: {log})"
+
     def exited(self) -> str | None:
         """A message naming the first process that exited, or None while all run."""
         for spec in self.specs:
             proc = self.procs.get(spec.name)
             if proc is not None and proc.poll() is not None:
-                log = os.path.join(self.files.log_dir, f"{spec.name}.log")
-                return f"{spec.name} exited with code {proc.returncode}; see {log}"
+                return self.failure(spec.name)
         return None
 
     async def wait_serving(self, timeout: float) -> None:
@@ -385,8 +487,18 @@ class Stack:
             var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
             tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
             addr = self.addrs[spec.name]
-            await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
-            self.out(f"{spec.name} serving on {addr} (log: {self.files.log_dir}/{spec.name}.log)")
+            try:
+                await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
+            except api.StackError:
+                if proc.poll() is not None:
+                    raise api.StackError(self.failure(spec.name)) from None
+                raise api.StackError(
+                    f"{spec.name} on {addr} was not serving after {timeout:.0f} s (log: {self.log_path(spec.name)})"
+                ) from None
+            self.served.add(spec.name)
+            if not self.announce:
+                continue
+            self.out(f"{spec.name} serving on {addr} (log: {self.log_path(spec.name)})")
             if metrics_url := self.metrics_url(spec.name):
                 self.out(f"{spec.name} metrics: {metrics_url}")
             if spec.component == "dashboard":
@@ -433,9 +545,13 @@ class Stack:
         self.out("stack stopped")
 
 
-async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
+async def _run(stack: Stack, example: str | None, ready_timeout: float, *, follow: bool = True) -> None:
     await stack.start(ready_timeout)
     await stack.wait_serving(ready_timeout)
+    if not follow:  # a stack started only to clean up after a killed one
+        stack.ready = True
+        stack.save()
+        return
     client = api.Controller(stack.controller_addr, token=stack.token)
     try:
         if example:
@@ -448,9 +564,8 @@ async def _run(stack: Stack, example: str | None, ready_timeout: float) -> None:
         stack.ready = True
         stack.save()
         stack.out(f"stack ready: controller at {stack.controller_addr}; Ctrl-C (or make down) stops it")
-        printer = api.WatchPrinter()
-        await asyncio.gather(*(client.follow(name, printer, stack.out) for name in stack.created))
-        await asyncio.Event().wait()  # nothing left to follow: run until stopped
+        # Every service, the ones created through the API later too, until the stack stops.
+        await client.follow_all(stack.out, first=stack.created, interval=DISCOVER_INTERVAL_S, limit=FOLLOW_MAX)
     finally:
         await client.close()
 
@@ -463,8 +578,12 @@ async def up(
     ready_timeout: float = 30.0,
     delete_timeout: float = 90.0,
     out: api.Out = say,
+    cleanup_only: bool = False,
 ) -> int:
-    """Run the stack until SIGTERM or SIGINT, then clean up.
+    """Run the stack until SIGTERM, SIGINT or SIGHUP, then clean up.
+
+    Before it starts anything, every fixed TCP port of `specs` must be free; a taken one is
+    named in one line (with what holds it) and nothing starts.
 
     Args:
         specs: the processes, from plan.plan().
@@ -473,6 +592,8 @@ async def up(
         ready_timeout: seconds each process gets to serve.
         delete_timeout: seconds each created service gets to be deleted on stop.
         out: where progress lines go.
+        cleanup_only: start the processes quietly, delete every service and stop (what `down`
+            does after a killed stack).
 
     Returns:
         The exit code: 0 after a requested stop, 1 if anything failed.
@@ -483,6 +604,10 @@ async def up(
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
+    if problem := await asyncio.to_thread(preflight.check_ports, specs):
+        out(f"error: {problem}")
+        return 1
+    keep_output_in(os.path.join(state_dir, "stack.log"))
     files.write(files.pid_path, f"{os.getpid()}\n")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(files.result_path)  # a stale report of an earlier stack
@@ -490,16 +615,24 @@ async def up(
     token = ""
     if controller.env.get("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE") == files.token_path:
         token = files.new_token()
-        out(f"API token (for grpcurl and scripts): {files.token_path}")
+        if not cleanup_only:
+            out(f"API token (for grpcurl and scripts): {files.token_path}")
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(files.token_path)  # the user's own tokens guard the API
-    stack = Stack(specs, files, out, token=token)
+    stack = Stack(specs, files, out, token=token, announce=not cleanup_only)
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # an impatient second Ctrl-C: the cleanup goes on, say what it waits for
+            out(f"already stopping: deleting every service first (at most {delete_timeout:.0f} s each)")
+        stop.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    main = asyncio.create_task(_run(stack, example, ready_timeout))
+    # SIGHUP: the terminal closed; clean up as for Ctrl-C (lines go to stack.log from then on).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal)
+    main = asyncio.create_task(_run(stack, example, ready_timeout, follow=not cleanup_only))
     exits = asyncio.create_task(stack.watch_exits())
     stopped = asyncio.create_task(stop.wait())
     rc = 0
@@ -512,7 +645,7 @@ async def up(
         elif exits in done:
             out(f"error: {exits.result()}")
             rc = 1
-        else:
+        elif not cleanup_only:
             out("stopping")
     finally:
         for task in (exits, stopped):
@@ -532,8 +665,22 @@ async def up(
     return rc
 
 
-def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out = say) -> int:
+def detach(
+    argv: Sequence[str],
+    *,
+    state_dir: str,
+    timeout: float,
+    out: api.Out = say,
+    specs: Sequence[plan.ProcessSpec] = (),
+) -> int:
     """Run `python -m services.stack <argv>` in the background and wait until it is ready.
+
+    Args:
+        argv: the `up` command line of the background stack.
+        state_dir: its state dir.
+        timeout: seconds it gets to be ready.
+        out: where progress lines go.
+        specs: its processes; their fixed ports are checked first, as `up` does.
 
     Returns:
         0 once the background stack is ready; 1 if it failed or took longer than `timeout` s.
@@ -544,7 +691,11 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
         return 1
+    if problem := preflight.check_ports(specs):
+        out(f"error: {problem}")
+        return 1
     log_path = os.path.join(state_dir, "stack.log")
+    start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.stack", *argv],
@@ -558,9 +709,15 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             with open(log_path, encoding="utf-8", errors="replace") as fh:
-                tail = fh.read().splitlines()[-20:]
+                fh.seek(start)
+                lines = fh.read().splitlines()
+            # Its own one-line error says it all; otherwise show how it ended.
+            if errors := [line.split(" ", 1)[-1] for line in lines if " error: " in f" {line}"]:
+                for line in errors:
+                    out(f"{line} (the stack's output: {log_path})")
+                return 1
             out(f"the stack failed to start (exit code {proc.returncode}); last lines of {log_path}:")
-            for line in tail:
+            for line in lines[-20:]:
                 print(f"  {line}", flush=True)
             return 1
         state = files.read_state()
@@ -584,11 +741,12 @@ def detach(argv: Sequence[str], *, state_dir: str, timeout: float, out: api.Out 
 def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     """Stop the stack running from `state_dir`, the same way Ctrl-C does.
 
-    If the stack process itself is gone (killed), its children are cleaned up from the state
-    file: created services are deleted through the controller, then the processes stopped.
-
     Every service the controller has is deleted (not only the ones the stack created), and the
     services that could not be deleted are reported.
+
+    If the stack process itself is gone without cleaning up (killed), its processes went with it
+    (or are stopped now), but its services' replicas still run: the provisioner and controller
+    are started again from the same state, quietly, to delete every service, then stopped.
 
     Returns:
         0 when nothing of the stack is left running and every service was deleted, 1 otherwise.
@@ -601,6 +759,7 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
         files.remove()
         return 0
     failed = False
+    crashed = pid is None
     if pid is not None:
         out(f"stopping the stack (pid {pid})")
         os.kill(pid, signal.SIGTERM)
@@ -609,34 +768,94 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _wait_gone(pid, "services.stack", 2.0)
-        result = _read_result(files)
-        if result is None:
+            crashed = True
+        result = None if crashed else _read_result(files)
+        if crashed:
+            pass  # cleaned up below
+        elif result is None:
             out("the stack did not say whether every service was deleted; see its log")
         elif result:
             out(f"services left: {', '.join(result)} (their replicas may still run)")
             failed = True
         else:
             out("services left: none")
+    else:
+        out(f"cleaning up after a stack that is gone (pid {state.get('pid', '?')})")
     left = [
         (p["name"], int(p["pid"]), f"services.{p['name'].split('-')[0]}")
         for p in state.get("processes", [])
         if is_ours(int(p["pid"]), f"services.{p['name'].split('-')[0]}")
     ]
     if left:
-        out("cleaning up after a stack that is gone: " + ", ".join(n for n, _, _ in left))
-        services = state.get("services", [])
-        controller_alive = any(n == "controller" for n, _, _ in left)
-        token = files.token() or security.client_token()
-        if controller_alive and asyncio.run(_delete_all(state["controller"], services, timeout, out, token)):
-            failed = True
+        # A killed stack's processes got SIGTERM from the kernel already; wait for them (or end them).
+        out("stopping what it left running: " + ", ".join(n for n, _, _ in left))
         terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
+        if still := [n for n, p, m in left if is_ours(p, m)]:
+            out("still running: " + ", ".join(still))
+            return 1
+    if crashed:
+        return _clean_up_after_crash(state_dir, timeout, out)
     files.remove()
-    still = [n for n, p, m in left if is_ours(p, m)]
-    if still:
-        out("still running: " + ", ".join(still))
-        return 1
     out("stack stopped")
     return 1 if failed else 0
+
+
+def cleanup_specs(state_dir: str, environ: dict[str, str] | None = None) -> list[plan.ProcessSpec]:
+    """The processes that delete a killed stack's services: its provisioner, one prober and its
+    controller on the same state, the controller's API on a port of its own choosing, no
+    metrics, no balancer or dashboard (nothing for users to reach)."""
+    env = dict(os.environ if environ is None else environ)
+    env["REPLICAPLANE_CONTROLLER_LISTEN_ADDR"] = "127.0.0.1:0"
+    env["REPLICAPLANE_LOADBALANCER_HTTP_ADDR"] = "127.0.0.1:0"
+    env["REPLICAPLANE_DASHBOARD_HTTP_ADDR"] = "127.0.0.1:0"
+    for section in ("controller", "provisioner", "prober", "loadbalancer", "dashboard"):
+        env[config.env_name(section, "metrics_addr")] = ""
+    specs = plan.plan(probers=1, state_dir=state_dir, environ=env)
+    return [s for s in specs if s.component in ("provisioner", "prober", "controller")]
+
+
+def _clean_up_after_crash(state_dir: str, timeout: float, out: api.Out) -> int:
+    try:
+        specs = cleanup_specs(state_dir)
+    except ValueError as exc:
+        out(f"error: cannot start the stack again to delete its services: {exc}")
+        return 1
+    out("starting its provisioner and controller again to delete every service")
+    rc = asyncio.run(up(specs, state_dir=state_dir, example=None, delete_timeout=timeout, out=out, cleanup_only=True))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(StateFiles(state_dir).result_path)
+    return rc
+
+
+# The line a service logs when a setting or port keeps it from starting (logs.setup).
+_CANNOT_START = re.compile(r" CRITICAL \S+: cannot start: (.*)$")
+# The last line of a Python traceback: `package.module.SomeError: message`.
+_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
+# How much of a log's end is searched for the reason.
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def exit_reason(log_path: str) -> str:
+    """The error a service process logged as it stopped, in one line, or "" if none is found.
+
+    It is read from the end of the process's log (since its last start): the `cannot start:`
+    line a service writes for a bad setting or a taken port, else the last line of a traceback.
+    Logs are redacted as they are written, so the line holds no secret.
+    """
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - _LOG_TAIL_BYTES))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = tail.rpartition("\n--- ")[2].splitlines()
+    for line in reversed(lines):
+        if match := _CANNOT_START.search(line):
+            return match.group(1).strip()
+    for line in reversed(lines):
+        if match := _EXCEPTION.match(line.strip()):
+            return f"{match.group(1)}: {match.group(2)}"
+    return ""
 
 
 def _all_exist(paths: Sequence[str]) -> bool:
@@ -659,11 +878,3 @@ def _read_result(files: StateFiles) -> list[str] | None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(files.result_path)
     return [str(n) for n in left] if isinstance(left, list) else None
-
-
-async def _delete_all(addr: str, names: Sequence[str], timeout: float, out: api.Out, token: str) -> list[str]:
-    client = api.Controller(addr, token=token)
-    try:
-        return await client.delete_everything(timeout=timeout, out=out, also=names)
-    finally:
-        await client.close()

@@ -95,3 +95,20 @@ def test_settings_are_frozen() -> None:
     settings = config.load(Demo, "demo", environ={})
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.workers = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (None, "No such file or directory"),
+        ("demo: [1,\n", "not valid YAML (line 2)"),
+        ("- a\n- b\n", "must be a mapping of sections"),
+        ("demo: 3\n", "must be a mapping of settings"),
+    ],
+)
+def test_a_config_file_that_cannot_be_used_names_the_setting(tmp_path, text: str | None, why: str) -> None:
+    env = write_config(tmp_path, text) if text is not None else {config.CONFIG_FILE_ENV: str(tmp_path / "none.yaml")}
+    with pytest.raises(errors.ValidationError) as caught:
+        config.load(Demo, "demo", environ=env)
+    assert "REPLICAPLANE_CONFIG" in str(caught.value) and why in str(caught.value)
+    assert "[1," not in str(caught.value)  # the file's text is not quoted: it may hold a secret

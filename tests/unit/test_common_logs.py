@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
-from services.common import logs
+from services.common import errors, logs
 
 SECRETS = ["s3cr3t-value", "eyJhbGciOi.payload.sig", "hunter2", "k-123456"]
 
@@ -15,10 +16,11 @@ SECRETS = ["s3cr3t-value", "eyJhbGciOi.payload.sig", "hunter2", "k-123456"]
 def root_logging():
     """Restore the root logger after a test that calls logs.setup()."""
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, hook = root.handlers[:], root.level, sys.excepthook
     yield root
     root.handlers[:] = handlers
     root.setLevel(level)
+    sys.excepthook = hook
 
 
 @pytest.mark.parametrize(
@@ -77,3 +79,33 @@ def test_setup_redacts_secrets_in_tracebacks(root_logging, capsys) -> None:
     except RuntimeError:
         logging.getLogger("services.controller.test").exception("probe failed")
     assert "s3cr3t-value" not in capsys.readouterr().err
+
+
+def test_an_unknown_level_names_the_setting(root_logging, monkeypatch) -> None:
+    monkeypatch.setenv("REPLICAPLANE_LOG_LEVEL", "loud")
+    with pytest.raises(
+        errors.StartupError, match=r"^REPLICAPLANE_LOG_LEVEL: unknown log level 'loud'; use one of DEBUG"
+    ):
+        logs.setup("controller")
+    assert logs.check_level(" warn ") == "WARN"
+
+
+def test_a_setting_that_stops_a_service_is_one_line_without_traceback(root_logging, capsys) -> None:
+    logs.setup("controller")
+    bad = errors.ValidationError([errors.FieldViolation("controller.x", "expected int, got 'y'")], subject="settings")
+    sys.excepthook(type(bad), bad, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].endswith("cannot start: invalid settings: controller.x: expected int, got 'y'")
+    assert " controller CRITICAL " in err[0]
+
+
+def test_an_unexpected_error_keeps_its_traceback_redacted(root_logging, capsys) -> None:
+    logs.setup("controller")
+    try:
+        raise KeyError("token=s3cr3t-value")
+    except KeyError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    err = capsys.readouterr().err
+    assert "stopped by an unexpected error" in err and "Traceback" in err
+    assert "s3cr3t-value" not in err
