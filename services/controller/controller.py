@@ -17,7 +17,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, orphans, reconciler, store
+from services.controller import balancers, convert, orphans, reconciler, store
 from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ _MAX_PAGE = 1000
 _CHECK_TIMEOUT_S = 5.0
 _MAX_URL = 2048
 _MAX_BALANCER_ID = 128
+_MAX_IN_FLIGHT = 10_000
 
 
 def _load_balancer_url_violations(url: str) -> list[errors.FieldViolation]:
@@ -70,6 +71,7 @@ def _report_of(request: api.ReportLoadRequest) -> load.Report:
     if not balancer_id and sequence:
         violations.append(errors.FieldViolation("balancer_id", "required when sequence is set"))
     violations += _load_balancer_url_violations(request.load_balancer_url)
+    violations += _in_flight_violations(request)
     errors.require(violations, subject="load report")
     return load.Report(
         balancer_id=balancer_id,
@@ -77,6 +79,42 @@ def _report_of(request: api.ReportLoadRequest) -> load.Report:
         ages=[pbtime.seconds(d) for d in request.request_ages],
         times=[pbtime.from_timestamp(t) for t in request.request_times],
         count=request.request_count,
+    )
+
+
+def _in_flight_violations(request: api.ReportLoadRequest) -> list[errors.FieldViolation]:
+    if len(request.in_flight) > _MAX_IN_FLIGHT:
+        return [errors.FieldViolation("in_flight", f"at most {_MAX_IN_FLIGHT} entries, got {len(request.in_flight)}")]
+    violations = []
+    if request.endpoints_version < 0:
+        violations.append(
+            errors.FieldViolation("endpoints_version", f"must not be negative, got {request.endpoints_version}")
+        )
+    seen: set[int] = set()
+    for i, entry in enumerate(request.in_flight):
+        if entry.replica_id < 1:
+            violations.append(
+                errors.FieldViolation(f"in_flight[{i}].replica_id", f"must be >= 1, got {entry.replica_id}")
+            )
+        elif entry.replica_id in seen:
+            violations.append(
+                errors.FieldViolation(f"in_flight[{i}].replica_id", f"replica {entry.replica_id} listed twice")
+            )
+        seen.add(entry.replica_id)
+        if entry.requests < 1:
+            violations.append(errors.FieldViolation(f"in_flight[{i}].requests", f"must be >= 1, got {entry.requests}"))
+    return violations
+
+
+def balancer_of(request: api.ReportLoadRequest) -> balancers.Report:
+    """What a (valid) load report says about its balancer."""
+    in_flight = {e.replica_id: e.requests for e in request.in_flight} if request.in_flight_reported else None
+    return balancers.Report(
+        balancer_id=request.balancer_id,
+        url=request.load_balancer_url,
+        endpoints_version=request.endpoints_version,
+        in_flight=in_flight,
+        closing=request.closing,
     )
 
 
@@ -345,8 +383,8 @@ class Controller:
             yield msg
 
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
-        """Record a load report (and the reporting balancer's URL, if given) unless the same report
-        was applied before; answer the QPS seen.
+        """Record a load report unless the same report was applied before (what it says about its
+        balancer, URL and requests in flight, applies either way); answer the QPS seen.
 
         Raises:
             errors.ValidationError: a malformed field (see `_report_of`); nothing is recorded.
@@ -354,8 +392,7 @@ class Controller:
         """
         report = _report_of(request)
         rec = self._get(request.service_name)
-        if request.load_balancer_url:
-            rec.set_load_balancer_url(request.load_balancer_url)
+        rec.balancer_report(balancer_of(request))
         qps, applied = rec.report_load(report, time.time())
         return api.ReportLoadResponse(
             qps=qps, already_applied=applied.already_applied, counted_requests=applied.counted

@@ -26,7 +26,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
-from services.controller import convert, hub, store
+from services.controller import balancers, convert, hub, store
 from services.controller.domain import autoscaler, load, placer, scaling
 from services.controller.domain import status as st
 
@@ -77,6 +77,8 @@ class Tuning:
     """... and this often while the target is 0."""
     qps_window_s: float = autoscaler.QPS_WINDOW_S
     """Load reports count over this window."""
+    balancer_ttl_s: float = 15.0
+    """A balancer's URL is shown until it has not reported for this long."""
 
 
 # Passes over every replica (publishing a change, reconciling) run at once when the service is
@@ -199,7 +201,8 @@ class ServiceReconciler:
         self._started = False
         self._stopping = False
         self._gone = False
-        self.load_balancer_url = ""
+        # Balancers alive by their reports: the URL shown, and drains they confirm idle.
+        self.balancers = balancers.ServiceBalancers(tuning.balancer_ttl_s, on_change=self._schedule_flush)
         self._launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self._capacity_backoff_s = 0.0
         self._launch_not_before = 0.0  # monotonic time; launches wait after capacity failures
@@ -242,6 +245,7 @@ class ServiceReconciler:
         """Stop following the service (controller shutdown); replicas stay as they are."""
         self._stopping = True
         self._cancel_decision()
+        self.balancers.close()
         tasks = [*self._launches.values(), *self._teardowns.values(), *self._background]
         for t in tasks:
             t.cancel()
@@ -314,7 +318,7 @@ class ServiceReconciler:
             update_mode=self._row.update_mode,  # type: ignore[arg-type]
             endpoints=self._endpoints(views, active),
             uid=self._row.uid,
-            load_balancer_url=self.load_balancer_url,
+            load_balancer_url=self.balancers.url,
         )
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
@@ -963,6 +967,9 @@ class ServiceReconciler:
         f.drain.CopyFrom(pbtime.duration(drain))
         self._save(r)
         self._start_teardown(rid, drain=drain, keep_logs=keep_logs)
+        if drain > 0:
+            routed = any(e.replica_id == rid for e in self.hub.endpoints)
+            self.balancers.draining(rid, after_version=self.hub.endpoints_version if routed else None)
 
     def _start_teardown(self, rid: int, *, drain: float, keep_logs: bool) -> None:
         if keep_logs:
@@ -1154,6 +1161,7 @@ class ServiceReconciler:
             return
         self._gone = True
         self._cancel_decision()
+        self.balancers.close()
         for rid in list(self._probed):
             self._probes.remove(target_id(self.name, rid))
         self._probed.clear()
@@ -1165,11 +1173,14 @@ class ServiceReconciler:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def set_load_balancer_url(self, url: str) -> None:
-        """Show `url` (the balancer that reports this service's load) as the service's endpoint."""
-        if url != self.load_balancer_url:
-            self.load_balancer_url = url  # memory only: the balancer reports again within seconds
-            self._schedule_flush()
+    def balancer_report(self, report: balancers.Report) -> None:
+        """A balancer reported: its URL shows while it is alive (memory only: it reports again
+        within seconds), and a drain every live balancer confirmed idle ends now."""
+        for rid in self.balancers.report(report):
+            r = self.replicas.get(rid)
+            if r is not None and rid in self._teardowns:
+                log.info("%s/%d: no request in flight through any balancer; the drain ends now", self.name, rid)
+                self._spawn(self._end_drain(r.replica_name), f"end drain of {r.replica_name}")
 
     def report_load(self, report: load.Report, now: float) -> tuple[float, load.Applied]:
         """Record a report into the load window unless it was applied before, and decide at once;
@@ -1231,6 +1242,7 @@ class ServiceReconciler:
         self._changed.pop(rid, None)
         self._launched_in.pop(rid, None)
         self._pending_exit.pop(rid, None)
+        self.balancers.forget(rid)
         self._removed.append(rid)
         if self._probed.pop(rid, None) is not None:
             self._probes.remove(target_id(self.name, rid))

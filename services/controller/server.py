@@ -73,6 +73,9 @@ class Settings:
     """Decision cadence while the target is 0 (SkyPilot: 5 s)."""
     qps_window_s: float = 60.0
     """Load reports count toward QPS over this window (SkyPilot: 60 s)."""
+    balancer_ttl_s: float = 15.0
+    """A load balancer's URL is shown on its service until it has not reported for this long (our
+    balancers report at least every 5 s), so a dead balancer's URL goes away."""
     prober_liveness_timeout_s: float = probe_fleet.DEFAULT_LIVENESS_TIMEOUT_S
     """A prober stream silent this long counts as lost; with every prober lost, probing is
     reported stale (and nothing is torn down for want of probes)."""
@@ -151,6 +154,10 @@ def check(settings: Settings) -> None:
         for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
         if getattr(settings, name) < 1
     ]
+    if not settings.balancer_ttl_s > 0:
+        violations.append(
+            errors.FieldViolation("controller.balancer_ttl_s", f"must be > 0, got {settings.balancer_ttl_s}")
+        )
     if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
         violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
     if settings.controller_id and (problem := identity.problem(settings.controller_id)):
@@ -216,6 +223,7 @@ async def start(settings: Settings) -> Running:
         decision_interval_s=settings.autoscaler_interval_s,
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
+        balancer_ttl_s=settings.balancer_ttl_s,
     )
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(

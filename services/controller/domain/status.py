@@ -204,7 +204,8 @@ def service_status(statuses: Sequence[ReplicaStatus], *, launching: bool = False
 
 
 def ready_and_total(statuses: Sequence[ReplicaStatus]) -> tuple[int, int]:
-    """`ready/total` where total counts replicas not in a failed status."""
+    """`ready/total` where total counts replicas neither failed nor shutting down (a replica
+    draining after a scale-down is on its way out, not part of the service's size)."""
     ready = sum(1 for s in statuses if s is ReplicaStatus.READY)
-    total = sum(1 for s in statuses if s not in FAILED_STATUSES)
+    total = sum(1 for s in statuses if s not in FAILED_STATUSES and s is not ReplicaStatus.SHUTTING_DOWN)
     return ready, total
