@@ -84,7 +84,8 @@ def find(state_dir: str, component: str, *, service: str = "") -> ComponentLog:
         matching = [p for p in processes if _component(p) == component]
         if component == "loadbalancer":
             served = sorted({str(p.get("service", "")) for p in matching} - {""})
-            matching = [p for p in matching if p.get("service") == service]
+            # A fleet serves every service; its log names each service's requests.
+            matching = [p for p in matching if p.get("service") == service or p.get("fleet")]
             if not matching:
                 also = f" (its balancers serve: {', '.join(served)})" if served else ""
                 raise NotFound(f"no load balancer of the stack in {where} serves {service!r}{also}")

@@ -345,7 +345,8 @@ class ControllerLink:
                 self._news = True  # what the controller waits for still has to reach it
                 if not failing:
                     log.warning(
-                        "could not report load (%s); %d request(s) kept for the next report",
+                        "could not report the load of %s (%s); %d request(s) kept for the next report",
+                        self.balancer.service_name,
                         exc.code().name,
                         self.unreported,
                     )

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
@@ -222,6 +223,22 @@ def advertised_url(settings: Settings, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
+def first_port(settings: Settings) -> int:
+    """A fleet's first HTTP port, checked free now (port 0: a free port picked now); the first
+    service gets it, the next ones count up from it.
+
+    Raises:
+        OSError: it is taken.
+    """
+    host, port = _split(settings.http_addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen()  # a socket another process listens on clashes only here, as in the real bind
+        return int(sock.getsockname()[1])
+
+
 def proxy_settings(settings: Settings) -> proxy.ProxySettings:
     """The proxy's part of the settings."""
     return proxy.ProxySettings(
@@ -363,8 +380,17 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     unit: fleets.Unit | None = None
     the_fleet: fleets.Fleet | None = None
     if settings.fleet:
-        first = _split(settings.http_addr)[1]
-        last = settings.fleet_port_max or (min(first + 999, 65535) if first else 0)
+        try:
+            first = first_port(settings)
+        except OSError as exc:
+            await channel.close()
+            raise errors.StartupError(
+                f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
+                f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
+            ) from None
+        if settings.http_port_file:
+            grpc_server.write_port_file(settings.http_port_file, first)
+        last = settings.fleet_port_max or min(first + 999, 65535)
         the_fleet = fleets.Fleet(
             stub,
             ports=fleets.Ports(first, last, settings.fleet_ports_file),
