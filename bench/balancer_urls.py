@@ -31,7 +31,7 @@ from replicaplane.controller.v1 import controller_service_pb2 as api  # noqa: E4
 from tests.helpers import balancer as lb  # noqa: E402
 from tests.helpers import bench  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
-from tests.helpers import procs  # noqa: E402
+from tests.helpers import procs as service_procs  # noqa: E402
 
 SERVICES = int(os.environ.get("BENCH_SERVICES", bench.pick("5", "1")))
 TTL_S = bench.pick("15", "2")
@@ -70,7 +70,7 @@ async def main() -> None:
         try:
             os.makedirs(os.path.join(tmp, "fleet"))
             fleet = await asyncio.to_thread(
-                procs.start_service,
+                service_procs.start_service,
                 "loadbalancer",
                 env={
                     "REPLICAPLANE_LOADBALANCER_FLEET": "true",

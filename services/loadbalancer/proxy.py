@@ -342,9 +342,8 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The replica or the client broke off after the headers went out: all that is left
                 # is to cut both connections.
-                log.info(
-                    "%s: response from replica %d not completed: %s", self.balancer.service_name, replica.replica_id, exc
-                )
+                name, rid = self.balancer.service_name, replica.replica_id
+                log.info("%s: response from replica %d not completed: %s", name, rid, exc)
                 if request.transport is not None and not request.transport.is_closing():
                     self.balancer.record_transport_error(replica)  # the replica's side broke, not the client's
                 if request.transport is not None:

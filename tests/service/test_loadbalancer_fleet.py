@@ -149,5 +149,3 @@ async def test_get_balancer_of_a_balancer_of_one_service(env: tc.Env) -> None:
     finally:
         await channel.close()
         await running.stop(None)
-
-

@@ -10,7 +10,8 @@ from services.loadbalancer import fleet, link
 
 
 def report(bid: str = "a", url: str = "http://127.0.0.1:30001", version: int = 5, **in_flight: int) -> b.Report:
-    return b.Report(balancer_id=bid, url=url, endpoints_version=version, in_flight={int(k[1:]): v for k, v in in_flight.items()})
+    counts = {int(k[1:]): v for k, v in in_flight.items()}
+    return b.Report(balancer_id=bid, url=url, endpoints_version=version, in_flight=counts)
 
 
 def test_a_url_is_shown_while_its_balancer_reports_and_expires_after_the_ttl() -> None:
@@ -95,7 +96,7 @@ def test_fleet_ports_count_up_stay_with_their_service_and_survive_a_restart(tmp_
     assert next(ports.candidates("b", in_use={30001})) == 30002
     ports.assign("b", 30002)
     again = fleet.Ports(30001, 30003, path)
-    assert json.loads(open(path, encoding="utf-8").read()) == {"a": 30001, "b": 30002}
+    assert json.loads((tmp_path / "lb" / "ports.json").read_text()) == {"a": 30001, "b": 30002}
     # b restarts first: it takes its own port, not the first free one.
     assert next(again.candidates("b", in_use=set())) == 30002
     # A new service takes a port no other service had, then those of services not served now.
