@@ -14,8 +14,8 @@ from services.loadbalancer import fleet as fleet_mod
 _MAX_NAMES_SHOWN = 20
 
 
-def pick(units: Mapping[str, fleet_mod.Unit], name: str, *, fleet: bool) -> fleet_mod.Unit:
-    """The unit a GetBalancer request names (empty: the only one).
+def pick(units: Mapping[str, fleet_mod.Unit], name: str, *, fleet: bool) -> fleet_mod.Unit | None:
+    """The unit a GetBalancer request names (empty: the only one; None for a fleet serving none).
 
     Raises:
         errors.ValidationError: a fleet serves several services and none is named.
@@ -24,7 +24,7 @@ def pick(units: Mapping[str, fleet_mod.Unit], name: str, *, fleet: bool) -> flee
     if not name and len(units) == 1:
         return next(iter(units.values()))
     if not name and not units:
-        raise errors.NotFoundError("this fleet serves no service yet", reason="SERVICE_NOT_SERVED")
+        return None
     if not name:
         served = sorted(units)
         listed = ", ".join(served[:_MAX_NAMES_SHOWN]) + (", ..." if len(served) > _MAX_NAMES_SHOWN else "")
@@ -54,6 +54,8 @@ class LoadBalancerServicer(api_grpc.LoadBalancerServiceServicer):
     ) -> api.GetBalancerResponse:
         units = self._units()
         unit = pick(units, request.service_name, fleet=self._fleet)
+        if unit is None:  # a fleet with no service yet: nothing but what it is
+            return api.GetBalancerResponse(fleet=self._fleet)
         return view_of(unit, served=sorted(units), fleet=self._fleet)
 
 

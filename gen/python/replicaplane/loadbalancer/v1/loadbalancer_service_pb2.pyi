@@ -28,7 +28,8 @@ class GetBalancerRequest(_message.Message):
     service_name: _builtins.str
     """The service whose balancer to show. A balancer fleet serves many: name one (INVALID_ARGUMENT
     naming `service_name` when it serves several and none is named, NOT_FOUND when it serves no
-    such service). Empty is the only service served.
+    such service). Empty is the only service served (for a fleet serving none yet, the answer
+    has only `fleet` set).
     """
     def __init__(
         self,
