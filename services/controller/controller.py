@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -98,8 +98,10 @@ class Controller:
         probes: reconciler.ProbeSink,
         tuning: reconciler.Tuning,
         controller_id: str = "",
+        hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
     ) -> None:
         self._db = db
+        self._hub_observers = tuple(hub_observers)  # each sees every change every service publishes
         self._prov = provisioner
         self._probes = probes
         self._tuning = tuning
@@ -160,6 +162,8 @@ class Controller:
             owner=self.controller_id,
             launch_slots=self._launch_slots,
         )
+        for observer in self._hub_observers:
+            rec.hub.observe(observer)
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
         return rec
@@ -331,6 +335,10 @@ class Controller:
         return self._get(name).purge_failed()
 
     # ---- streams and load ----------------------------------------------------------------
+
+    def watchers(self) -> int:
+        """WatchService and WatchEndpoints streams open over every service."""
+        return sum(rec.hub.watchers for rec in self._services.values())
 
     async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
         """A snapshot then every change of a service."""
