@@ -17,7 +17,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, orphans, reconciler, store
+from services.controller import convert, orphans, reconciler, store, traces
 from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ class Controller:
         hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
     ) -> None:
         self._db = db
-        self._hub_observers = tuple(hub_observers)  # each sees every change every service publishes
+        self.traces = traces.ReplicaTraces()
+        # Each sees every change every service publishes.
+        self._hub_observers = (*hub_observers, self.traces.published)
         self._prov = provisioner
         self._probes = probes
         self._tuning = tuning
@@ -161,6 +163,7 @@ class Controller:
             zones=lambda: self._zones,
             owner=self.controller_id,
             launch_slots=self._launch_slots,
+            traces=self.traces,
         )
         for observer in self._hub_observers:
             rec.hub.observe(observer)

@@ -27,6 +27,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
 from services.controller import convert, hub, store
+from services.controller import traces as replica_traces
 from services.controller.domain import autoscaler, load, placer, scaling
 from services.controller.domain import status as st
 
@@ -156,8 +157,10 @@ class ServiceReconciler:
         zones: Callable[[], list[tuple[str, float]]] = list,
         owner: str = "",
         launch_slots: asyncio.Semaphore | None = None,
+        traces: replica_traces.ReplicaTraces | None = None,
     ) -> None:
         self.name = name
+        self._traces = traces or replica_traces.ReplicaTraces()
         # Shared by every service of the controller: bounds the launch streams followed at once.
         self._launch_slots = launch_slots or asyncio.Semaphore(tuning.max_launches_in_flight)
         self._owner = owner
@@ -692,7 +695,8 @@ class ServiceReconciler:
                 owner=self._owner,
             )
             try:
-                async for response in self._prov.Launch(request):
+                metadata = self._traces.launch_metadata(self.name, rid, r.version)
+                async for response in self._prov.Launch(request, metadata=metadata):
                     delay = self._tuning.reconnect_initial_s
                     if self._on_launch_event(rid, response.event):
                         return
@@ -859,6 +863,7 @@ class ServiceReconciler:
             interval=latest.probe_interval,
             fast_interval=pbtime.duration(self._tuning.probe_fast_interval_s),
             starting=not r.facts.HasField("first_ready_time"),
+            traceparent=self._traces.traceparent(r),
         )
 
     def _sync_probe(self, r: res.Replica) -> None:

@@ -12,7 +12,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
+from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
 from services.controller import controller, identity, reconciler, servicer, store
 from services.controller import metrics as controller_metrics
 
@@ -23,6 +23,10 @@ MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
     for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
 )
+
+
+# Calls whose work is followed by a trace even when the caller sends no trace context.
+TRACE_ROOTS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("CreateService", "UpdateService"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +275,9 @@ async def start(settings: Settings) -> Running:
     holder.append(ctl)
     if own is not None:
         own.watch(_fleet(ctl, fleet))
-    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
+    server = grpc_server.new_server(
+        domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
+    )
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
@@ -306,4 +312,8 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("controller")
-    asyncio.run(serve(load_settings()))
+    traces = tracing.setup("controller")  # off unless OTEL_TRACES_EXPORTER=otlp
+    try:
+        asyncio.run(serve(load_settings()))
+    finally:
+        traces.shutdown()
