@@ -99,7 +99,9 @@ class Controller:
         tuning: reconciler.Tuning,
         controller_id: str = "",
         hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
+        self._on_pass = on_pass
         self._db = db
         self.traces = traces.ReplicaTraces()
         # Each sees every change every service publishes.
@@ -164,6 +166,7 @@ class Controller:
             owner=self.controller_id,
             launch_slots=self._launch_slots,
             traces=self.traces,
+            on_pass=self._on_pass,
         )
         for observer in self._hub_observers:
             rec.hub.observe(observer)
@@ -342,6 +345,10 @@ class Controller:
     def watchers(self) -> int:
         """WatchService and WatchEndpoints streams open over every service."""
         return sum(rec.hub.watchers for rec in self._services.values())
+
+    def queue_depth(self) -> int:
+        """Services whose reconcile pass is due and has not run yet."""
+        return sum(1 for rec in self._services.values() if rec.pass_due)
 
     async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
         """A snapshot then every change of a service."""

@@ -158,8 +158,10 @@ class ServiceReconciler:
         owner: str = "",
         launch_slots: asyncio.Semaphore | None = None,
         traces: replica_traces.ReplicaTraces | None = None,
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_pass = on_pass  # metrics: the seconds each pass took
         self._traces = traces or replica_traces.ReplicaTraces()
         # Shared by every service of the controller: bounds the launch streams followed at once.
         self._launch_slots = launch_slots or asyncio.Semaphore(tuning.max_launches_in_flight)
@@ -492,11 +494,19 @@ class ServiceReconciler:
         self._last_reconcile = time.monotonic()
         if self._row.deleting or self._gone:
             return
+        started = time.perf_counter()
         try:
             self._reconcile_once()
         except Exception:
             log.exception("%s: reconcile failed; retrying", self.name)
             asyncio.get_running_loop().call_later(self._tuning.reconnect_max_s, self.kick)
+        if self._on_pass is not None:
+            self._on_pass(time.perf_counter() - started)
+
+    @property
+    def pass_due(self) -> bool:
+        """A pass is scheduled and has not run yet (the queue depth)."""
+        return self._reconcile_scheduled
 
     def _reconcile_once(self) -> None:
         views = list(self._views.values())

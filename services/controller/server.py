@@ -271,6 +271,7 @@ async def start(settings: Settings) -> Running:
         tuning=tuning,
         controller_id=controller_id,
         hub_observers=[own.published] if own is not None else [],
+        on_pass=own.pass_seconds.observe if own is not None else None,
     )
     holder.append(ctl)
     if own is not None:

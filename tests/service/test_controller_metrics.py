@@ -44,6 +44,7 @@ class Env:
     prober: prober_server.Built
     url: str
     state_dir: str
+    running: controller_server.Running
 
 
 @contextlib.asynccontextmanager
@@ -65,7 +66,9 @@ async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
         assert endpoint is not None
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
         try:
-            yield Env(api_grpc.ControllerServiceStub(channel), fake, prober, endpoint.url, str(values["state_dir"]))
+            yield Env(
+                api_grpc.ControllerServiceStub(channel), fake, prober, endpoint.url, str(values["state_dir"]), running
+            )
         finally:
             await channel.close()
             await endpoint.stop()
@@ -100,6 +103,8 @@ async def test_fleet_launches_ready_time_and_watchers_move_with_the_service(tmp_
         assert s.value("replicaplane_controller_watch_subscribers") == 1  # the test's watch
         assert s.value("replicaplane_controller_store_write_seconds_count") > 0
         assert s.value("replicaplane_controller_probing_stale") == 0
+        assert s.value("replicaplane_controller_pass_duration_seconds_count") > 0
+        assert s.value("replicaplane_controller_queue_depth") == 0  # nothing due once all is READY
         for sample in s.samples("replicaplane_controller_replicas"):
             assert set(sample.labels) == {"service", "version", "status"}
 
@@ -180,6 +185,24 @@ async def test_store_write_errors_and_probing_stale(tmp_path) -> None:
 
         await env.prober.stop(None)
         await metrics.until(env.url, lambda s: s.value("replicaplane_controller_probing_stale") == 1, what="stale")
+
+
+async def test_queue_depth_counts_services_with_a_pass_due(tmp_path) -> None:
+    async with started(tmp_path) as env:
+        for name in ("a", "b"):
+            await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(name, replicas=1)))
+        await metrics.until(env.url, lambda s: s.value("replicaplane_controller_replicas", status="READY") == 2)
+        ctl = env.running.controller
+        await asyncio.sleep(0.2)
+        assert ctl.queue_depth() == 0
+        before = (await metrics.ascrape(env.url)).value("replicaplane_controller_pass_duration_seconds_count")
+        ctl._get("a").kick()
+        ctl._get("b").kick()
+        assert ctl.queue_depth() == 2  # due, not run: the loop has not turned yet
+        await metrics.until(
+            env.url, lambda s: s.value("replicaplane_controller_pass_duration_seconds_count") >= before + 2
+        )
+        assert ctl.queue_depth() == 0
 
 
 async def test_metrics_off_means_no_observers(tmp_path) -> None:
