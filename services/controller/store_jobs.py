@@ -96,6 +96,4 @@ class JobTables:
                 (job.pool, job.job_id, int(job.state), job.SerializeToString()),
             )
         except sqlite3.IntegrityError:
-            raise errors.NotFoundError(
-                f"pool {job.pool!r} not found", reason="POOL_NOT_FOUND", pool=job.pool
-            ) from None
+            raise errors.NotFoundError(f"pool {job.pool!r} not found", reason="POOL_NOT_FOUND", pool=job.pool) from None

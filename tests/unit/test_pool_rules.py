@@ -101,6 +101,12 @@ def test_cancel(job: j.Job, state: J, tell_worker: bool) -> None:
         assert j.cancelled(after).state is J.CANCELLED
 
 
+def test_a_refused_job_goes_back_to_the_queue_without_counting_a_recovery() -> None:
+    job = j.refused(j.Job(1, J.RUNNING, worker=2, attempt=1), "worker 2 could not take it")
+    assert (job.state, job.recoveries, job.attempt) == (J.PENDING, 0, 1)
+    assert j.refused(j.Job(1, J.RUNNING, worker=2, cancel_requested=True), "x").state is J.CANCELLED
+
+
 def test_terminal_jobs_never_change() -> None:
     for state in (J.SUCCEEDED, J.FAILED, J.CANCELLED):
         job = j.Job(1, state, exit_code=3)
@@ -108,6 +114,7 @@ def test_terminal_jobs_never_change() -> None:
         assert j.cancelled(job) == job
         assert j.could_not_run(job, "x") == job
         assert j.worker_lost(job, "x") == job
+        assert j.refused(job, "x") == job
 
 
 def test_busy_workers() -> None:

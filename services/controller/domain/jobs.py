@@ -140,6 +140,16 @@ def worker_lost(job: Job, why: str, *, max_recoveries: int = MAX_RECOVERIES) -> 
     )
 
 
+def refused(job: Job, why: str) -> Job:
+    """The worker refused the job before it started (gone, not ready, busy): back to the queue,
+    not counted as a recovery (its command never ran); CANCELLED if a cancel was asked."""
+    if job.terminal:
+        return job
+    if job.cancel_requested:
+        return dataclasses.replace(job, state=JobState.CANCELLED, message="cancelled before it started")
+    return dataclasses.replace(job, state=JobState.PENDING, message=f"queued again: {why}")
+
+
 def could_not_run(job: Job, why: str) -> Job:
     """The worker refused the job for a reason another worker would share (a bad request): FAILED."""
     if job.terminal:

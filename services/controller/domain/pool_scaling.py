@@ -108,8 +108,8 @@ def victims(workers: Iterable[st.ReplicaView], busy: set[int], count: int) -> li
     """
     if count <= 0:
         return []
-    rank = {s: i + 1 for i, s in enumerate(st.SCALE_DOWN_ORDER) if s is not st.ReplicaStatus.READY}
-    rank[st.ReplicaStatus.READY] = 0
+    rank: dict[st.ReplicaStatus, int] = {st.ReplicaStatus.READY: 0}
+    rank.update((s, i + 1) for i, s in enumerate(st.SCALE_DOWN_ORDER) if s is not st.ReplicaStatus.READY)
     idle = [w for w in workers if w.replica_id not in busy and w.status in rank]
     idle.sort(key=lambda w: (rank[w.status], w.version, -w.replica_id))
     return [w.replica_id for w in idle[:count]]
