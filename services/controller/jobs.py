@@ -106,7 +106,7 @@ class PoolJobs:
         pool: str,
         uid: str,
         *,
-        db: _JobStore,
+        db: JobStore,
         provisioner: prov_grpc.ProvisionerServiceStub,
         on_change: Callable[[], None] = lambda: None,
         max_recoveries: int = rules.MAX_RECOVERIES,
@@ -499,7 +499,7 @@ class PoolJobs:
         task.add_done_callback(self._background.discard)
 
 
-class _JobStore(Protocol):
+class JobStore(Protocol):
     """What PoolJobs needs of the store (store.Store has it)."""
 
     def list_jobs(self, pool: str) -> list[res.Job]: ...
