@@ -59,7 +59,7 @@ async def test_an_empty_pool_or_a_bad_job_id_names_the_field(env: tc.Env) -> Non
     for rpc, call in _calls(env.stub, "").items():
         err = await tc.rpc_error(call)
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT, rpc
-        assert [f for f, _ in err.field_violations][0] == "pool", rpc
+        assert next(f for f, _ in err.field_violations) == "pool", rpc
     for rpc in ("GetJob", "CancelJob"):
         err = await tc.rpc_error(_calls(env.stub, "x", job_id=0)[rpc])
         assert [f for f, _ in err.field_violations] == ["job_id"], rpc

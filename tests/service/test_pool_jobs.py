@@ -91,7 +91,7 @@ async def test_one_job_per_worker_in_submission_order(b: contract.LocalBackend, 
             await asyncio.sleep(0.01)
     assert max(seen_busy) == 2
     starts = [pj.get(i).start_time.ToNanoseconds() for i in ids]
-    assert starts[:2] < starts[2:4] + [starts[4]] and sorted(starts) == starts[:2] + sorted(starts[2:])
+    assert max(starts[:2]) <= min(starts[2:]) and max(starts[2:4]) <= starts[4]  # FIFO
     assert {pj.get(i).state for i in ids} == {res.JOB_STATE_SUCCEEDED}
 
 
