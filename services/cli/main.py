@@ -29,7 +29,7 @@ import yaml
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import dashboard, exits, inputs, logs, orphans, render
+from services.cli import dashboard, exits, inputs, logs, orphans, render, rollouts
 from services.common import config, security, specfile, watchlines
 
 OK, REFUSED, BAD_INPUT, NOT_FOUND = exits.OK, exits.REFUSED, exits.BAD_INPUT, exits.NOT_FOUND
@@ -166,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="rolling: replace replicas a few at a time; blue_green: switch once the new version is ready; "
         "canary: move traffic in weighted steps (refused by the controller until canary rollouts are "
-        "available). Default: the new spec's service.rollout.strategy, else rolling",
+        "available; see `replicactl rollout`). Default: the new spec's service.rollout.strategy, else rolling",
     )
     update.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     _add_overrides(update)
@@ -230,6 +230,8 @@ def parser() -> argparse.ArgumentParser:
         "orphans", "list replicas the provisioner runs that no record of this controller refers to; --reap them"
     )
     orphans.add_parser(orphans_cmd)
+
+    rollouts.add_parsers(command, _Parser)
 
     dashboard_cmd = command("dashboard", "print (or open) the URL of the live web dashboard")
     dashboard.add_parser(dashboard_cmd, DEFAULT_STATE_DIR)
@@ -549,6 +551,10 @@ def run(
         "logs": lambda: logs.cmd_logs(args, client, out, err),
         "watch": lambda: cmd_watch(args, client, out),
         "orphans": lambda: orphans.cmd_orphans(args, client, out),
+        "events": lambda: rollouts.cmd_events(args, client, out),
+        "history": lambda: rollouts.cmd_history(args, client, out),
+        "rollback": lambda: rollouts.cmd_rollback(args, client, out),
+        "rollout": lambda: rollouts.cmd_rollout(args, client, out),
     }
     try:
         return commands[args.command]()

@@ -86,6 +86,9 @@ class ServiceHub:
         self.endpoints: list[resources_pb2.Endpoint] = []
         self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
+        # Called with every published change (service, changed replicas, removed ids, deleted):
+        # the event log derives its entries from them.
+        self.observers: list[Callable[[resources_pb2.Service, list[resources_pb2.Replica], list[int], bool], None]] = []
 
     def publish(
         self,
@@ -105,6 +108,11 @@ class ServiceHub:
             deleted=deleted,
         )
         self._history.append(msg)
+        for observe in self.observers:
+            try:
+                observe(service, replicas, removed_ids, deleted)
+            except Exception:
+                log.exception("an observer of %s failed", service.name)
         for w in list(self._subscribers):
             if not w.offer(msg):
                 self._subscribers.discard(w)
