@@ -123,7 +123,7 @@ class Controller:
         await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
-            self.events.open(row.name)  # replicas as recovered: no events for them
+            self.events.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
             rec.start()
         reserved = sum(r.reserved_replicas() for r in self._services.values())
         if reserved > self._tuning.max_replicas_total:

@@ -130,8 +130,14 @@ class Events:
         for name in list(self._watchers):
             self._close_watchers(name)
 
-    def open(self, name: str, replicas: dict[int, res.Replica] | None = None) -> None:
-        """Start a service's log from the store (after a restart) or empty (a new service)."""
+    def open(self, name: str, replicas: dict[int, res.Replica], service: res.Service | None = None) -> None:
+        """Start a service's log from the store (after a restart) or empty (a new service).
+
+        Args:
+            name: the service.
+            replicas: its replica records as they are now (changes from them are events).
+            service: the service as it is now, after a restart.
+        """
         try:
             stored = [from_proto(e) for e in self._db.list_events(name)]
         except errors.UnavailableError:
@@ -140,8 +146,10 @@ class Events:
         self._watchers.setdefault(name, set())
         self._replicas[name] = {
             rid: (res.ReplicaStatus.Name(r.status).removeprefix("REPLICA_STATUS_"), r.version)
-            for rid, r in (replicas or {}).items()
+            for rid, r in replicas.items()
         }
+        if service is not None:
+            self._service[name] = (service.status_message, service.autoscaler.target_replicas)
 
     def forget(self, name: str) -> None:
         """The service is gone: drop its log and end its streams."""

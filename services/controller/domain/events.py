@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import re
 
 KEPT = 500
 """Entries kept per service."""
@@ -144,6 +145,10 @@ def replica_change(
     return None
 
 
+# Status messages that only count replicas: the replica events say the same, one by one.
+_ROUTINE = re.compile(r"^(\d+/\d+ ready\b.*|shutting down: \d+ replica\(s\) left)$")
+
+
 def service_change(
     *,
     before_message: str,
@@ -154,7 +159,7 @@ def service_change(
 ) -> list[Draft]:
     """Events of a service-level change: a new status message, a new autoscaler target."""
     out = []
-    if after_message and after_message != before_message:
+    if after_message and after_message != before_message and not _ROUTINE.match(after_message):
         warning = after_message.startswith(("scaling stopped", "launches paused"))
         kind = EventType.WARNING if warning else EventType.NORMAL
         out.append(Draft(kind, "StatusChanged", after_message))
