@@ -82,7 +82,7 @@ def test_a_log_reloaded_from_its_entries_goes_on_numbering_and_counting() -> Non
             "FAILED_PROBING",
             "ReplicaFailed",
             "replica 3 (version 2) failed probing: app exited with code 1",
-        ),  # noqa: E501
+        ),
         ("FAILED", "SHUTTING_DOWN", None, None),
         ("READY", "PREEMPTED", "ReplicaPreempted", "replica 3 was preempted"),
         ("READY", None, "ReplicaRemoved", "replica 3 (version 2) removed"),
