@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 _MAX_PAGE = 1000
 # How many writes wait for the writer thread at most; beyond, events are kept in memory only.
 _WRITE_BACKLOG = 10_000
+# How long the writer gathers events before it writes them, so a burst (a scale-up of a thousand
+# replicas) takes a few transactions instead of one each.
+_BATCH_S = 0.2
 
 Draft = ev.Draft
 NORMAL = ev.EventType.NORMAL
@@ -82,8 +85,10 @@ class _Writer:
         try:
             while True:
                 item = self._queue.get()
+                if item is not None:
+                    time.sleep(_BATCH_S)  # gather what follows: one transaction for a burst
                 batch = [item]
-                while item is not None and not self._queue.empty() and len(batch) < 500:
+                while item is not None and not self._queue.empty() and len(batch) < 2000:
                     item = self._queue.get_nowait()
                     batch.append(item)
                 by_service: dict[str, tuple[list[res.Event], list[int]]] = {}

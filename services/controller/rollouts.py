@@ -9,9 +9,11 @@ completion are the caller's, through the callbacks it passes.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
@@ -54,12 +56,33 @@ class Outcome:
 
 
 class Rollout:
-    """The canary rollout of one service (none, in progress, or the last one)."""
+    """The canary rollout of one service (none, in progress, or the last one).
 
-    def __init__(self, name: str, *, db: store.Store, log_: events.Events) -> None:
+    The core calls `scale()` on each pass (its answer replaces the rolling plan while a rollout is
+    active), `weights()` when it publishes endpoints and `decorate()` on the service it shows.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        db: store.Store,
+        log_: events.Events,
+        kick: Callable[[], None] = lambda: None,
+        on_action: Callable[[ro.Action, ro.State], None] = lambda action, state: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.name = name
         self._db = db
         self._events = log_
+        self.kick = kick
+        """Asks the core for a pass (a pause or deadline ended, a load report arrived)."""
+        self.on_action = on_action
+        """Performs a rollback or notes a completion; called outside the pass, soon after it."""
+        self._clock = clock
+        self._timer: asyncio.TimerHandle | None = None
+        self._weights: dict[int, int] = {}
+        self.latest_version = 0
         self.state: ro.State | None = None
         self.config = ro.Config()
         self._series: dict[int, analysis.Series] = {}
@@ -103,9 +126,11 @@ class Rollout:
             self._db.put_rollout_state(self.name, None)
 
     def add_samples(self, samples: dict[int, analysis.Sample], now: float) -> None:
-        """A load report's per-version outcomes (already deduplicated)."""
+        """A load report's per-version outcomes (already deduplicated); a pass judges them."""
         for version, sample in samples.items():
             self._series.setdefault(version, analysis.Series()).add(sample, now)
+        if samples and self.active:
+            self.kick()
 
     def verdict(self, now: float) -> analysis.Verdict | None:
         """The analysis of the canary against the stable version now."""
@@ -158,6 +183,79 @@ class Rollout:
             self._events.record(self.name, events.Draft(kind, reason, message, self._object()))
         plan = ro.scale(views, decision, canary_version=decision.state.canary_version, stopped=bool(canary_stopped))
         return Outcome(decision, plan)
+
+    # ---- the core's hooks ------------------------------------------------------------------
+
+    def scale(
+        self, views: Sequence[st.ReplicaView], *, target: int, latest_version: int, stopped: str
+    ) -> scaling.ScalePlan | None:
+        """The pass's launches and teardowns while a rollout is active, else None (the core's own).
+
+        Args:
+            views: every replica record of the service.
+            target: the autoscaler's target.
+            latest_version: the service's newest version.
+            stopped: the stop rule's message for the latest version, or empty.
+        """
+        self.latest_version = latest_version
+        s = self.state
+        if s is not None and s.phase is ro.Phase.ROLLED_BACK and s.canary_version == latest_version:
+            # Until the restored spec is the latest version: nothing of the canary is launched.
+            self._weights = self._resting_weights()
+            hold = ro.Decision(s, self._weights, 0, keep_stable=True)
+            return ro.scale(views, hold, canary_version=s.canary_version, stopped=True)
+        if not self.active or s is None or s.canary_version != latest_version:
+            self._weights = self._resting_weights()
+            return None
+        outcome = self.decide(views, target=target, canary_stopped=stopped, now=self._clock())
+        if outcome is None:
+            return None
+        decision = outcome.decision
+        self._weights = decision.weights
+        self._wake(decision.wake_at)
+        if decision.action is not ro.Action.NONE:
+            state = decision.state
+            asyncio.get_running_loop().call_soon(self.on_action, decision.action, state)
+        return outcome.plan
+
+    def weights(self) -> dict[int, int]:
+        """Per-mille weights by version for the endpoint set; empty: no split."""
+        return dict(self._weights)
+
+    def decorate(self, svc: res.Service) -> None:
+        """Add the rollout's status and the stable version to a service view."""
+        status = self.status()
+        if status is not None:
+            svc.rollout.CopyFrom(status)
+        s = self.state
+        if s is not None and s.phase is ro.Phase.SUCCEEDED:
+            svc.stable_version = s.canary_version
+        elif s is not None and s.phase is not ro.Phase.ROLLED_BACK:
+            svc.stable_version = s.stable_version
+        elif svc.active_versions and svc.ready_replicas >= svc.target_replicas:
+            svc.stable_version = max(svc.active_versions)
+        elif svc.active_versions:
+            svc.stable_version = min(svc.active_versions)
+
+    def _resting_weights(self) -> dict[int, int]:
+        """Weights while no rollout is active: every request to the stable version from a rollback
+        until the restored spec is the latest version, else no split."""
+        s = self.state
+        if s is not None and s.phase is ro.Phase.ROLLED_BACK and self.latest_version == s.canary_version:
+            return {s.stable_version: 1000}
+        return {}
+
+    def _wake(self, at: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if at is not None:
+            delay = max(at - self._clock(), 0.0) + 0.01
+            self._timer = asyncio.get_running_loop().call_later(delay, self.kick)
+
+    def close(self) -> None:
+        """Stop the timer."""
+        self._wake(None)
 
     def status(self) -> res.RolloutStatus | None:
         """The rollout as the API shows it in `Service.rollout`."""

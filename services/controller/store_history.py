@@ -1,7 +1,8 @@
 """The store's tables for rollouts: version history, the event log and canary rollout state.
 
 Schema migration 5 adds them. `HistoryTables` is mixed into `store.Store`: its methods join the
-store's transactions like every other store call.
+store's transactions like every other store call. The statements use SQL that PostgreSQL takes
+too (no `INSERT OR REPLACE`, no numbered parameters).
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ class HistoryTables:
             "UPDATE history SET outcome = ?, end_time = ? WHERE service = ? AND outcome = ?",
             (res.VERSION_OUTCOME_SUPERSEDED, float(now), name, res.VERSION_OUTCOME_ACTIVE),
         )
+        self._db.execute("DELETE FROM history WHERE service = ? AND version = ?", (name, version))
         self._db.execute(
-            "INSERT OR REPLACE INTO history (service, version, spec, digest, create_time, update_mode, outcome, "
+            "INSERT INTO history (service, version, spec, digest, create_time, update_mode, outcome, "
             "rollback_of) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 name,
@@ -143,9 +145,9 @@ class HistoryTables:
             ),
         )
         self._db.execute(
-            "DELETE FROM history WHERE service = ?1 AND version <= "
-            "(SELECT MAX(version) FROM history WHERE service = ?1) - ?2",
-            (name, HISTORY_KEPT),
+            "DELETE FROM history WHERE service = ? AND version <= "
+            "(SELECT MAX(version) FROM history WHERE service = ?) - ?",
+            (name, name, HISTORY_KEPT),
         )
 
     def set_version_outcome(self, name: str, version: int, outcome: int, reason: str, *, now: float) -> None:
@@ -200,15 +202,18 @@ class HistoryTables:
             db = self._db
             if db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is None:
                 return
-            db.executemany("DELETE FROM events WHERE service = ? AND sequence = ?", [(name, s) for s in replaced])
+            dropped = set(replaced)
+            events = [e for e in events if e.sequence not in dropped]  # replaced within the batch
+            gone = [*replaced, *(e.sequence for e in events)]
+            db.executemany("DELETE FROM events WHERE service = ? AND sequence = ?", [(name, s) for s in gone])
             db.executemany(
-                "INSERT OR REPLACE INTO events (service, sequence, data) VALUES (?, ?, ?)",
+                "INSERT INTO events (service, sequence, data) VALUES (?, ?, ?)",
                 [(name, e.sequence, e.SerializeToString()) for e in events],
             )
             db.execute(
-                "DELETE FROM events WHERE service = ?1 AND sequence NOT IN "
-                "(SELECT sequence FROM events WHERE service = ?1 ORDER BY sequence DESC LIMIT ?2)",
-                (name, EVENTS_KEPT),
+                "DELETE FROM events WHERE service = ? AND sequence NOT IN "
+                "(SELECT sequence FROM events WHERE service = ? ORDER BY sequence DESC LIMIT ?)",
+                (name, name, EVENTS_KEPT),
             )
 
     def list_events(self, name: str) -> list[res.Event]:
@@ -223,10 +228,9 @@ class HistoryTables:
         """Replace (or with None remove) a service's opaque rollout state."""
         with self.transaction():
             db = self._db
-            if state is None:
-                db.execute("DELETE FROM rollout_state WHERE service = ?", (name,))
-            else:
-                db.execute("INSERT OR REPLACE INTO rollout_state (service, state) VALUES (?, ?)", (name, bytes(state)))
+            db.execute("DELETE FROM rollout_state WHERE service = ?", (name,))
+            if state is not None:
+                db.execute("INSERT INTO rollout_state (service, state) VALUES (?, ?)", (name, bytes(state)))
 
     def get_rollout_state(self, name: str) -> bytes | None:
         """A service's rollout state, or None."""

@@ -72,9 +72,11 @@ def test_events_are_kept_in_order_replaced_entries_go_and_the_log_is_bounded(
     store.put_events("svc", [event(1), event(2)])
     store.put_events("svc", [event(3, "again")], replaced=[1])
     assert [e.sequence for e in store.list_events("svc")] == [2, 3]
+    store.put_events("svc", [event(4), event(5, "4 again")], replaced=[4])  # both in one batch
+    assert [e.sequence for e in store.list_events("svc")] == [2, 3, 5]
     monkeypatch.setattr(store_history, "EVENTS_KEPT", 3)
-    store.put_events("svc", [event(i) for i in range(4, 8)])
-    assert [e.sequence for e in store.list_events("svc")] == [5, 6, 7]
+    store.put_events("svc", [event(i) for i in range(6, 9)])
+    assert [e.sequence for e in store.list_events("svc")] == [6, 7, 8]
     store.put_events("gone", [event(1)])  # a service deleted meanwhile: dropped
     assert store.list_events("gone") == []
 
