@@ -17,7 +17,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
-from services.controller import store_history
+from services.controller import store_history, store_jobs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_2,
     _migrate_3,
     _migrate_4,
-    store_history.migrate_5,
+    store_jobs.migrate_jobs,
+    store_history.migrate_6,
 )
 """Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
@@ -198,7 +199,7 @@ def migrate(db: sqlite3.Connection, *, target: int = SCHEMA_VERSION) -> int:
 # ---- the store -----------------------------------------------------------------------------
 
 
-class Store(store_history.HistoryTables):
+class Store(store_history.HistoryTables, store_jobs.JobTables):
     """SQLite store of services, versions, replicas and autoscaler state.
 
     Synchronous and fast: each call is one short transaction. Calls made inside a
