@@ -4,6 +4,7 @@ fields, a spec the provisioner cannot run, the replica budget, malformed load re
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import grpc
 
@@ -12,11 +13,13 @@ from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
-from services.common import errors, localpaths, pbtime, spec
+from services.common import errors, localpaths, pagetoken, pbtime, spec
 from services.controller import convert
 from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T", str, int)
 
 CHECK_TIMEOUT_S = 5.0
 _MAX_URL = 2048
@@ -149,3 +152,20 @@ def check_mode(mode: int) -> list[errors.FieldViolation]:
     if mode in (res.UPDATE_MODE_UNSPECIFIED, res.UPDATE_MODE_ROLLING, res.UPDATE_MODE_BLUE_GREEN):
         return []
     return [errors.FieldViolation("mode", f"must be UPDATE_MODE_ROLLING or UPDATE_MODE_BLUE_GREEN, got {mode}")]
+
+
+_MAX_PAGE = 1000
+
+
+def page(
+    keys: list[T], page_size: int, page_token: str, *, kind: str, scope: str, position_type: type[T]
+) -> tuple[list[T], str]:
+    """One page of sorted `keys` after the page token's position, and the next page's token."""
+    check_page_size(page_size)
+    if page_token:
+        after = pagetoken.decode(page_token, kind, scope, position_type=position_type)
+        keys = [k for k in keys if k > after]  # type: ignore[operator]
+    size = min(page_size or 100, _MAX_PAGE)
+    chunk = keys[:size]
+    token = pagetoken.encode(kind, scope, chunk[-1]) if len(keys) > size else ""
+    return chunk, token

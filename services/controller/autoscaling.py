@@ -8,6 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import pbtime
 from services.controller import convert, retries
@@ -125,3 +126,16 @@ def mark_zone(rec: ServiceReconciler, r: res.Replica, *, preempted: bool) -> Non
     if marks != rec.state.zones:
         rec.state.zones = marks
         rec.save_state()
+
+
+def report_request(
+    rec: ServiceReconciler, request: api.ReportLoadRequest, report: load.Report
+) -> api.ReportLoadResponse:
+    """A checked ReportLoad call: the reporting balancer's URL (if given) is shown as the
+    service's endpoint (memory only: the balancer reports again within seconds)."""
+    url = request.load_balancer_url
+    if url and url != rec.load_balancer_url:
+        rec.load_balancer_url = url
+        rec.show()
+    rate, applied = report_load(rec, report, time.time())
+    return api.ReportLoadResponse(qps=rate, already_applied=applied.already_applied, counted_requests=applied.counted)

@@ -5,47 +5,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
-
-import grpc
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
-from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
-from replicaplane.provisioner.v1 import resources_pb2 as prov_res
-from services.common import errors, pagetoken, spec
+from services.common import errors, spec
 from services.controller import (
     actions,
     admission,
     autoscaling,
-    convert,
     events,
     hooks,
     orphans,
     provisioner_watch,
     reconciler,
+    replica_logs,
     resync,
     retries,
     store,
     view,
+    wiring,
     writer,
 )
 from services.controller.drivers import probes
 
 log = logging.getLogger(__name__)
-
-_MAX_PAGE = 1000
-
-
-_LOG_KINDS: dict[int, prov_res.LogKind.ValueType] = {
-    api.REPLICA_LOG_KIND_UNSPECIFIED: prov_res.LOG_KIND_APP,
-    api.REPLICA_LOG_KIND_APP: prov_res.LOG_KIND_APP,
-    api.REPLICA_LOG_KIND_LAUNCH: prov_res.LOG_KIND_LAUNCH,
-}
 
 
 class Controller:
@@ -189,15 +176,7 @@ class Controller:
         await self._check_runnable(parsed)
         if name not in self._services:  # else the store says ALREADY_EXISTS
             self._check_budget(name, parsed)
-        state = reconciler.facts.ScalerState(target=convert_min(parsed))
-
-        def create(db: store.Store) -> reconciler.Loaded:
-            # The row and the service's first state commit together.
-            row = db.create_service(name, parsed, now=time.time(), request_id=request_id)
-            db.put_autoscaler_state(name, state.dump())
-            return reconciler.Loaded(row, {1: parsed}, state.dump(), [])
-
-        loaded = await self._writer.submit(create)
+        loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
         if name in self._services:  # created meanwhile by a retry of the same request
             return self._services[name].service()
         rec = self._new_loop(loaded)
@@ -210,13 +189,10 @@ class Controller:
 
     def list_services(self, page_size: int, page_token: str) -> tuple[list[res.Service], str]:
         """A page of services in name order; the token holds the last name of the page."""
-        admission.check_page_size(page_size)
-        after = str(pagetoken.decode(page_token, "services", "", position_type=str)) if page_token else ""
-        size = min(page_size or 100, _MAX_PAGE)
-        names = sorted(n for n in self._services if n > after)
-        page = names[:size]
-        token = pagetoken.encode("services", "", page[-1]) if len(names) > size else ""
-        return [self._services[n].service() for n in page], token
+        names, token = admission.page(
+            sorted(self._services), page_size, page_token, kind="services", scope="", position_type=str
+        )
+        return [self._services[n].service() for n in names], token
 
     async def delete_service(self, name: str, *, purge: bool) -> res.Service:
         """Start deleting a service."""
@@ -242,13 +218,11 @@ class Controller:
     def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
         """A page of a service's replicas in id order; the token holds the last id of the page."""
         admission.check_page_size(page_size)
-        after = int(pagetoken.decode(page_token, "replicas", name, position_type=int)) if page_token else 0
         rec = self._get(name)
-        size = min(page_size or 100, _MAX_PAGE)
-        ids = sorted(i for i in rec.shown if i > after)
-        page = ids[:size]
-        token = pagetoken.encode("replicas", name, page[-1]) if len(ids) > size else ""
-        return [rec.shown[i] for i in page], token
+        ids, token = admission.page(
+            sorted(rec.shown), page_size, page_token, kind="replicas", scope=name, position_type=int
+        )
+        return [rec.shown[i] for i in ids], token
 
     def get_replica(self, name: str, replica_id: int) -> res.Replica:
         """One replica."""
@@ -277,79 +251,24 @@ class Controller:
             yield msg
 
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
-        """Record a load report (and the reporting balancer's URL, if given) unless the same report
-        was applied before; answer the QPS seen.
+        """Record a load report unless the same report was applied before; answer the QPS seen.
 
         Raises:
             errors.ValidationError: a malformed field (see `admission.report_of`); nothing is recorded.
             errors.NotFoundError: no such service.
         """
         report = admission.report_of(request)
-        rec = self._get(request.service_name)
-        if request.load_balancer_url:
-            self.set_load_balancer_url(rec, request.load_balancer_url)
-        qps, applied = autoscaling.report_load(rec, report, time.time())
-        return api.ReportLoadResponse(
-            qps=qps, already_applied=applied.already_applied, counted_requests=applied.counted
-        )
+        return autoscaling.report_request(self._get(request.service_name), request, report)
 
-    @staticmethod
-    def set_load_balancer_url(rec: reconciler.ServiceReconciler, url: str) -> None:
-        """Show `url` (the balancer that reports this service's load) as the service's endpoint."""
-        if url != rec.load_balancer_url:
-            rec.load_balancer_url = url  # memory only: the balancer reports again within seconds
-            rec.show()
-
-    async def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
-        """A replica's log (app output or launch log) as the provisioner streams it.
-
-        Raises:
-            errors.ValidationError: empty or too long service name, replica id below 1, unknown kind.
-            errors.NotFoundError: no such service or replica, or the provisioner has no log of it.
-            errors.UnavailableError: the provisioner could not be reached.
-        """
-        violations = []
-        if not name:
-            violations.append(errors.FieldViolation("service_name", "required"))
-        elif len(name) > spec.MAX_NAME_LEN:
-            violations.append(errors.FieldViolation("service_name", f"at most {spec.MAX_NAME_LEN} characters"))
-        if replica_id < 1:
-            violations.append(errors.FieldViolation("replica_id", f"must be >= 1, got {replica_id}"))
-        if kind not in _LOG_KINDS:
-            violations.append(errors.FieldViolation("kind", f"unknown log kind {kind}"))
-        errors.require(violations)
-        replica = self._get(name).replica(replica_id)
-        request = prov_pb.StreamLogsRequest(name=replica.replica_name, kind=_LOG_KINDS[kind], follow=follow)
-        try:
-            async for chunk in self._prov.StreamLogs(request):
-                yield chunk.data
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise errors.NotFoundError(
-                    f"no logs of replica {replica_id} of service {name!r}",
-                    reason="LOGS_NOT_FOUND",
-                    service=name,
-                    replica_id=replica_id,
-                ) from None
-            if exc.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise errors.UnavailableError(
-                f"could not read the logs from the provisioner: {exc.code().name}", reason="PROVISIONER_UNAVAILABLE"
-            ) from None
+    def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
+        """A replica's log (app output or launch log) as the provisioner streams it."""
+        return replica_logs.stream(self._prov, self._get, name, replica_id, kind, follow=follow)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
     def on_probe_results(self, results: list[prober_pb.ProbeResult]) -> None:
         """Route probe results to their service's loop."""
-        for result in results:
-            service, _, rid = result.target_id.rpartition("/")
-            rec = self._services.get(service)
-            if rec is not None and rid.isdigit():
-                try:
-                    events.on_probe_result(rec, int(rid), result)
-                except Exception:
-                    # Probes repeat: one failure never drops the rest of the batch.
-                    log.exception("could not apply a probe result of %s", result.target_id)
+        events.route_probe_results(self._services, results)
 
     def on_probe_stale(self, stale: bool) -> None:
         """No prober reachable (or reachable again)."""
@@ -360,8 +279,3 @@ class Controller:
             if rec.probing_stale != stale:
                 rec.probing_stale = stale
                 rec.show()
-
-
-def convert_min(parsed: spec_pb2.ServiceSpec) -> int:
-    """The first target of a new service: its policy's minimum."""
-    return convert.policy_of(parsed).min_replicas

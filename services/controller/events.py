@@ -6,6 +6,7 @@ or the store: the pass stores the change and the drivers act on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -15,8 +16,9 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import pbtime
-from services.controller import convert, facts
+from services.controller import autoscaling, convert, facts
 from services.controller.domain import failures, lifecycle
+from services.controller.domain import status as st
 
 if TYPE_CHECKING:
     from services.controller.reconciler import ServiceReconciler
@@ -47,7 +49,6 @@ def step(rec: ServiceReconciler, rid: int, event: lifecycle.Event, *, changed: b
 
 
 def _react(rec: ServiceReconciler, r: res.Replica, action: lifecycle.Action) -> None:
-    from services.controller import autoscaling
 
     rid = r.replica_id
     if isinstance(action, lifecycle.CancelLaunch):
@@ -201,7 +202,6 @@ def teardown_finished(rec: ServiceReconciler, rid: int, *, ok: bool, message: st
         return
     if not ok:
         log.warning("%s/%d: teardown failed: %s", rec.name, rid, message)
-    from services.controller.domain import status as st
 
     facts_now = convert.facts_of(r)
     if st.record_removed(
@@ -257,7 +257,18 @@ def on_probe_result(rec: ServiceReconciler, rid: int, result: prober_pb.ProbeRes
     event = lifecycle.Probed(result.ready, when, result.error, result.http_code, informative)
     step(rec, rid, event)
     if informative and result.ready and rec.row.uptime_start is None:
-        import dataclasses
-
         rec.row = dataclasses.replace(rec.row, uptime_start=when)
         rec.book.row(uptime_start=when)
+
+
+def route_probe_results(services: dict[str, ServiceReconciler], results: list[prober_pb.ProbeResult]) -> None:
+    """Apply each result to its service's replica (target ids are "service/replica id")."""
+    for result in results:
+        service, _, rid = result.target_id.rpartition("/")
+        rec = services.get(service)
+        if rec is not None and rid.isdigit():
+            try:
+                on_probe_result(rec, int(rid), result)
+            except Exception:
+                # Probes repeat: one failure never drops the rest of the batch.
+                log.exception("could not apply a probe result of %s", result.target_id)

@@ -60,7 +60,7 @@ class Extra:
 
 
 def _time(f: res.ReplicaFacts, name: str) -> float | None:
-    return pbtime.from_timestamp(getattr(f, name)) if f.HasField(name) else None
+    return pbtime.from_timestamp(getattr(f, name)) if f.HasField(name) else None  # type: ignore[arg-type]
 
 
 def life_of(r: res.Replica, extra: Extra | None = None) -> lifecycle.Life:

@@ -11,105 +11,24 @@ periodic resync calls `drive` for every record, so a lost event only delays a de
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors
-from services.controller import book, convert, events, facts, hooks, hub, planner, retries, store, view, writer
+from services.controller import autoscaling, book, convert, events, facts, hub, passes, retries, view
 from services.controller.domain import autoscaler, failures, lifecycle
 from services.controller.domain import status as st
 from services.controller.drivers import launches, logs, probes, teardowns
+from services.controller.wiring import Checkpoint, Deps, Loaded, Tuning, copy
+
+__all__ = ["Checkpoint", "Deps", "Loaded", "ServiceReconciler", "Tuning"]
 
 log = logging.getLogger(__name__)
 
 TP = res.TeardownPhase
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Controller knobs a service loop needs."""
-
-    drain_s: float = 120.0
-    probe_fast_interval_s: float = 0.1
-    reconnect_initial_s: float = 0.1
-    reconnect_max_s: float = 2.0
-    sweep_interval_s: float = 5.0
-    max_replicas_per_service: int = 1000
-    max_replicas_total: int = 5000
-    max_launches_in_flight: int = 128
-    decision_interval_s: float = autoscaler.DECISION_INTERVAL_S
-    zero_decision_interval_s: float = autoscaler.ZERO_DECISION_INTERVAL_S
-    qps_window_s: float = autoscaler.QPS_WINDOW_S
-
-
-@dataclasses.dataclass
-class Loaded:
-    """A service as stored."""
-
-    row: store.ServiceRow
-    specs: dict[int, spec_pb2.ServiceSpec]
-    state: bytes | None
-    replicas: list[res.Replica]
-
-    @classmethod
-    def read(cls, db: store.Store, name: str) -> Loaded:
-        row = db.get_service(name)
-        if row is None:
-            raise errors.NotFoundError(f"service {name!r} not found", service=name)
-        specs = {v: s for v in db.list_versions(name) if (s := db.get_version(name, v)) is not None}
-        return cls(row, specs, db.get_autoscaler_state(name), db.list_replicas(name))
-
-
-@dataclasses.dataclass
-class Deps:
-    """What every service loop shares."""
-
-    writer: writer.Writer
-    reader: store.Store
-    provisioner: launches.prov_grpc.ProvisionerServiceStub
-    probes: probes.ProbeSink
-    tuning: Tuning
-    on_gone: Callable[[str], None]
-    hooks: hooks.Hooks = dataclasses.field(default_factory=hooks.Hooks)
-    watch_generation: Callable[[], int] = lambda: 0
-    zones: Callable[[], list[tuple[str, float]]] = list
-    owner: str = ""
-    launch_slots: asyncio.Semaphore | None = None
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    """Memory before an API call changed it."""
-
-    row: store.ServiceRow
-    state: bytes
-    specs: dict[int, spec_pb2.ServiceSpec]
-    next_id: int
-    replicas: dict[int, bytes]
-    book: book.Book
-    logs_kept: set[int]
-
-
-def _copy(r: res.Replica) -> res.Replica:
-    out = res.Replica()
-    out.CopyFrom(r)
-    return out
-
-
-def _parse(data: bytes) -> res.Replica:
-    out = res.Replica()
-    out.ParseFromString(data)
-    return out
-
-
-# Passes run at once when the service is quiet and at most this often under a burst of events,
-# plus 20 us per replica, so a pass stays a small share of the loop however large the service.
-_MIN_PASS_GAP_S = 0.005
 
 
 class ServiceReconciler:
@@ -134,10 +53,7 @@ class ServiceReconciler:
         self.decision: asyncio.TimerHandle | None = None
         self.launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self.view_cache = view.Cache()
-        self._pass_scheduled = self._rerun = self._show = False
-        self._last_pass = 0.0
-        self._inflight: asyncio.Future[list[int]] | None = None
-        self._write_failures = 0
+        self.passes = passes.Passes(self)
         self.finishing = False
         self.api_lock = asyncio.Lock()  # one API change of this service at a time
         self._background: set[asyncio.Task[None]] = set()
@@ -151,7 +67,7 @@ class ServiceReconciler:
         # it), `shown` what the store holds (the API shows it: memory never runs ahead).
         self.shown = {r.replica_id: r for r in loaded.replicas}
         self.shown_views = {rid: convert.view_of(r) for rid, r in self.shown.items()}
-        self.replicas = {rid: _copy(r) for rid, r in self.shown.items()}
+        self.replicas = {rid: copy(r) for rid, r in self.shown.items()}
         self.views = dict(self.shown_views)
         self.extra: dict[int, facts.Extra] = {}
         self.next_id = loaded.row.next_replica_id
@@ -209,7 +125,6 @@ class ServiceReconciler:
 
     def start(self) -> None:
         """Resume every replica from its stored facts (spec.md section 10), then reconcile."""
-        from services.controller import autoscaling
 
         self.started = True
         if self.state.target < 0 and not self.row.deleting:
@@ -274,7 +189,7 @@ class ServiceReconciler:
         self.logs_kept.discard(rid)
         self.book.delete(rid, logs=logs_name)
         for table in (self.views, self.extra, self.launched_in):
-            table.pop(rid, None)  # type: ignore[attr-defined]
+            table.pop(rid, None)
         self.probes.set(rid, None)
         self.kick()
 
@@ -282,177 +197,25 @@ class ServiceReconciler:
         self.book.state(self.state.dump())
         self.kick()
 
-    def show(self) -> None:
-        """Publish the service again (something shown but not stored changed)."""
-        self._show = True
-        self.kick()
-
-    # ---- the pass --------------------------------------------------------------------------
+    # ---- the loop (passes.py) --------------------------------------------------------------
 
     def kick(self) -> None:
         """Plan again soon; kicks coalesce into one pass."""
-        if self._pass_scheduled or self.gone:
-            return
-        self._pass_scheduled = True
-        wait = self._last_pass + _MIN_PASS_GAP_S + len(self.replicas) * 20e-6 - time.monotonic()
-        loop = asyncio.get_running_loop()
-        if wait > 0:
-            loop.call_later(wait, self._pass)
-        else:
-            loop.call_soon(self._pass)
+        self.passes.kick()
 
-    def _pass(self) -> None:
-        from services.controller import actions
-
-        self._pass_scheduled = False
-        self._last_pass = time.monotonic()
-        if self.gone or self.stopping:
-            return
-        if self._inflight is not None:
-            self._rerun = True  # one batch at a time per service: run again once it is stored
-            return
-        started = time.perf_counter()
-        try:
-            if self.started and self.row.deleting:
-                actions.continue_delete(self)
-            elif self.started:
-                self._apply(self._plan())
-            view.store_status(self)
-        except Exception:
-            log.exception("%s: a pass failed; retrying", self.name)
-            asyncio.get_running_loop().call_later(retries.PASS.delay(1), self.kick)
-        self._commit()
-        self.deps.hooks.call("on_pass", self.name, time.perf_counter() - started)
-
-    def _plan(self) -> planner.Plan:
-        latest = self.row.latest_version
-        return planner.plan(
-            list(self.views.values()),
-            policy=self.policy(),
-            adopted_target=max(self.state.target, 0),
-            latest_version=latest,
-            stopped=str(latest) in self.state.stopped,
-            blue_green=self.row.update_mode == res.UPDATE_MODE_BLUE_GREEN,
-            backoff=self.backoff,
-            now=time.monotonic(),
-            torn_down={
-                rid: r.version
-                for rid, r in self.replicas.items()
-                if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
-            },
-        )
-
-    def _apply(self, plan: planner.Plan) -> None:
-        from services.controller import autoscaling
-
-        if plan.launch_wanted != self.launch_wanted:
-            self.launch_wanted = plan.launch_wanted
-            self._show = True
-        for rid in plan.teardown:
-            events.ask_teardown(self, rid, drain_s=self.tuning.drain_s, scale_down=True, reason="scale-down")
-        for _ in range(plan.launch):
-            autoscaling.launch_new(self, spot=self.policy().use_spot)
-        for _ in range(plan.launch_ondemand):
-            autoscaling.launch_new(self, spot=False)
-        for rid in plan.remove:
-            self.remove(rid)
-        if plan.again_in_s is not None:
-            asyncio.get_running_loop().call_later(max(plan.again_in_s, 0.001), self.kick)
-
-    def _commit(self) -> asyncio.Future[list[int]] | None:
-        if self.book.empty():
-            if self._show:
-                self._publish(None)
-            return None
-        batch = self.book.take(self.replicas)
-        fut = self.deps.writer.submit(batch.apply)
-        self._inflight = fut
-        submitted = time.perf_counter()
-        fut.add_done_callback(lambda f: self._committed(batch, f, submitted))
-        return fut
-
-    def _committed(self, batch: book.Batch, fut: asyncio.Future[list[int]], submitted: float) -> None:
-        self._inflight = None
-        if fut.cancelled() or fut.exception() is not None:
-            self._write_failures += 1
-            self.book.restore(batch)
-            if self._write_failures == 1:
-                log.warning("%s: the store did not take a batch; it stays pending and goes again", self.name)
-            if not self.gone:
-                asyncio.get_running_loop().call_later(retries.WRITE.delay(self._write_failures), self.kick)
-            return
-        self._write_failures = 0
-        for r in batch.puts:
-            self.shown[r.replica_id] = r
-            self.shown_views[r.replica_id] = convert.view_of(r)
-        for rid in batch.deletes:
-            self.shown.pop(rid, None)
-            self.shown_views.pop(rid, None)
-        for version in fut.result():
-            self.specs.pop(version, None)
-        self.deps.hooks.call(
-            "on_commit", self.name, len(batch.puts) + len(batch.deletes), time.perf_counter() - submitted
-        )
-        for name in batch.logs:
-            self.logs.delete(name)
-        self._publish(batch)
-        self.drive(batch.replica_ids)
-        if self._rerun or not self.book.empty():
-            self._rerun = False
-            self.kick()
-
-    def _publish(self, batch: book.Batch | None) -> None:
-        self._show = False
-        if self.gone:
-            return
-        svc = self.service()
-        changed = sorted(batch.puts, key=lambda r: r.replica_id) if batch else []
-        self.hub.publish(self.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        self.hub.set_endpoints(list(svc.endpoints))
+    def show(self) -> None:
+        """Publish the service again (something shown but not stored changed)."""
+        self.passes.show_pending = True
+        self.passes.kick()
 
     async def idle(self) -> None:
-        """Wait until no batch of this service is being written."""
-        while self._inflight is not None:
-            await asyncio.wait([self._inflight])
-
-    async def write_now(self, undo: Checkpoint) -> None:
-        """Store everything pending now: an API call's changes, made after `idle()` and
-        `checkpoint()` with no await in between.
-
-        Raises:
-            errors.UnavailableError: the store did not take it; memory goes back to `undo`, so
-                the call changed nothing (events applied before it stay pending).
-        """
-        fut = self._commit()
-        if fut is None:
-            return
-        await asyncio.wait([fut])
-        exc = fut.exception()
-        if exc is not None:
-            self.rollback(undo)
-            raise exc
+        await self.passes.idle()
 
     def checkpoint(self) -> Checkpoint:
-        """Memory as it is, to go back to if an API call's write fails."""
-        return Checkpoint(
-            row=self.row,
-            state=self.state.dump(),
-            specs=dict(self.specs),
-            next_id=self.next_id,
-            replicas={rid: r.SerializeToString() for rid, r in self.replicas.items()},
-            book=self.book.copy(),
-            logs_kept=set(self.logs_kept),
-        )
+        return self.passes.checkpoint()
 
-    def rollback(self, undo: Checkpoint) -> None:
-        self.row, self.specs, self.next_id = undo.row, undo.specs, undo.next_id
-        self.state = facts.ScalerState.load_from(undo.state)
-        self.replicas = {rid: _parse(data) for rid, data in undo.replicas.items()}
-        self.views = {rid: convert.view_of(r) for rid, r in self.replicas.items()}
-        self.book = undo.book
-        self.logs_kept = undo.logs_kept
-        self.policy_cache = (0, autoscaler.Policy())
-        self.kick()
+    async def write_now(self, undo: Checkpoint) -> None:
+        await self.passes.write_now(undo)
 
     # ---- effects ---------------------------------------------------------------------------
 

@@ -53,7 +53,11 @@ class Writer:
     def on_writable_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(writable)` on the loop whenever writes start failing or work again."""
         loop = asyncio.get_running_loop()
-        self.db.on_writable_change(lambda ok: loop.call_soon_threadsafe(callback, ok))
+
+        def changed(ok: bool) -> None:
+            loop.call_soon_threadsafe(callback, ok)
+
+        self.db.on_writable_change(changed)
 
     def _run(self) -> None:
         while True:
