@@ -138,6 +138,8 @@ class Passes:
         for rid in batch.deletes:
             rec.shown.pop(rid, None)
             rec.shown_views.pop(rid, None)
+        if rec.stopping:
+            return  # shutting down: stored, nothing more starts
         for version in fut.result():
             rec.specs.pop(version, None)
         rec.deps.hooks.call(
@@ -160,6 +162,13 @@ class Passes:
         changed = sorted(batch.puts, key=lambda r: r.replica_id) if batch else []
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
         rec.hub.set_endpoints(list(svc.endpoints))
+
+    async def flush(self) -> None:
+        """Store whatever is pending now and wait for it (shutdown)."""
+        await self.idle()
+        fut = self._commit()
+        if fut is not None:
+            await fut
 
     async def idle(self) -> None:
         """Wait until no batch of this service is being written."""
