@@ -30,7 +30,7 @@ class Passes:
 
     def __init__(self, rec: ServiceReconciler) -> None:
         self.rec = rec
-        self._scheduled = self._rerun = self.show_pending = False
+        self._scheduled = self._rerun = self.show_pending = self._running = False
         self._last = 0.0
         self._inflight: asyncio.Future[list[int]] | None = None
         self._write_failures = 0
@@ -38,8 +38,8 @@ class Passes:
     def kick(self) -> None:
         """Plan again soon; kicks coalesce into one pass."""
         rec = self.rec
-        if self._scheduled or rec.gone:
-            return
+        if self._scheduled or self._running or rec.gone:
+            return  # a running pass stores what it changes itself
         self._scheduled = True
         wait = self._last + _MIN_PASS_GAP_S + len(rec.replicas) * 20e-6 - time.monotonic()
         loop = asyncio.get_running_loop()
@@ -59,6 +59,7 @@ class Passes:
             self._rerun = True  # one batch at a time per service: run again once it is stored
             return
         started = time.perf_counter()
+        self._running = True
         try:
             if rec.started and rec.row.deleting:
                 actions.continue_delete(rec)
@@ -68,6 +69,8 @@ class Passes:
         except Exception:
             log.exception("%s: a pass failed; retrying", rec.name)
             asyncio.get_running_loop().call_later(retries.PASS.delay(1), self.kick)
+        finally:
+            self._running = False
         self._commit()
         rec.deps.hooks.call("on_pass", rec.name, time.perf_counter() - started)
 
