@@ -35,13 +35,16 @@ class Passes:
         self._inflight: asyncio.Future[list[int]] | None = None
         self._write_failures = 0
 
-    def kick(self) -> None:
-        """Plan again soon; kicks coalesce into one pass."""
+    def kick(self, *, at_once: bool = False) -> None:
+        """Plan again soon; kicks coalesce into one pass. `at_once`: skip the gap (a batch was
+        just stored: the writer already spaced the passes)."""
         rec = self.rec
         if self._scheduled or self._running or rec.gone:
             return  # a running pass stores what it changes itself
         self._scheduled = True
         wait = self._last + _MIN_PASS_GAP_S + len(rec.replicas) * 20e-6 - time.monotonic()
+        if at_once:
+            wait = 0.0
         loop = asyncio.get_running_loop()
         if wait > 0:
             loop.call_later(wait, self._pass)
@@ -154,7 +157,7 @@ class Passes:
         rec.drive(batch.replica_ids)
         if self._rerun or not rec.book.empty():
             self._rerun = False
-            self.kick()
+            self.kick(at_once=True)
 
     def _publish(self, batch: book.Batch | None) -> None:
         rec = self.rec
