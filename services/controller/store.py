@@ -10,6 +10,7 @@ import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -238,6 +239,7 @@ class Store:
         self.writable = True
         self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
+        self._on_write: Callable[[float, bool], None] | None = None
         try:
             migrate(self._db)
         except BaseException:
@@ -273,6 +275,16 @@ class Store:
     def on_writable_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(writable)` whenever writes start failing or work again."""
         self._on_writable = callback
+
+    def on_write(self, callback: Callable[[float, bool], None]) -> None:
+        """Call `callback(seconds, committed)` after each write transaction (metrics): its time
+        from BEGIN to COMMIT, or to the failure the store reported. A block that raised its own
+        error (nothing was meant to be written) is not reported."""
+        self._on_write = callback
+
+    def _wrote(self, started: float, ok: bool) -> None:
+        if self._on_write is not None:
+            self._on_write(time.perf_counter() - started, ok)
 
     def _set_writable(self, ok: bool) -> None:
         if ok == self.writable:
@@ -353,9 +365,11 @@ class Store:
             if self._depth and owner is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
             if self._depth == 0:
+                started = time.perf_counter()
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
                 except sqlite3.Error as exc:
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 self._owner = owner
                 self._depth = 1
@@ -364,6 +378,7 @@ class Store:
                     self._db.execute("COMMIT")
                 except sqlite3.Error as exc:
                     self._rollback()
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 except BaseException:
                     self._rollback()
@@ -371,6 +386,7 @@ class Store:
                 finally:
                     self._depth = 0
                     self._owner = None
+                self._wrote(started, True)
                 self._set_writable(True)
             else:
                 name = f"sp{self._depth}"
