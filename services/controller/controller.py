@@ -20,6 +20,8 @@ from services.controller import (
     events,
     hooks,
     orphans,
+    pools,
+    pools_api,
     provisioner_watch,
     reconciler,
     replica_logs,
@@ -74,6 +76,13 @@ class Controller:
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
+        # The pool side of each pool, by name (services have none).
+        self._pools: dict[str, pools.PoolSide] = {}
+        self.jobs = pools_api.Jobs(
+            exists=lambda name: name in self._services,
+            pool=self._pools.get,
+            deleting=lambda name: name in self._services and self._services[name].row.deleting,
+        )
 
     @property
     def services(self) -> dict[str, reconciler.ServiceReconciler]:
@@ -107,8 +116,7 @@ class Controller:
         ]
 
     async def _zones_if_unknown(self) -> None:
-        if not self.watch.zones:
-            await self.watch.load_zones()
+        await (self.watch.load_zones() if not self.watch.zones else asyncio.sleep(0))
 
     async def stop(self) -> None:
         """Stop following; replicas and records stay for the next start."""
@@ -254,12 +262,7 @@ class Controller:
             yield msg
 
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
-        """Record a load report unless the same report was applied before; answer the QPS seen.
-
-        Raises:
-            errors.ValidationError: a malformed field (see `admission.report_of`); nothing is recorded.
-            errors.NotFoundError: no such service.
-        """
+        """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
         return autoscaling.report_request(self._get(request.service_name), request, report)
 
