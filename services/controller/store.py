@@ -17,6 +17,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
+from services.controller import store_jobs
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,13 @@ def _migrate_4(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
 
 
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_1, _migrate_2, _migrate_3, _migrate_4)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _migrate_1,
+    _migrate_2,
+    _migrate_3,
+    _migrate_4,
+    store_jobs.migrate_jobs,
+)
 """Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -191,7 +198,7 @@ def migrate(db: sqlite3.Connection, *, target: int = SCHEMA_VERSION) -> int:
 # ---- the store -----------------------------------------------------------------------------
 
 
-class Store:
+class Store(store_jobs.JobTables):
     """SQLite store of services, versions, replicas and autoscaler state.
 
     Synchronous and fast: each call is one short transaction. Calls made inside a
