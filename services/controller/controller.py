@@ -68,16 +68,10 @@ class Controller:
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        # The pool side of each pool, by name (services have none).
-        self._pools: dict[str, pools.PoolSide] = {}
         self.jobs = pools_api.Jobs(
             exists=lambda name: name in self._services,
-            pool=self._pools.get,
-            deleting=lambda name: (
-                name in self._services
-                and self._services[name].service().status
-                in (res.SERVICE_STATUS_SHUTTING_DOWN, res.SERVICE_STATUS_FAILED_CLEANUP)
-            ),
+            pool=lambda name: getattr(self._services.get(name), "pool", None),
+            deleting=lambda name: name in self._services and self._services[name].row.deleting,
         )
 
     @property
@@ -222,6 +216,7 @@ class Controller:
         parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
+        pools.check_update(rec, parsed)
         self._check_budget(name, parsed)
         plan = await actions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
@@ -235,11 +230,12 @@ class Controller:
         ids, token = admission.page(
             sorted(rec.shown), page_size, page_token, kind="replicas", scope=name, position_type=int
         )
-        return [rec.shown[i] for i in ids], token
+        return pools.shown(rec, [rec.shown[i] for i in ids]), token
 
     def get_replica(self, name: str, replica_id: int) -> res.Replica:
         """One replica."""
-        return self._get(name).replica(replica_id)
+        rec = self._get(name)
+        return pools.shown(rec, [rec.replica(replica_id)])[0]
 
     async def terminate_replica(self, name: str, replica_id: int, *, purge: bool) -> res.Replica:
         """Terminate one replica (drained), or purge a failed record."""

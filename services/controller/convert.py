@@ -44,7 +44,16 @@ def view_of(replica: resources_pb2.Replica) -> st.ReplicaView:
 
 
 def policy_of(spec: spec_pb2.ServiceSpec) -> autoscaler.Policy:
-    """The autoscaler policy of a stored spec."""
+    """The autoscaler policy of a stored spec; a pool's sizes and delays for a pool (its target
+    comes from its queue, see `pools.py`)."""
+    if spec.kind == spec_pb2.FLEET_KIND_POOL:
+        pool = spec.service.pool
+        return autoscaler.Policy(
+            min_replicas=pool.min_workers,
+            max_replicas=max(pool.max_workers, pool.min_workers),
+            upscale_delay_s=pbtime.seconds(pool.upscale_delay),
+            downscale_delay_s=pbtime.seconds(pool.downscale_delay),
+        )
     p = spec.service.replica_policy
     return autoscaler.Policy(
         min_replicas=p.min_replicas,

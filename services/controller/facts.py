@@ -8,7 +8,7 @@ import json
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.common import pbtime
+from services.common import pbtime, spec
 from services.controller.domain import autoscaler, lifecycle
 from services.controller.domain import status as st
 
@@ -146,5 +146,5 @@ def windows_of(own: spec_pb2.ServiceSpec, latest: spec_pb2.ServiceSpec) -> lifec
     threshold of the latest (spec.md section 5)."""
     return lifecycle.Windows(
         initial_delay_s=pbtime.seconds(own.service.readiness_probe.initial_delay),
-        failure_threshold_s=pbtime.seconds(latest.service.readiness_probe.consecutive_failure_threshold),
+        failure_threshold_s=spec.failure_threshold_s(latest),
     )

@@ -2,10 +2,6 @@
 
 The fleet registry is asked through callables, so this module needs no reconciler: `exists`
 answers whether a name is a fleet at all, `pool` the pool side of a pool (None for a service).
-
-Until the controller core runs pools (worker readiness, sizing by the queue, no probes, no load
-balancer), CreateService and UpdateService refuse a pool with FAILED_PRECONDITION
-(`POOLS_NOT_AVAILABLE`), after the spec's own validation, changing nothing (`refuse_pool`).
 """
 
 from __future__ import annotations
@@ -16,28 +12,6 @@ from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, spec
 from services.controller import pools
-
-
-def refuse_pool(yaml_text: str) -> None:
-    """Refuses a spec that is a pool. A spec that does not parse passes: the call's own
-    validation reports why, as INVALID_ARGUMENT.
-
-    Raises:
-        errors.FailedPreconditionError: the spec is a pool.
-    """
-    try:
-        # No replica cap here: the controller applies its own when it parses the spec again.
-        parsed = spec.parse(yaml_text, replica_cap=2**31 - 1)
-    except errors.ValidationError:
-        return
-    if spec.is_pool(parsed):
-        raise errors.FailedPreconditionError(
-            "pools are not available yet: the controller cannot run jobs or size a pool by its queue "
-            "until its pool side lands (the spec is valid)",
-            reason="POOLS_NOT_AVAILABLE",
-            subject="pool",
-            type_="NOT_AVAILABLE",
-        )
 
 
 class Jobs:

@@ -9,7 +9,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from services.common import overrides
-from services.controller import controller, pools_api, rollout_api
+from services.controller import controller, rollout_api
 
 
 class ControllerServicer(api_grpc.ControllerServiceServicer):
@@ -22,7 +22,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
         svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
@@ -41,7 +40,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
         mode = rollout_api.update_mode(request.mode, text)  # refuses canary until rollouts land
         svc, plan = await self._ctl.update_service(request.service_name, text, mode=mode, dry_run=request.dry_run)
         return api.UpdateServiceResponse(service=svc, plan=plan)
