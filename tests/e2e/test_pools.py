@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -48,7 +49,7 @@ def _no_overlap(jobs: list[res.Job]) -> None:
         by_worker.setdefault(j.replica_id, []).append((j.start_time.ToNanoseconds(), j.end_time.ToNanoseconds()))
     for runs in by_worker.values():
         runs.sort()
-        for (_, end), (start, _) in zip(runs, runs[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(runs):
             assert end <= start, runs
 
 
