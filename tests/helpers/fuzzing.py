@@ -277,9 +277,33 @@ requests = st.one_of(
         texts,
         st.booleans(),
     ),
+    st.builds(
+        lambda p, r, e, n: ("SubmitJob", api.SubmitJobRequest(pool=p, run=r, envs=e, name=n)),
+        names,
+        texts,
+        st.dictionaries(texts, texts, max_size=3),
+        texts,
+    ),
+    st.builds(lambda p, i: ("GetJob", api.GetJobRequest(pool=p, job_id=i)), names, ints),
+    st.builds(
+        lambda p, s, t: ("ListJobs", api.ListJobsRequest(pool=p, page_size=s, page_token=t)), names, int32s, texts
+    ),
+    st.builds(lambda p, i: ("CancelJob", api.CancelJobRequest(pool=p, job_id=i)), names, ints),
+    st.builds(
+        lambda p, i, o: ("WatchJob", api.WatchJobRequest(pool=p, job_id=i, states_only=o)), names, ints, st.booleans()
+    ),
 )
 
-MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans"}
+MUTATIONS = {
+    "CreateService",
+    "UpdateService",
+    "DeleteService",
+    "TerminateReplica",
+    "PurgeReplicas",
+    "ReapOrphans",
+    "SubmitJob",
+    "CancelJob",
+}
 
 # ---- the controller under fuzz -----------------------------------------------------------
 
