@@ -68,11 +68,7 @@ class Controller:
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        self.jobs = pools_api.Jobs(
-            exists=lambda name: name in self._services,
-            pool=lambda name: getattr(self._services.get(name), "pool", None),
-            deleting=lambda name: name in self._services and self._services[name].row.deleting,
-        )
+        self.jobs = pools_api.Jobs(lambda: self._services)
 
     @property
     def services(self) -> dict[str, reconciler.ServiceReconciler]:

@@ -28,7 +28,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import errors, pbtime, spec
-from services.controller import jobs
+from services.controller import job_runs, jobs
 from services.controller.domain import autoscaler, pool_scaling
 from services.controller.domain import jobs as job_rules
 from services.controller.domain import status as st
@@ -277,4 +277,4 @@ async def forget_logs(rec: ServiceReconciler) -> None:
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 log.info("could not delete the logs of worker %s: %s", name, exc.code().name)
-    await rec.pool.jobs.delete_logs()
+    await job_runs.delete_logs(rec.pool.jobs)
