@@ -175,6 +175,8 @@ def on_launch_event(rec: ServiceReconciler, rid: int, ev: prov_res.LaunchEvent) 
 def start_teardown(rec: ServiceReconciler, r: res.Replica, *, drain_s: float) -> None:
     """Have the teardown driver tear a replica down (its facts say a teardown is in motion)."""
     rid = r.replica_id
+    if rec.row.deleting:
+        drain_s = 0.0  # a delete never drains (spec.md section 9)
     keep_logs = not (r.facts.is_scale_down or r.facts.purged or rec.row.deleting)
     if rec.pool is not None:
         # A worker's logs hold its jobs' output: kept until the pool goes (pools.forget_logs).

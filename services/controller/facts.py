@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.common import pbtime, spec
+from services.common import pbtime
+from services.controller import convert
 from services.controller.domain import autoscaler, lifecycle
-from services.controller.domain import status as st
 
 
 @dataclasses.dataclass
@@ -59,35 +58,10 @@ class Extra:
     vanished: bool = False
 
 
-def _time(f: res.ReplicaFacts, name: str) -> float | None:
-    return pbtime.from_timestamp(getattr(f, name)) if f.HasField(name) else None  # type: ignore[arg-type]
-
-
 def life_of(r: res.Replica, extra: Extra | None = None) -> lifecycle.Life:
-    """The lifecycle facts of a record."""
-    f = r.facts
+    """The lifecycle facts of a record, with the memory-only extras."""
     extra = extra or Extra()
-    return lifecycle.Life(
-        launch=st.LaunchPhase(f.launch_phase),
-        teardown=st.TeardownPhase(f.teardown_phase),
-        user_app_failed=f.user_app_failed,
-        ready_now=f.ready_now,
-        first_ready_time=_time(f, "first_ready_time"),
-        initial_delay_exceeded=f.initial_delay_exceeded,
-        is_scale_down=f.is_scale_down,
-        preempted=f.preempted,
-        purged=f.purged,
-        failed_spot_availability=f.failed_spot_availability,
-        is_spot=r.is_spot,
-        first_failure_time=_time(f, "first_failure_time"),
-        streak_start=_time(f, "streak_start_time"),
-        streak_last=_time(f, "streak_last_time"),
-        exit_code=f.exit_code,
-        drain_s=pbtime.seconds(f.drain),
-        failure_reason=r.failure_reason,
-        pending_exit=extra.pending_exit,
-        vanished=extra.vanished,
-    )
+    return convert.life_of(r, pending_exit=extra.pending_exit, vanished=extra.vanished)
 
 
 _FLAGS = (
@@ -141,10 +115,4 @@ def write_life(r: res.Replica, old: lifecycle.Life, new: lifecycle.Life, extra: 
     return changed
 
 
-def windows_of(own: spec_pb2.ServiceSpec, latest: spec_pb2.ServiceSpec) -> lifecycle.Windows:
-    """The failure windows of a replica: the initial delay of its own version, the failure
-    threshold of the latest (spec.md section 5)."""
-    return lifecycle.Windows(
-        initial_delay_s=pbtime.seconds(own.service.readiness_probe.initial_delay),
-        failure_threshold_s=spec.failure_threshold_s(latest),
-    )
+windows_of = convert.windows_of

@@ -30,18 +30,21 @@ class Passes:
 
     def __init__(self, rec: ServiceReconciler) -> None:
         self.rec = rec
-        self._scheduled = self._rerun = self.show_pending = False
+        self._scheduled = self._rerun = self.show_pending = self._running = False
         self._last = 0.0
         self._inflight: asyncio.Future[list[int]] | None = None
         self._write_failures = 0
 
-    def kick(self) -> None:
-        """Plan again soon; kicks coalesce into one pass."""
+    def kick(self, *, at_once: bool = False) -> None:
+        """Plan again soon; kicks coalesce into one pass. `at_once`: skip the gap (a batch was
+        just stored: the writer already spaced the passes)."""
         rec = self.rec
-        if self._scheduled or rec.gone:
-            return
+        if self._scheduled or self._running or rec.gone:
+            return  # a running pass stores what it changes itself
         self._scheduled = True
         wait = self._last + _MIN_PASS_GAP_S + len(rec.replicas) * 20e-6 - time.monotonic()
+        if at_once:
+            wait = 0.0
         loop = asyncio.get_running_loop()
         if wait > 0:
             loop.call_later(wait, self._pass)
@@ -59,6 +62,7 @@ class Passes:
             self._rerun = True  # one batch at a time per service: run again once it is stored
             return
         started = time.perf_counter()
+        self._running = True
         try:
             if rec.started and rec.row.deleting:
                 actions.continue_delete(rec)
@@ -68,6 +72,8 @@ class Passes:
         except Exception:
             log.exception("%s: a pass failed; retrying", rec.name)
             asyncio.get_running_loop().call_later(retries.PASS.delay(1), self.kick)
+        finally:
+            self._running = False
         self._commit()
         rec.deps.hooks.call("on_pass", rec.name, time.perf_counter() - started)
 
@@ -140,6 +146,8 @@ class Passes:
         for rid in batch.deletes:
             rec.shown.pop(rid, None)
             rec.shown_views.pop(rid, None)
+        if rec.stopping:
+            return  # shutting down: stored, nothing more starts
         for version in fut.result():
             rec.specs.pop(version, None)
         rec.deps.hooks.call(
@@ -152,7 +160,7 @@ class Passes:
         rec.drive(batch.replica_ids)
         if self._rerun or not rec.book.empty():
             self._rerun = False
-            self.kick()
+            self.kick(at_once=True)
 
     def _publish(self, batch: book.Batch | None) -> None:
         rec = self.rec
@@ -163,6 +171,13 @@ class Passes:
         changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
         rec.hub.set_endpoints(list(svc.endpoints))
+
+    async def flush(self) -> None:
+        """Store whatever is pending now and wait for it (shutdown)."""
+        await self.idle()
+        fut = self._commit()
+        if fut is not None:
+            await fut
 
     async def idle(self) -> None:
         """Wait until no batch of this service is being written."""

@@ -139,10 +139,15 @@ class ServiceReconciler:
         autoscaling.decide(self)
 
     async def stop(self) -> None:
-        """Stop following the service (controller shutdown); replicas stay as they are."""
+        """Stop following the service (controller shutdown); replicas stay as they are. What is
+        pending is stored first (a failure here is fine: the next start resumes from the store)."""
         self.stopping = True
         if self.decision is not None:
             self.decision.cancel()
+        try:
+            await self.passes.flush()
+        except Exception:
+            log.info("%s: could not store the last changes before stopping", self.name)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.controller.domain import autoscaler, scaling
+from services.controller.domain import autoscaler, placer, scaling
 from services.controller.domain import status as st
 from services.controller.domain.status import Facts
 from services.controller.domain.status import ReplicaStatus as S
@@ -230,3 +230,51 @@ SPOT = autoscaler.Policy(min_replicas=3, max_replicas=3, use_spot=True, base_ond
 def test_fallback_mix(replicas: list[R], spot: int, ondemand: int, teardown: tuple[int, ...]) -> None:
     p = scaling.plan(replicas, target=3, latest_version=1, fallback=(SPOT, 3))
     assert (p.launch, p.launch_ondemand, p.teardown) == (spot, ondemand, teardown)
+
+
+D = st.OnDelete
+LIVE = Facts(launch=st.LaunchPhase.SUCCEEDED)
+
+
+@pytest.mark.parametrize(
+    ("facts", "tearing_down", "purge", "outcome"),
+    [
+        (LIVE, False, False, D.TEAR_DOWN),
+        (Facts(launch=st.LaunchPhase.RUNNING), False, False, D.TEAR_DOWN),  # the launch is cancelled
+        (Facts(launch=st.LaunchPhase.SUCCEEDED, teardown=TP.SCHEDULED), True, True, D.MARK),
+        (ok_fail, False, False, D.REMOVE),  # a kept failure record
+        (Facts(launch=st.LaunchPhase.SUCCEEDED, teardown=TP.FAILED), False, False, D.TEAR_DOWN),  # once more
+        (Facts(launch=st.LaunchPhase.SUCCEEDED, teardown=TP.FAILED), False, True, D.REMOVE),
+    ],
+)
+def test_on_delete(facts: Facts, tearing_down: bool, purge: bool, outcome: st.OnDelete) -> None:
+    assert st.on_delete(facts, tearing_down=tearing_down, purge=purge) is outcome
+
+
+def test_gone_from_snapshot() -> None:
+    names = ["a", "b", "c", "d"]
+    launched_in = {"c": 3, "d": 2}  # c finished launching after watch 3 began: the snapshot may be older
+    assert st.gone_from_snapshot(names, {"a"}, launched_in, 3) == ["b", "d"]
+
+
+ZONES = [("us-a", 1.0), ("us-b", 0.5), ("eu-a", 0.2)]
+
+
+@pytest.mark.parametrize(
+    ("places", "spot", "spot_placer", "marks", "used", "zone"),
+    [
+        ([("", "")], False, False, {}, set(), ""),  # unconstrained on-demand: the backend picks
+        ([("", "us")], False, False, {}, set(), "us-b"),  # cheapest allowed
+        ([("", "us")], True, False, {}, set(), "us-b"),  # spot without a placer: as on-demand
+        ([("", "")], True, True, {}, set(), "eu-a"),  # cheapest active
+        ([("", "")], True, True, {}, {"eu-a"}, "us-b"),  # one not used by another spot replica
+        ([("", "")], True, True, {"eu-a": placer.PREEMPTIVE}, set(), "us-b"),
+        ([("", "us")], True, True, {}, set(), "us-b"),  # the spec's region narrows the placer
+        ([("zz-1", "")], True, True, {}, set(), "zz-1"),  # no known zone fits: the spec's own
+    ],
+)
+def test_launch_zone(
+    places: list[tuple[str, str]], spot: bool, spot_placer: bool, marks: dict[str, str], used: set[str], zone: str
+) -> None:
+    got = placer.launch_zone(ZONES, places, spot=spot, spot_placer=spot_placer, marks=marks, used=used)
+    assert got == zone

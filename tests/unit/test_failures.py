@@ -139,3 +139,40 @@ def test_launch_pause_and_its_message(now: float, pause: float, message: str) ->
     b = Backoff(delay_s=4.0, not_before=14.0, reason="launch failed: HTTP 503")
     assert failures.launch_pause(b, now) == pause
     assert failures.pause_message(b, now) == message
+
+
+@pytest.mark.parametrize(
+    ("failure", "version", "ever_ready", "stop", "paused_until"),
+    [
+        (
+            Failure(Kind.APP_EXITED, U, "app exited with code 1"),
+            2,
+            False,
+            "scaling stopped: version 2 failed before ever being ready (replica 7: app exited with code 1)",
+            0.0,
+        ),
+        (Failure(Kind.LAUNCH_FAILED, INF, "launch failed: HTTP 503"), 2, False, "", 101.0),
+        (Failure(Kind.CAPACITY, INF, "launch failed: no capacity"), 1, True, "", 101.0),
+        (Failure(Kind.APP_EXITED, U, "app exited with code 1"), 2, True, "", 0.0),
+        (Failure(Kind.PREEMPTED, INF, "preempted"), 2, False, "", 0.0),
+    ],
+)
+def test_react(failure: Failure, version: int, ever_ready: bool, stop: str, paused_until: float) -> None:
+    got = failures.react(
+        failure, replica_id=7, version=version, latest_version=2, ever_ready=ever_ready, backoff=Backoff(), now=100.0
+    )
+    assert got.stop == stop
+    assert got.backoff.not_before == paused_until
+    assert got.backoff.reason == (failure.message if paused_until else "")
+
+
+@pytest.mark.parametrize(
+    ("remembered", "version", "after"),
+    [
+        ([], 1, [1]),
+        ([1, 2], 2, [1, 2]),
+        (list(range(1, 17)), 17, list(range(2, 18))),  # the last 16
+    ],
+)
+def test_remember_ready(remembered: list[int], version: int, after: list[int]) -> None:
+    assert failures.remember_ready(remembered, version) == after

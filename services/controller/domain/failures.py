@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from services.controller.domain import status as st
 
@@ -188,3 +188,45 @@ def pause_message(backoff: Backoff, now: float) -> str:
         return ""
     why = f": {backoff.reason}" if backoff.reason else ""
     return f"launches paused for {math.ceil(left)} s after an infrastructure failure{why}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reaction:
+    """What a replica's failure does to its service: `stop` is the stop rule's message ("" when
+    the version goes on), `backoff` the launch pause after it."""
+
+    stop: str = ""
+    backoff: Backoff = Backoff()
+
+
+def react(
+    failure: Failure,
+    *,
+    replica_id: int,
+    version: int,
+    latest_version: int,
+    ever_ready: bool,
+    backoff: Backoff,
+    now: float,
+) -> Reaction:
+    """The service-level consequences of one failure, in one place: the stop rule for the
+    user's failures, the launch pause for the infrastructure's (`now` on the backoff's clock).
+    A version already stopped keeps its first message (the caller keeps the one it has)."""
+    stop = ""
+    if stops_version(failure, version=version, latest_version=latest_version, ever_ready=ever_ready):
+        stop = stop_message(version, replica_id, failure.message)
+    if pauses_launches(failure):
+        backoff = backoff.failed(now, failure.message)
+    return Reaction(stop, backoff)
+
+
+EVER_READY_KEPT = 16
+
+
+def remember_ready(ever_ready_versions: Sequence[int], version: int) -> list[int]:
+    """The versions remembered as READY once, after a replica of `version` was READY: the stop
+    rule's "ever ready", whether it passed its first probe under the version or was kept READY
+    through an in-place update. The last 16 are enough: only the latest version is ever stopped."""
+    if version in ever_ready_versions:
+        return list(ever_ready_versions)
+    return [*ever_ready_versions[-(EVER_READY_KEPT - 1) :], version]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 
 class LaunchPhase(enum.IntEnum):
@@ -305,3 +305,43 @@ def termination(status: ReplicaStatus, *, tearing_down: bool, purge: bool) -> Te
     if failed:
         return Termination.PURGE if purge else Termination.REFUSED_FAILED
     return Termination.DRAIN_AND_TEAR_DOWN
+
+
+class OnDelete(enum.Enum):
+    """What deleting the service does to one replica (spec.md section 9: down never drains)."""
+
+    MARK = "its teardown runs already: it is only marked (purged) and a drain in progress ends now"
+    REMOVE = "its record goes now (torn down already, or a failed cleanup with purge)"
+    TEAR_DOWN = "torn down now without drain (a failed cleanup is tried once more)"
+
+
+def on_delete(f: Facts, *, tearing_down: bool, purge: bool) -> OnDelete:
+    """Decide one replica's fate when its service is deleted.
+
+    Args:
+        f: the replica's facts.
+        tearing_down: a teardown of it is in motion.
+        purge: the delete asked to purge.
+    """
+    if tearing_down:
+        return OnDelete.MARK
+    if f.teardown is TeardownPhase.SUCCEEDED or (purge and f.teardown is TeardownPhase.FAILED):
+        return OnDelete.REMOVE
+    return OnDelete.TEAR_DOWN
+
+
+def gone_from_snapshot(
+    names: Iterable[str], snapshot: Collection[str], launched_in: Mapping[str, int], generation: int
+) -> list[str]:
+    """Replicas a provisioner snapshot does not list, and so are gone.
+
+    A replica whose launch finished after this watch started (`launched_in[name] >= generation`)
+    may be missing only because the snapshot was older: it is left to live events and probes.
+
+    Args:
+        names: replica names the controller has records of.
+        snapshot: names in the provisioner's snapshot.
+        launched_in: name -> the watch generation its launch finished in.
+        generation: the generation of the watch that sent the snapshot.
+    """
+    return [n for n in names if n not in snapshot and launched_in.get(n, -1) < generation]
