@@ -53,3 +53,21 @@ async def test_a_service_never_becomes_a_pool_nor_a_pool_a_service(env: tc.Env) 
         svc = (await env.stub.GetService(api.GetServiceRequest(service_name=name))).service
         assert svc.latest_version == 1
     w.cancel()
+
+
+async def test_a_policy_only_change_keeps_the_workers(env: tc.Env) -> None:
+    fixed = "name: fixed\npool: {workers: 2}\nsetup: echo ready\n"
+    await env.stub.CreateService(api.CreateServiceRequest(yaml=fixed))
+    async with asyncio.timeout(10):
+        while sum(env.provisioner.launches.values()) < 2:
+            await asyncio.sleep(0.01)
+    bigger = "name: fixed\npool: {workers: 3, failure_threshold_seconds: 30}\nsetup: echo ready\n"
+    plan = (
+        await env.stub.UpdateService(api.UpdateServiceRequest(service_name="fixed", yaml=bigger, dry_run=True))
+    ).plan
+    assert (plan.in_place, list(plan.kept_replica_ids), plan.launch_count) == (True, [1, 2], 1)
+    other_setup = "name: fixed\npool: {workers: 2}\nsetup: echo other\n"
+    plan = (
+        await env.stub.UpdateService(api.UpdateServiceRequest(service_name="fixed", yaml=other_setup, dry_run=True))
+    ).plan
+    assert not plan.in_place and list(plan.replaced_replica_ids) == [1, 2]
