@@ -121,3 +121,26 @@ async def test_kill_9_of_the_controller_loses_no_job_and_runs_none_twice(cluster
     assert jobs[3].exit_code == 4
     assert all(j.attempts == 1 for j in jobs)
     _no_overlap(jobs)
+
+
+async def test_replicactl_runs_a_pool_and_its_jobs(cluster: cl.Cluster) -> None:
+    from tests.e2e.test_replicactl import replicactl
+
+    addr = cluster.controller.addr
+    up = await asyncio.to_thread(replicactl, addr, "up", "examples/pool/pool.yaml", "--wait", "--timeout", "60")
+    assert up.returncode == 0, up.stderr
+    assert "batch is up: 0/0 worker(s) READY" in up.stdout
+    ran = await asyncio.to_thread(
+        replicactl, addr, "jobs", "submit", "batch", "--name", "hi", "--logs", "--", 'echo "hi from $DATA_DIR"'
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "job 1 submitted to pool batch" in ran.stdout and "hi from /tmp/batch-data" in ran.stdout
+    assert "job 1: SUCCEEDED" in ran.stderr
+    failed = await asyncio.to_thread(replicactl, addr, "jobs", "submit", "batch", "--logs", "--", "exit 3")
+    assert failed.returncode == 1 and "FAILED: exited with code 3" in failed.stderr
+    listing = await asyncio.to_thread(replicactl, addr, "jobs", "status", "batch")
+    rows = [line.split() for line in listing.stdout.splitlines()[2:]]
+    assert [r[:3] for r in rows] == [["1", "hi", "SUCCEEDED"], ["2", "-", "FAILED"]]
+    status = await asyncio.to_thread(replicactl, addr, "status", "batch")
+    assert status.stdout.splitlines()[2].split()[:2] == ["batch", "POOL"]
+    assert "batch: pool, 0 job(s) queued, 0 running" in status.stdout
