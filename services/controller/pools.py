@@ -16,6 +16,7 @@ all answered here so the core only asks:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -190,6 +191,9 @@ def setup_done(rec: ServiceReconciler, rid: int, when: float) -> None:
 
     events.step(rec, rid, lifecycle.LaunchRunning(), changed=True)
     events.step(rec, rid, lifecycle.Probed(True, when, "", 0, True))
+    if rec.row.uptime_start is None and rid in rec.replicas:  # the pool's uptime starts here
+        rec.row = dataclasses.replace(rec.row, uptime_start=when)
+        rec.book.row(uptime_start=when)
 
 
 def worker_gone(rec: ServiceReconciler, rid: int, when: float) -> None:

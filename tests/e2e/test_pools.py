@@ -73,6 +73,7 @@ async def test_a_pool_grows_with_its_queue_runs_every_job_and_shrinks_to_zero(cl
     assert max(w.seen_statuses) == 3  # three workers were launched, no more
     svc = (await cluster.stub.GetService(api.GetServiceRequest(service_name="batch"))).service
     assert (svc.queued_jobs, svc.running_jobs, svc.load_balancer_url, list(svc.endpoints)) == (0, 0, "", [])
+    assert svc.HasField("uptime_start_time")
     out = b""
     async for msg in cluster.stub.WatchJob(api.WatchJobRequest(pool="batch", job_id=1)):
         out += msg.output
