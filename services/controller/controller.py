@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
@@ -28,6 +28,7 @@ from services.controller import (
     resync,
     retries,
     store,
+    traces,
     view,
     wiring,
     writer,
@@ -49,6 +50,8 @@ class Controller:
         probes: probes.ProbeSink,
         tuning: reconciler.Tuning,
         controller_id: str = "",
+        hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         self._db = db  # reads only: at start, and to read a service back after a refused write
         self._writer = db_writer
@@ -59,6 +62,11 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._probing_stale = False
         self.hooks = hooks.Hooks()
+        if on_pass is not None:
+            self.hooks.on_pass.append(lambda _service, seconds: on_pass(seconds))
+        self.traces = traces.ReplicaTraces()
+        # Each sees every change every service publishes.
+        self._hub_observers = (*hub_observers, self.traces.published)
         # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
         # Kept outside the store (identity.py), so a lost store still knows its replicas.
         self.controller_id = controller_id or db.controller_id()
@@ -131,8 +139,11 @@ class Controller:
             zones=lambda: self.watch.zones,
             owner=self.controller_id,
             launch_slots=self._launch_slots,
+            traces=self.traces,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)
+        for observer in self._hub_observers:
+            rec.hub.observe(observer)
         rec.probing_stale = self._probing_stale
         self._services[rec.name] = rec
         return rec
@@ -242,6 +253,14 @@ class Controller:
         return await actions.purge_failed(self._get(name))
 
     # ---- streams and load ----------------------------------------------------------------
+
+    def watchers(self) -> int:
+        """WatchService and WatchEndpoints streams open over every service."""
+        return sum(rec.hub.watchers for rec in self._services.values())
+
+    def queue_depth(self) -> int:
+        """Services whose pass is due and has not run yet."""
+        return sum(1 for rec in self._services.values() if rec.passes.due)
 
     async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
         """A snapshot then every change of a service."""

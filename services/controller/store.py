@@ -10,6 +10,7 @@ import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -245,6 +246,7 @@ class Store(store_jobs.JobTables):
         self.writable = True
         self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
+        self._on_write: Callable[[float, bool], None] | None = None
         try:
             migrate(self._db)
         except BaseException:
@@ -280,6 +282,16 @@ class Store(store_jobs.JobTables):
     def on_writable_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(writable)` whenever writes start failing or work again."""
         self._on_writable = callback
+
+    def on_write(self, callback: Callable[[float, bool], None]) -> None:
+        """Call `callback(seconds, committed)` after each write transaction (metrics): its time
+        from BEGIN to COMMIT, or to the failure the store reported. A block that raised its own
+        error (nothing was meant to be written) is not reported."""
+        self._on_write = callback
+
+    def _wrote(self, started: float, ok: bool) -> None:
+        if self._on_write is not None:
+            self._on_write(time.perf_counter() - started, ok)
 
     def _set_writable(self, ok: bool) -> None:
         if ok == self.writable:
@@ -360,9 +372,11 @@ class Store(store_jobs.JobTables):
             if self._depth and owner is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
             if self._depth == 0:
+                started = time.perf_counter()
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
                 except sqlite3.Error as exc:
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 self._owner = owner
                 self._depth = 1
@@ -371,6 +385,7 @@ class Store(store_jobs.JobTables):
                     self._db.execute("COMMIT")
                 except sqlite3.Error as exc:
                     self._rollback()
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 except BaseException:
                     self._rollback()
@@ -378,6 +393,7 @@ class Store(store_jobs.JobTables):
                 finally:
                     self._depth = 0
                     self._owner = None
+                self._wrote(started, True)
                 self._set_writable(True)
             else:
                 name = f"sp{self._depth}"
