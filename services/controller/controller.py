@@ -110,8 +110,7 @@ class Controller:
         ]
 
     async def _zones_if_unknown(self) -> None:
-        if not self.watch.zones:
-            await self.watch.load_zones()
+        await (self.watch.load_zones() if not self.watch.zones else asyncio.sleep(0))
 
     async def stop(self) -> None:
         """Stop following; replicas and records stay for the next start."""
@@ -157,16 +156,6 @@ class Controller:
             raise errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)
         return rec
 
-    def _check_budget(self, name: str, parsed: spec_pb2.ServiceSpec) -> None:
-        current = self._services.get(name)
-        admission.check_budget(
-            name,
-            parsed,
-            limit=self._tuning.max_replicas_total,
-            current_most=None if current is None else current.most_replicas(),
-            others=sum(rec.reserved_replicas() for other, rec in self._services.items() if other != name),
-        )
-
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
         await self._zones_if_unknown()
         await admission.check_runnable(self._prov, parsed, self.watch.zones)
@@ -174,14 +163,8 @@ class Controller:
     # ---- services ------------------------------------------------------------------------
 
     async def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
-        """Validate and store a new service, then start its loop.
-
-        Raises:
-            errors.ValidationError: every problem in the name and spec, nothing stored.
-            errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
-                request id, which returns the existing service).
-            errors.UnavailableError: the store did not take it; nothing was stored.
-        """
+        """Validate and store a new service, then start its loop. A retry of the same request id
+        returns the existing service; a store that refuses it leaves nothing behind."""
         parsed = spec.parse(yaml_text, name=name, require_name=True, replica_cap=self._tuning.max_replicas_per_service)
         name = spec.effective_name(parsed, name)
         existing = self._services.get(name)
@@ -189,7 +172,7 @@ class Controller:
             return existing.service()
         await self._check_runnable(parsed)
         if name not in self._services:  # else the store says ALREADY_EXISTS
-            self._check_budget(name, parsed)
+            admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
         if name in self._services:  # created meanwhile by a retry of the same request
             return self._services[name].service()
@@ -224,7 +207,7 @@ class Controller:
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
         pools.check_update(rec, parsed)
-        self._check_budget(name, parsed)
+        admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         plan = await actions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
@@ -275,12 +258,7 @@ class Controller:
             yield msg
 
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
-        """Record a load report unless the same report was applied before; answer the QPS seen.
-
-        Raises:
-            errors.ValidationError: a malformed field (see `admission.report_of`); nothing is recorded.
-            errors.NotFoundError: no such service.
-        """
+        """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
         return autoscaling.report_request(self._get(request.service_name), request, report)
 
