@@ -17,6 +17,7 @@ from services.controller import (
     actions,
     admission,
     autoscaling,
+    event_log,
     events,
     hooks,
     orphans,
@@ -24,11 +25,12 @@ from services.controller import (
     pools_api,
     provisioner_watch,
     reconciler,
-    replica_logs,
+    replica_api,
     resync,
     retries,
     store,
     traces,
+    versions_api,
     view,
     wiring,
     writer,
@@ -38,7 +40,7 @@ from services.controller.drivers import probes
 log = logging.getLogger(__name__)
 
 
-class Controller:
+class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
     """Owns every service's loop, the provisioner watch, and probe result routing."""
 
     def __init__(
@@ -76,6 +78,7 @@ class Controller:
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
+        self.event_log = event_log.Events(db=db)
         self.jobs = pools_api.Jobs(lambda: self._services)
 
     @property
@@ -87,7 +90,9 @@ class Controller:
         """Recover every stored service, then follow the provisioner's replica events."""
         await self.watch.load_zones()
         for row in self._db.list_services():
-            self._new_loop(reconciler.Loaded.read(self._db, row.name)).start()
+            rec = self._new_loop(reconciler.Loaded.read(self._db, row.name))
+            self.event_log.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
+            rec.start()
         reserved = sum(r.reserved_replicas() for r in self._services.values())
         if reserved > self._tuning.max_replicas_total:
             log.warning(
@@ -120,6 +125,7 @@ class Controller:
         await asyncio.gather(*(r.stop() for r in self._services.values()))
         await self.watch.stop()
         await self.orphans.close()
+        await asyncio.to_thread(self.event_log.close)
 
     def _records(self) -> orphans.Records:
         """Every replica record: service name -> replica id -> replica name."""
@@ -141,7 +147,7 @@ class Controller:
             traces=self.traces,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)
-        for observer in self._hub_observers:
+        for observer in (*self._hub_observers, self.event_log.observe):
             rec.hub.observe(observer)
         rec.probing_stale = self._probing_stale
         self._services[rec.name] = rec
@@ -149,6 +155,7 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
+        self.event_log.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
@@ -177,7 +184,9 @@ class Controller:
         if name in self._services:  # created meanwhile by a retry of the same request
             return self._services[name].service()
         rec = self._new_loop(loaded)
+        self.event_log.open(name, {})
         rec.start()
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "ServiceCreated", "created with version 1"))
         return rec.service()
 
     def get_service(self, name: str) -> res.Service:
@@ -195,6 +204,7 @@ class Controller:
         """Start deleting a service."""
         rec = self._get(name)
         await actions.delete(rec, purge=purge)
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "DeleteRequested", "tearing down every replica"))
         return rec.service()
 
     async def update_service(
@@ -209,31 +219,11 @@ class Controller:
         pools.check_update(rec, parsed)
         admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         plan = await actions.update(rec, parsed, mode=mode, dry_run=dry_run)
+        if not dry_run:
+            self._updated(name, plan, mode=mode)
         return rec.service(), plan
 
     # ---- replicas ------------------------------------------------------------------------
-
-    def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
-        """A page of a service's replicas in id order; the token holds the last id of the page."""
-        admission.check_page_size(page_size)
-        rec = self._get(name)
-        ids, token = admission.page(
-            sorted(rec.shown), page_size, page_token, kind="replicas", scope=name, position_type=int
-        )
-        return pools.shown(rec, [rec.shown[i] for i in ids]), token
-
-    def get_replica(self, name: str, replica_id: int) -> res.Replica:
-        """One replica."""
-        rec = self._get(name)
-        return pools.shown(rec, [rec.replica(replica_id)])[0]
-
-    async def terminate_replica(self, name: str, replica_id: int, *, purge: bool) -> res.Replica:
-        """Terminate one replica (drained), or purge a failed record."""
-        return await actions.terminate_replica(self._get(name), replica_id, purge=purge)
-
-    async def purge_replicas(self, name: str) -> list[int]:
-        """Purge every failed replica of a service."""
-        return await actions.purge_failed(self._get(name))
 
     # ---- streams and load ----------------------------------------------------------------
 
@@ -261,10 +251,6 @@ class Controller:
         """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
         return autoscaling.report_request(self._get(request.service_name), request, report)
-
-    def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
-        """A replica's log (app output or launch log) as the provisioner streams it."""
-        return replica_logs.stream(self._prov, self._get, name, replica_id, kind, follow=follow)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 

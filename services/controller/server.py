@@ -21,7 +21,17 @@ SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerSer
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
-    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
+    for m in (
+        "CreateService",
+        "UpdateService",
+        "DeleteService",
+        "TerminateReplica",
+        "PurgeReplicas",
+        "ReapOrphans",
+        "RollbackService",
+        "PromoteRollout",
+        "AbortRollout",
+    )
 )
 
 
