@@ -17,8 +17,9 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, events, orphans, reconciler, store, store_history
+from services.controller import convert, events, orphans, reconciler, rollout_api, rollouts, store, store_history
 from services.controller.domain import autoscaler, history, load, placer
+from services.controller.domain import rollout as ro
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Controller:
         self._probes = probes
         self._tuning = tuning
         self._services: dict[str, reconciler.ServiceReconciler] = {}
+        self._rollouts: dict[str, rollouts.Rollout] = {}
         self._watch_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._probing_stale = False
@@ -165,11 +167,29 @@ class Controller:
         )
         rec.set_probing_stale(self._probing_stale)
         rec.hub.observers.append(self.events.observe)
+        rollout = rollouts.Rollout(
+            name,
+            db=self._db,
+            log_=self.events,
+            kick=rec.kick,
+            on_action=lambda action, state: self._rollout_action(name, action, state),
+        )
+        latest = self._db.get_service(name)
+        if latest is not None:
+            spec_of_latest = self._db.get_version(name, latest.latest_version)
+            if spec_of_latest is not None:
+                rollout.set_spec(spec_of_latest)
+            rollout.latest_version = latest.latest_version
+        rec.rollout = rollout
+        self._rollouts[name] = rollout
         self._services[name] = rec
         return rec
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
+        rollout = self._rollouts.pop(name, None)
+        if rollout is not None:
+            rollout.close()
         self.events.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
@@ -310,10 +330,45 @@ class Controller:
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
         self._check_budget(name, parsed)
+        rollout = self._rollouts[name]
+        before = rec.service()
         plan = rec.update(parsed, mode=mode, dry_run=dry_run)
         if not dry_run:
             self._updated(name, plan, mode=mode)
+            if mode == res.UPDATE_MODE_CANARY and not plan.in_place:
+                # The traffic comes from the stable version of a rollout still going, else from
+                # the version that was the latest.
+                state = rollout.state
+                stable = state.stable_version if rollout.active and state else before.latest_version
+                rollout.set_spec(parsed)
+                rollout.latest_version = plan.new_version
+                rollout.begin(stable, plan.new_version, now=time.time())
+                rec.kick()
+            else:
+                rollout.end()
         return rec.service(), plan
+
+    def _rollout_action(self, name: str, action: ro.Action, state: ro.State) -> None:
+        """Perform what a rollout decided: the rollback to the stable spec, or note its success."""
+        rec = self._services.get(name)
+        if rec is None:
+            return
+        if action is ro.Action.COMPLETE:
+            rec.kick()
+            return
+        reason = state.message.removeprefix("rolled back: ")
+        stable = self._db.get_history(name, state.stable_version)
+        if stable is None:
+            log.error("%s: cannot roll back: the spec of version %d is not kept", name, state.stable_version)
+            return
+        try:
+            plan = rec.update(stable.spec, mode=res.UPDATE_MODE_ROLLING, dry_run=False)
+            now = time.time()
+            self._db.set_version_outcome(name, state.canary_version, res.VERSION_OUTCOME_ROLLED_BACK, reason, now=now)
+            self._updated(name, plan, mode=res.UPDATE_MODE_ROLLING, rollback_of=state.stable_version)
+        except errors.ReplicaplaneError:
+            log.exception("%s: the rollback to version %d failed", name, state.stable_version)
+        rec.kick()
 
     def _updated(self, name: str, plan: res.UpdatePlan, *, mode: int, rollback_of: int = 0) -> None:
         """Note an applied update in the history and the event log."""
@@ -387,22 +442,32 @@ class Controller:
             yield event
 
     def promote_rollout(self, name: str, *, full: bool) -> res.Service:
-        """Move a canary rollout on.
+        """Move a canary rollout on: its next step now, or with `full` all the traffic.
 
         Raises:
-            errors.FailedPreconditionError: no canary rollout in progress (none can run yet).
+            errors.FailedPreconditionError: no canary rollout progressing or held.
         """
         rec = self._get(name)
-        raise _no_rollout(name, rec.service())
+        rollout = self._rollouts[name]
+        if not rollout.active:
+            raise _no_rollout(name, rec.service())
+        rollout.promote(full=full, now=time.time())
+        rec.kick()
+        return rec.service()
 
     def abort_rollout(self, name: str) -> res.Service:
-        """Abort a canary rollout.
+        """Abort a canary rollout: all the traffic back to the stable version, then its spec restored.
 
         Raises:
-            errors.FailedPreconditionError: no canary rollout in progress (none can run yet).
+            errors.FailedPreconditionError: no canary rollout progressing or held.
         """
         rec = self._get(name)
-        raise _no_rollout(name, rec.service())
+        rollout = self._rollouts[name]
+        if not rollout.active:
+            raise _no_rollout(name, rec.service())
+        rollout.abort_now(time.time())
+        rec.kick()
+        return rec.service()
 
     # ---- replicas ------------------------------------------------------------------------
 
@@ -451,11 +516,15 @@ class Controller:
             errors.ValidationError: a malformed field (see `_report_of`); nothing is recorded.
             errors.NotFoundError: no such service.
         """
+        samples = rollout_api.version_samples(request)
         report = _report_of(request)
         rec = self._get(request.service_name)
         if request.load_balancer_url:
             rec.set_load_balancer_url(request.load_balancer_url)
-        qps, applied = rec.report_load(report, time.time())
+        now = time.time()
+        qps, applied = rec.report_load(report, now)
+        if not applied.already_applied:
+            self._rollouts[request.service_name].add_samples(samples, now)
         return api.ReportLoadResponse(
             qps=qps, already_applied=applied.already_applied, counted_requests=applied.counted
         )
@@ -622,6 +691,15 @@ def _check_page_size(page_size: int) -> None:
 
 
 def _check_mode(mode: int) -> list[errors.FieldViolation]:
-    if mode in (res.UPDATE_MODE_UNSPECIFIED, res.UPDATE_MODE_ROLLING, res.UPDATE_MODE_BLUE_GREEN):
+    if mode in (
+        res.UPDATE_MODE_UNSPECIFIED,
+        res.UPDATE_MODE_ROLLING,
+        res.UPDATE_MODE_BLUE_GREEN,
+        res.UPDATE_MODE_CANARY,
+    ):
         return []
-    return [errors.FieldViolation("mode", f"must be UPDATE_MODE_ROLLING or UPDATE_MODE_BLUE_GREEN, got {mode}")]
+    return [
+        errors.FieldViolation(
+            "mode", f"must be UPDATE_MODE_ROLLING, UPDATE_MODE_BLUE_GREEN or UPDATE_MODE_CANARY, got {mode}"
+        )
+    ]

@@ -26,7 +26,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
-from services.controller import convert, hub, store
+from services.controller import convert, hub, rollouts, store
 from services.controller.domain import autoscaler, load, placer, scaling
 from services.controller.domain import status as st
 
@@ -165,6 +165,9 @@ class ServiceReconciler:
         self._decision: asyncio.TimerHandle | None = None
         self._watch_generation = watch_generation
         self.hub = hub.ServiceHub()
+        # The canary rollout, when the controller attaches one: it scales and splits traffic
+        # while a rollout is active (rollouts.py).
+        self.rollout: rollouts.Rollout | None = None
         self._db = db
         self._prov = provisioner
         self._probes = probes
@@ -319,6 +322,8 @@ class ServiceReconciler:
         if self._row.uptime_start is not None:
             svc.uptime_start_time.CopyFrom(pbtime.timestamp(self._row.uptime_start))
         svc.autoscaler.CopyFrom(self._autoscaler_status())
+        if self.rollout is not None:
+            self.rollout.decorate(svc)
         return svc
 
     def _autoscaler_status(self) -> res.AutoscalerStatus:
@@ -508,6 +513,14 @@ class ServiceReconciler:
             blue_green=self._blue_green,
             fallback=(policy, target) if policy.kind == autoscaler.FALLBACK else None,
         )
+        if self.rollout is not None:
+            canary = self.rollout.scale(
+                views,
+                target=policy.final(target),
+                latest_version=latest,
+                stopped=self._state.stopped.get(str(latest), ""),
+            )
+            plan = canary or plan
         for rid in plan.teardown:
             self.teardown(rid, drain=self._tuning.drain_s, is_scale_down=True)
         wait = self._launch_not_before - time.monotonic()
@@ -1263,7 +1276,7 @@ class ServiceReconciler:
         removed, self._removed = self._removed, []
         self._changed = {}
         self.hub.publish(self._without_unchanged_spec(svc), changed, removed)
-        self.hub.set_endpoints(list(svc.endpoints))
+        self.hub.set_endpoints(list(svc.endpoints), self.rollout.weights() if self.rollout else None)
         if not self._row.deleting and (
             svc.status != self._row.status or svc.status_message != self._row.status_message
         ):

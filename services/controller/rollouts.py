@@ -173,6 +173,20 @@ class Rollout:
             raise ValueError("no rollout")
         return self._apply(ro.abort(self.state, self.config, now, target=target), views, "")
 
+    def abort_now(self, now: float) -> None:
+        """Abort outside a pass: every request to the stable version at once, then the rollback."""
+        if self.state is None or not self.active:
+            raise ValueError("no rollout")
+        decision = ro.abort(self.state, self.config, now, target=1)
+        self.state = decision.state
+        self._save()
+        self._weights = decision.weights
+        self._wake(None)
+        for reason, message in decision.events:
+            self._events.record(self.name, events.Draft(events.WARNING, reason, message, self._object()))
+        state = decision.state
+        asyncio.get_running_loop().call_soon(self.on_action, ro.Action.ROLLBACK, state)
+
     def _apply(self, decision: ro.Decision, views: Sequence[st.ReplicaView], canary_stopped: str) -> Outcome:
         changed = decision.state != self.state
         self.state = decision.state

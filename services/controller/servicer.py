@@ -82,7 +82,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
-        rollout_api.version_samples(request)  # checked; kept per version once rollouts land
         return self._ctl.report_load(request)
 
     async def WatchEndpoints(
