@@ -17,7 +17,16 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, events, orphans, reconciler, rollout_api, rollouts, store, store_history
+from services.controller import (
+    convert,
+    event_log,
+    orphans,
+    reconciler,
+    rollout_api,
+    rollouts,
+    store,
+    store_history,
+)
 from services.controller.domain import autoscaler, history, load, placer
 from services.controller.domain import rollout as ro
 
@@ -118,14 +127,14 @@ class Controller:
         self._foreign_logged: set[str] = set()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        self.events = events.Events(db=db)
+        self.event_log = event_log.Events(db=db)
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""
         await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
-            self.events.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
+            self.event_log.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
             rec.start()
         reserved = sum(r.reserved_replicas() for r in self._services.values())
         if reserved > self._tuning.max_replicas_total:
@@ -146,7 +155,7 @@ class Controller:
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
         await self.orphans.close()
-        await asyncio.to_thread(self.events.close)
+        await asyncio.to_thread(self.event_log.close)
 
     def _records(self) -> orphans.Records:
         """Every replica record: service name -> replica id -> replica name."""
@@ -166,11 +175,11 @@ class Controller:
             launch_slots=self._launch_slots,
         )
         rec.set_probing_stale(self._probing_stale)
-        rec.hub.observers.append(self.events.observe)
+        rec.hub.observers.append(self.event_log.observe)
         rollout = rollouts.Rollout(
             name,
             db=self._db,
-            log_=self.events,
+            log_=self.event_log,
             kick=rec.kick,
             on_action=lambda action, state: self._rollout_action(name, action, state),
         )
@@ -190,7 +199,7 @@ class Controller:
         rollout = self._rollouts.pop(name, None)
         if rollout is not None:
             rollout.close()
-        self.events.forget(name)
+        self.event_log.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
@@ -223,14 +232,14 @@ class Controller:
             with self._db.transaction():
                 self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
                 rec = self._new_reconciler(name)
-                self.events.open(name, {})
+                self.event_log.open(name, {})
                 rec.start()
         except BaseException:
             if rec is not None:
                 self._forget(name)
                 await rec.stop()
             raise
-        self.events.record(name, events.Draft(events.NORMAL, "ServiceCreated", "created with version 1"))
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "ServiceCreated", "created with version 1"))
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
@@ -317,7 +326,7 @@ class Controller:
         """Start deleting a service."""
         rec = self._get(name)
         rec.delete(purge=purge)
-        self.events.record(name, events.Draft(events.NORMAL, "DeleteRequested", "tearing down every replica"))
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "DeleteRequested", "tearing down every replica"))
         return rec.service()
 
     async def update_service(
@@ -379,10 +388,11 @@ class Controller:
         how = "in place" if plan.in_place else mode_name.removeprefix("UPDATE_MODE_").lower()
         if rollback_of:
             message = f"rolled back to the spec of version {rollback_of} as version {version} ({how})"
-            self.events.record(name, events.Draft(events.WARNING, "RolledBack", message, f"version/{version}"))
+            self.event_log.record(name, event_log.Draft(event_log.WARNING, "RolledBack", message, f"version/{version}"))
         else:
             message = f"updated to version {version} ({how})"
-            self.events.record(name, events.Draft(events.NORMAL, "ServiceUpdated", message, f"version/{version}"))
+            draft = event_log.Draft(event_log.NORMAL, "ServiceUpdated", message, f"version/{version}")
+            self.event_log.record(name, draft)
 
     async def rollback_service(
         self, name: str, to_version: int, *, dry_run: bool
@@ -434,11 +444,11 @@ class Controller:
 
     def list_events(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Event], str]:
         """A page of a service's events, oldest first."""
-        return self.events.list(name, page_size, page_token)
+        return self.event_log.list(name, page_size, page_token)
 
     async def watch_events(self, name: str, after_sequence: int) -> AsyncIterator[res.Event]:
         """A service's events after `after_sequence`, then each new one."""
-        async for event in self.events.watch(name, after_sequence):
+        async for event in self.event_log.watch(name, after_sequence):
             yield event
 
     def promote_rollout(self, name: str, *, full: bool) -> res.Service:

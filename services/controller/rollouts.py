@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import pbtime
-from services.controller import events, store
+from services.controller import event_log, store
 from services.controller.domain import analysis, scaling
 from services.controller.domain import rollout as ro
 from services.controller.domain import status as st
@@ -67,7 +67,7 @@ class Rollout:
         name: str,
         *,
         db: store.Store,
-        log_: events.Events,
+        log_: event_log.Events,
         kick: Callable[[], None] = lambda: None,
         on_action: Callable[[ro.Action, ro.State], None] = lambda action, state: None,
         clock: Callable[[], float] = time.time,
@@ -109,8 +109,8 @@ class Rollout:
         self._save()
         self._events.record(
             self.name,
-            events.Draft(
-                events.NORMAL,
+            event_log.Draft(
+                event_log.NORMAL,
                 "RolloutStarted",
                 f"canary rollout of version {canary_version} from version {stable_version}: "
                 + ", ".join(f"{s.weight} % for {s.pause_s:g} s" for s in self.config.steps),
@@ -164,7 +164,7 @@ class Rollout:
         where = "the final step" if self.state.step > len(self.config.steps) else f"step {self.state.step}"
         self._events.record(
             self.name,
-            events.Draft(events.NORMAL, "RolloutPromoted", f"promoted by a user to {where}", self._object()),
+            event_log.Draft(event_log.NORMAL, "RolloutPromoted", f"promoted by a user to {where}", self._object()),
         )
 
     def abort(self, views: Sequence[st.ReplicaView], *, target: int, now: float) -> Outcome:
@@ -183,7 +183,7 @@ class Rollout:
         self._weights = decision.weights
         self._wake(None)
         for reason, message in decision.events:
-            self._events.record(self.name, events.Draft(events.WARNING, reason, message, self._object()))
+            self._events.record(self.name, event_log.Draft(event_log.WARNING, reason, message, self._object()))
         state = decision.state
         asyncio.get_running_loop().call_soon(self.on_action, ro.Action.ROLLBACK, state)
 
@@ -193,8 +193,8 @@ class Rollout:
         if changed:
             self._save()
         for reason, message in decision.events:
-            kind = events.WARNING if reason in ("RolloutRolledBack", "RolloutFailed") else events.NORMAL
-            self._events.record(self.name, events.Draft(kind, reason, message, self._object()))
+            kind = event_log.WARNING if reason in ("RolloutRolledBack", "RolloutFailed") else event_log.NORMAL
+            self._events.record(self.name, event_log.Draft(kind, reason, message, self._object()))
         plan = ro.scale(views, decision, canary_version=decision.state.canary_version, stopped=bool(canary_stopped))
         return Outcome(decision, plan)
 

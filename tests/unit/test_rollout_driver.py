@@ -10,7 +10,7 @@ import pytest
 
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import spec
-from services.controller import events, rollouts, store
+from services.controller import event_log, rollouts, store
 from services.controller.domain import analysis
 from services.controller.domain import rollout as ro
 from services.controller.domain import status as st
@@ -40,8 +40,8 @@ def db(tmp_path) -> Iterator[store.Store]:
 
 
 @pytest.fixture
-def log_(db: store.Store) -> Iterator[events.Events]:
-    e = events.Events(db=db)
+def log_(db: store.Store) -> Iterator[event_log.Events]:
+    e = event_log.Events(db=db)
     e.open("svc", {})
     yield e
     e.close()
@@ -61,7 +61,7 @@ def views(stable: int, canary: int) -> list[st.ReplicaView]:
     return out + [st.ReplicaView(100 + i, 2, READY) for i in range(canary)]
 
 
-def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log_: events.Events) -> None:
+def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log_: event_log.Events) -> None:
     r = rollouts.Rollout("svc", db=db, log_=log_)
     r.set_spec(spec.parse(YAML))
     r.begin(1, 2, now=0.0)
@@ -91,7 +91,7 @@ def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log
     assert reasons == ["RolloutStarted", "RolloutStep", "RolloutSucceeded"]
 
 
-def test_load_report_samples_fail_the_analysis_and_roll_back(db: store.Store, log_: events.Events) -> None:
+def test_load_report_samples_fail_the_analysis_and_roll_back(db: store.Store, log_: event_log.Events) -> None:
     r = rollouts.Rollout("svc", db=db, log_=log_)
     r.set_spec(spec.parse(YAML))
     r.begin(1, 2, now=0.0)
