@@ -11,7 +11,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
 from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
-from services.controller import controller, identity, reconciler, servicer, store
+from services.controller import controller, identity, reconciler, servicer, store, writer
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 
@@ -123,6 +123,7 @@ class Running:
     controller: controller.Controller
     fleet: probe_fleet.ProbeFleet
     db: store.Store
+    db_writer: writer.Writer
     audit_file: audit.FileSink | None = None
 
     @property
@@ -135,6 +136,7 @@ class Running:
         await self.built.stop(grace)
         await self.controller.stop()
         await self.fleet.stop()
+        await self.db_writer.close()
         self.db.close()
         if self.audit_file is not None:
             self.audit_file.close()
@@ -215,6 +217,10 @@ async def start(settings: Settings) -> Running:
         settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
     )
     controller_id = _identity(settings, db)
+    # Every write after this point goes through the writer thread and its own connection.
+    db_writer = writer.Writer(
+        db.path, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
+    )
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
         drain_s=settings.drain_s,
@@ -237,6 +243,7 @@ async def start(settings: Settings) -> Running:
     )
     ctl = controller.Controller(
         db=db,
+        db_writer=db_writer,
         provisioner=provisioner_service_pb2_grpc.ProvisionerServiceStub(channel),
         probes=fleet,
         tuning=tuning,
@@ -256,10 +263,11 @@ async def start(settings: Settings) -> Running:
         task.add_done_callback(background.discard)
 
     db.on_writable_change(store_health)
+    db_writer.on_writable_change(store_health)
     await ctl.start()
     await fleet.start()
     await built.start()
-    return Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
+    return Running(built=built, controller=ctl, fleet=fleet, db=db, db_writer=db_writer, audit_file=audit_file)
 
 
 async def serve(settings: Settings) -> None:
@@ -269,7 +277,7 @@ async def serve(settings: Settings) -> None:
         running.built,
         grace=settings.shutdown_grace_s,
         port_file=settings.port_file,
-        on_stop=[running.controller.stop, running.fleet.stop],
+        on_stop=[running.controller.stop, running.fleet.stop, running.db_writer.close],
         metrics_addr=settings.metrics_addr,
         metrics_port_file=settings.metrics_port_file,
     )

@@ -49,7 +49,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def DeleteService(
         self, request: api.DeleteServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.DeleteServiceResponse:
-        return api.DeleteServiceResponse(service=self._ctl.delete_service(request.service_name, purge=request.purge))
+        return api.DeleteServiceResponse(
+            service=await self._ctl.delete_service(request.service_name, purge=request.purge)
+        )
 
     async def ListReplicas(
         self, request: api.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -65,13 +67,13 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def TerminateReplica(
         self, request: api.TerminateReplicaRequest, context: grpc.aio.ServicerContext
     ) -> api.TerminateReplicaResponse:
-        replica = self._ctl.terminate_replica(request.service_name, request.replica_id, purge=request.purge)
+        replica = await self._ctl.terminate_replica(request.service_name, request.replica_id, purge=request.purge)
         return api.TerminateReplicaResponse(replica=replica)
 
     async def PurgeReplicas(
         self, request: api.PurgeReplicasRequest, context: grpc.aio.ServicerContext
     ) -> api.PurgeReplicasResponse:
-        return api.PurgeReplicasResponse(replica_ids=self._ctl.purge_replicas(request.service_name))
+        return api.PurgeReplicasResponse(replica_ids=await self._ctl.purge_replicas(request.service_name))
 
     async def WatchService(
         self, request: api.WatchServiceRequest, context: grpc.aio.ServicerContext
@@ -124,24 +126,24 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ListEvents(
         self, request: api.ListEventsRequest, context: grpc.aio.ServicerContext
     ) -> api.ListEventsResponse:
-        found, token = self._ctl.list_events(request.service_name, request.page_size, request.page_token)
+        found, token = self._ctl.versions.event_log.list(request.service_name, request.page_size, request.page_token)
         return api.ListEventsResponse(events=found, next_page_token=token)
 
     async def WatchEvents(
         self, request: api.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api.WatchEventsResponse]:
-        async for event in self._ctl.watch_events(request.service_name, request.after_sequence):
+        async for event in self._ctl.versions.event_log.watch(request.service_name, request.after_sequence):
             yield api.WatchEventsResponse(event=event)
 
     async def ListVersions(
         self, request: api.ListVersionsRequest, context: grpc.aio.ServicerContext
     ) -> api.ListVersionsResponse:
-        return api.ListVersionsResponse(versions=self._ctl.list_versions(request.service_name))
+        return api.ListVersionsResponse(versions=self._ctl.versions.list(request.service_name))
 
     async def RollbackService(
         self, request: api.RollbackServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.RollbackServiceResponse:
-        svc, plan, to = await self._ctl.rollback_service(
+        svc, plan, to = await self._ctl.versions.rollback(
             request.service_name, request.to_version, dry_run=request.dry_run
         )
         return api.RollbackServiceResponse(service=svc, plan=plan, to_version=to)
@@ -149,9 +151,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def PromoteRollout(
         self, request: api.PromoteRolloutRequest, context: grpc.aio.ServicerContext
     ) -> api.PromoteRolloutResponse:
-        return api.PromoteRolloutResponse(service=self._ctl.promote_rollout(request.service_name, full=request.full))
+        return api.PromoteRolloutResponse(service=self._ctl.versions.promote(request.service_name, full=request.full))
 
     async def AbortRollout(
         self, request: api.AbortRolloutRequest, context: grpc.aio.ServicerContext
     ) -> api.AbortRolloutResponse:
-        return api.AbortRolloutResponse(service=self._ctl.abort_rollout(request.service_name))
+        return api.AbortRolloutResponse(service=self._ctl.versions.abort(request.service_name))

@@ -228,7 +228,11 @@ class Store(store_history.HistoryTables):
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         # Specs carry probe headers and secrets: create the file private. SQLite gives the
         # -wal and -shm files the same permissions as the database.
-        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        # Only when the file is new: closing any descriptor of an open SQLite file drops every
+        # POSIX lock this process holds on it, so a second connection (the writer's) opening an
+        # existing store would silently break the first one's locking.
+        if not os.path.exists(self.path):
+            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000):d}")
         mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]

@@ -65,7 +65,7 @@ async def test_watch_events_replays_after_a_sequence_then_follows(env: tc.Env) -
     seen = []
     while (msg := await stream.read()) is not grpc.aio.EOF:  # it ends when the service is gone
         seen.append(msg.event.reason)
-    assert seen[0] == "DeleteRequested"
+    assert "DeleteRequested" in seen
     w.cancel()
 
 
