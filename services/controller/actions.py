@@ -39,7 +39,9 @@ def _shutting_down(rec: ServiceReconciler) -> errors.FailedPreconditionError:
 async def update(rec: ServiceReconciler, new: spec_pb2.ServiceSpec, *, mode: int, dry_run: bool) -> res.UpdatePlan:
     """Plan (and unless `dry_run`, apply) an update to `new` (spec.md section 7): replicas whose
     version differs from `new` only in the service section are kept and bumped in place."""
-    if rec.row.deleting:
+    if rec.row.deleting and (dry_run or not rec.api_lock.locked()):
+        # Not while another change holds the lock: a delete whose write is in flight (and may
+        # be refused) is not stored yet; the check under the lock sees what was.
         raise _shutting_down(rec)
     live = [r for r in rec.replicas.values() if not st.is_terminal(convert.status_of(r))]
     keepable = {r.replica_id for r in live if spec.is_in_place_update(rec.spec(r.version), new)}

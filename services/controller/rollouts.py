@@ -121,6 +121,11 @@ class Rollout:
             ),
         )
 
+    def restore(self, state: ro.State | None, config: ro.Config) -> None:
+        """Put back the rollout an update replaced (the update failed)."""
+        self.state, self.config = state, config
+        self._save()
+
     def end(self) -> None:
         """Forget the rollout (an update in another mode replaces it)."""
         if self.state is not None:

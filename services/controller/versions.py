@@ -17,10 +17,11 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.common import errors
+from services.common import errors, spec
 from services.controller import (
     actions,
     autoscaling,
+    convert,
     event_log,
     reconciler,
     rollout_api,
@@ -31,6 +32,7 @@ from services.controller import (
 )
 from services.controller.domain import history, load
 from services.controller.domain import rollout as ro
+from services.controller.domain import status as st
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +111,33 @@ class Versions:
     ) -> res.UpdatePlan:
         """Apply (or plan) an update; a canary update starts a rollout, another mode ends one."""
         rollout = self._rollouts[rec.name]
-        before = rec.row.latest_version
-        plan = await actions.update(rec, parsed, mode=mode, dry_run=dry_run)
         if dry_run:
-            return plan
-        await self._noted(rec.name, plan, mode=mode)
-        if mode == res.UPDATE_MODE_CANARY and not plan.in_place:
-            # From the stable version of a rollout still going, else from the latest before.
+            return await actions.update(rec, parsed, mode=mode, dry_run=True)
+        live = [r for r in rec.replicas.values() if not st.is_terminal(convert.status_of(r))]
+        in_place = all(spec.is_in_place_update(rec.spec(r.version), parsed) for r in live)
+        canary = mode == res.UPDATE_MODE_CANARY and not in_place
+        previous = (rollout.state, rollout.config)
+        expected = rec.row.latest_version + 1
+        stable = rec.row.latest_version
+        if canary:
+            # Begun before the new version exists, so no pass ever plans it rolling; from the
+            # stable version of a rollout still going, else from the latest before.
             state = rollout.state
-            stable = state.stable_version if rollout.active and state else before
+            stable = state.stable_version if rollout.active and state else stable
             rollout.set_spec(parsed)
-            rollout.latest_version = plan.new_version
-            rollout.begin(stable, plan.new_version, now=time.time())
-            rec.kick()
-        else:
+            rollout.begin(stable, expected, now=time.time())
+        try:
+            plan = await actions.update(rec, parsed, mode=mode, dry_run=False)
+        except BaseException:
+            if canary:
+                rollout.restore(*previous)
+            raise
+        await self._noted(rec.name, plan, mode=mode)
+        if not canary:
             rollout.end()
+        elif plan.new_version != expected:  # another update came first
+            rollout.begin(stable, plan.new_version, now=time.time())
+        rec.kick()
         return plan
 
     async def _noted(self, name: str, plan: res.UpdatePlan, *, mode: int, rollback_of: int = 0) -> None:
