@@ -39,36 +39,32 @@ def _shutting_down(rec: ServiceReconciler) -> errors.FailedPreconditionError:
 async def update(rec: ServiceReconciler, new: spec_pb2.ServiceSpec, *, mode: int, dry_run: bool) -> res.UpdatePlan:
     """Plan (and unless `dry_run`, apply) an update to `new` (spec.md section 7): replicas whose
     version differs from `new` only in the service section are kept and bumped in place."""
-    if rec.row.deleting and (dry_run or not rec.api_lock.locked()):
-        # Not while another change holds the lock: a delete whose write is in flight (and may
-        # be refused) is not stored yet; the check under the lock sees what was.
-        raise _shutting_down(rec)
-    live = [r for r in rec.replicas.values() if not st.is_terminal(convert.status_of(r))]
-    keepable = {r.replica_id for r in live if spec.is_in_place_update(rec.spec(r.version), new)}
-    # As SkyPilot: the new policy's target is adopted at once, from the load seen so far.
-    policy = convert.policy_of(new)
-    adopted = autoscaler_candidate(rec, policy)
-    p = scaling.update_plan([convert.view_of(r) for r in live], keepable=keepable, target=policy.final(adopted))
-    plan = res.UpdatePlan(
-        new_version=rec.row.latest_version + 1,
-        kept_replica_ids=p.kept,
-        launch_count=p.launch,
-        teardown_replica_ids=p.teardown,
-        replaced_replica_ids=p.replaced,
-        in_place=p.in_place,
-    )
-    if dry_run:
-        return plan
-    async with rec.api_lock:
+    async with rec.api_lock:  # another call's change is either stored or undone by now
+        await rec.idle()
+        if rec.row.deleting:
+            raise _shutting_down(rec)
+        live = [r for r in rec.replicas.values() if not st.is_terminal(convert.status_of(r))]
+        keepable = {r.replica_id for r in live if spec.is_in_place_update(rec.spec(r.version), new)}
+        # As SkyPilot: the new policy's target is adopted at once, from the load seen so far.
+        policy = convert.policy_of(new)
+        adopted = autoscaler_candidate(rec, policy)
+        p = scaling.update_plan([convert.view_of(r) for r in live], keepable=keepable, target=policy.final(adopted))
+        plan = res.UpdatePlan(
+            new_version=rec.row.latest_version + 1,
+            kept_replica_ids=p.kept,
+            launch_count=p.launch,
+            teardown_replica_ids=p.teardown,
+            replaced_replica_ids=p.replaced,
+            in_place=p.in_place,
+        )
+        if dry_run:
+            return plan
         return await _apply_update(rec, new, plan, adopted, keepable, mode)
 
 
 async def _apply_update(
     rec: ServiceReconciler, new: spec_pb2.ServiceSpec, plan: res.UpdatePlan, adopted: int, keepable: set[int], mode: int
 ) -> res.UpdatePlan:
-    await rec.idle()
-    if rec.row.deleting:
-        raise _shutting_down(rec)
     undo = rec.checkpoint()
     version = rec.row.latest_version + 1
     rec.specs[version] = new
@@ -170,6 +166,7 @@ async def _purge_failed(rec: ServiceReconciler) -> list[int]:
 async def delete(rec: ServiceReconciler, *, purge: bool) -> None:
     """Tear every replica down without drain, then forget the service (spec.md section 9)."""
     async with rec.api_lock:
+        await rec.idle()
         await _delete(rec, purge=purge)
 
 

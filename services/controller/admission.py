@@ -4,7 +4,8 @@ fields, a spec the provisioner cannot run, the replica budget, malformed load re
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -16,6 +17,9 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from services.common import errors, localpaths, pagetoken, pbtime, spec
 from services.controller import convert
 from services.controller.domain import autoscaler, load, placer
+
+if TYPE_CHECKING:
+    from services.controller.reconciler import ServiceReconciler
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +182,17 @@ def page(
     chunk = keys[:size]
     token = pagetoken.encode(kind, scope, chunk[-1]) if len(keys) > size else ""
     return chunk, token
+
+
+def budget_of(
+    services: Mapping[str, ServiceReconciler], name: str, parsed: spec_pb2.ServiceSpec, *, limit: int
+) -> None:
+    """`check_budget` against the services the controller runs."""
+    current = services.get(name)
+    check_budget(
+        name,
+        parsed,
+        limit=limit,
+        current_most=None if current is None else current.most_replicas(),
+        others=sum(rec.reserved_replicas() for other, rec in services.items() if other != name),
+    )

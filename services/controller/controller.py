@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
@@ -19,12 +19,15 @@ from services.controller import (
     events,
     hooks,
     orphans,
+    pools,
+    pools_api,
     provisioner_watch,
     reconciler,
     replica_logs,
     resync,
     retries,
     store,
+    traces,
     versions,
     view,
     wiring,
@@ -47,6 +50,8 @@ class Controller:
         probes: probes.ProbeSink,
         tuning: reconciler.Tuning,
         controller_id: str = "",
+        hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         self._db = db  # reads only: at start, and to read a service back after a refused write
         self._writer = db_writer
@@ -57,6 +62,11 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._probing_stale = False
         self.hooks = hooks.Hooks()
+        if on_pass is not None:
+            self.hooks.on_pass.append(lambda _service, seconds: on_pass(seconds))
+        self.traces = traces.ReplicaTraces()
+        # Each sees every change every service publishes.
+        self._hub_observers = (*hub_observers, self.traces.published)
         # Sent with every launch; only replicas carrying it (or no owner) count as our orphans.
         # Kept outside the store (identity.py), so a lost store still knows its replicas.
         self.controller_id = controller_id or db.controller_id()
@@ -66,8 +76,13 @@ class Controller:
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        self.versions = versions.Versions(
-            db=db, db_writer=db_writer, get=self._get, check=self._check_runnable, budget=self._check_budget
+        self.versions = versions.Versions(db, db_writer, self._services, self._check_runnable, tuning)
+        # The pool side of each pool, by name (services have none).
+        self._pools: dict[str, pools.PoolSide] = {}
+        self.jobs = pools_api.Jobs(
+            exists=lambda name: name in self._services,
+            pool=self._pools.get,
+            deleting=lambda name: name in self._services and self._services[name].row.deleting,
         )
 
     @property
@@ -102,8 +117,7 @@ class Controller:
         ]
 
     async def _zones_if_unknown(self) -> None:
-        if not self.watch.zones:
-            await self.watch.load_zones()
+        await (self.watch.load_zones() if not self.watch.zones else asyncio.sleep(0))
 
     async def stop(self) -> None:
         """Stop following; replicas and records stay for the next start."""
@@ -132,8 +146,11 @@ class Controller:
             zones=lambda: self.watch.zones,
             owner=self.controller_id,
             launch_slots=self._launch_slots,
+            traces=self.traces,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)
+        for observer in self._hub_observers:
+            rec.hub.observe(observer)
         rec.probing_stale = self._probing_stale
         self._services[rec.name] = rec
         self.versions.attach(rec, created=created)
@@ -141,23 +158,12 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
-        self.versions.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
         if rec is None:
             raise errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)
         return rec
-
-    def _check_budget(self, name: str, parsed: spec_pb2.ServiceSpec) -> None:
-        current = self._services.get(name)
-        admission.check_budget(
-            name,
-            parsed,
-            limit=self._tuning.max_replicas_total,
-            current_most=None if current is None else current.most_replicas(),
-            others=sum(rec.reserved_replicas() for other, rec in self._services.items() if other != name),
-        )
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
         await self._zones_if_unknown()
@@ -166,14 +172,8 @@ class Controller:
     # ---- services ------------------------------------------------------------------------
 
     async def create_service(self, name: str, yaml_text: str, *, request_id: str = "") -> res.Service:
-        """Validate and store a new service, then start its loop.
-
-        Raises:
-            errors.ValidationError: every problem in the name and spec, nothing stored.
-            errors.AlreadyExistsError: the name is taken (unless it is a retry of the same
-                request id, which returns the existing service).
-            errors.UnavailableError: the store did not take it; nothing was stored.
-        """
+        """Validate and store a new service, then start its loop. A retry of the same request id
+        returns the existing service; a store that refuses it leaves nothing behind."""
         parsed = spec.parse(yaml_text, name=name, require_name=True, replica_cap=self._tuning.max_replicas_per_service)
         name = spec.effective_name(parsed, name)
         existing = self._services.get(name)
@@ -181,7 +181,7 @@ class Controller:
             return existing.service()
         await self._check_runnable(parsed)
         if name not in self._services:  # else the store says ALREADY_EXISTS
-            self._check_budget(name, parsed)
+            admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
         if name in self._services:  # created meanwhile by a retry of the same request
             return self._services[name].service()
@@ -215,7 +215,7 @@ class Controller:
         parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
-        self._check_budget(name, parsed)
+        admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         plan = await self.versions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
@@ -244,6 +244,14 @@ class Controller:
 
     # ---- streams and load ----------------------------------------------------------------
 
+    def watchers(self) -> int:
+        """WatchService and WatchEndpoints streams open over every service."""
+        return sum(rec.hub.watchers for rec in self._services.values())
+
+    def queue_depth(self) -> int:
+        """Services whose pass is due and has not run yet."""
+        return sum(1 for rec in self._services.values() if rec.passes.due)
+
     async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
         """A snapshot then every change of a service."""
         rec = self._get(name)
@@ -257,12 +265,7 @@ class Controller:
             yield msg
 
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
-        """Record a load report unless the same report was applied before; answer the QPS seen.
-
-        Raises:
-            errors.ValidationError: a malformed field (see `admission.report_of`); nothing is recorded.
-            errors.NotFoundError: no such service.
-        """
+        """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
         return self.versions.report(self._get(request.service_name), request, report)
 

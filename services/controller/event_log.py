@@ -181,8 +181,9 @@ class Events:
                 self._watchers[name].discard(w)
         return event
 
-    def observe(self, service: res.Service, replicas: list[res.Replica], removed: list[int], deleted: bool) -> None:
-        """Record the events of one published change of a service."""
+    def observe(self, change: api.WatchServiceResponse) -> None:
+        """Record the events of one published change of a service (a hub observer)."""
+        service, replicas, removed = change.service, change.replicas, change.removed_replica_ids
         name = service.name
         if name not in self._logs:
             return

@@ -124,7 +124,10 @@ def follow_launch(rec: ServiceReconciler, rid: int) -> None:
     def refused(message: str) -> None:
         step(rec, rid, lifecycle.LaunchFailed(message, refused=True))
 
-    rec.launches.start(rid, request, lambda ev: on_launch_event(rec, rid, ev), refused)
+    def metadata(req: prov_pb.LaunchRequest) -> tuple[tuple[str, str], ...]:
+        return rec.deps.traces.launch_metadata(rec.name, rid, req.version)
+
+    rec.launches.start(rid, request, lambda ev: on_launch_event(rec, rid, ev), refused, metadata)
 
 
 def on_launch_event(rec: ServiceReconciler, rid: int, ev: prov_res.LaunchEvent) -> bool:

@@ -87,9 +87,12 @@ class ServiceHub:
         self.weights: dict[int, int] = {}
         self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
-        # Called with every published change (service, changed replicas, removed ids, deleted):
-        # the event log derives its entries from them.
-        self.observers: list[Callable[[resources_pb2.Service, list[resources_pb2.Replica], list[int], bool], None]] = []
+        self._observers: list[Callable[[api.WatchServiceResponse], None]] = []
+
+    def observe(self, observer: Callable[[api.WatchServiceResponse], None]) -> None:
+        """Call `observer` with every change published from now on (metrics, traces). It runs
+        inside `publish`, so it must be quick; what it raises is logged, never passed on."""
+        self._observers.append(observer)
 
     def publish(
         self,
@@ -109,11 +112,11 @@ class ServiceHub:
             deleted=deleted,
         )
         self._history.append(msg)
-        for observe in self.observers:
+        for observer in self._observers:
             try:
-                observe(service, replicas, removed_ids, deleted)
+                observer(msg)
             except Exception:
-                log.exception("an observer of %s failed", service.name)
+                log.exception("a hub observer failed on a change of %s", service.name)
         for w in list(self._subscribers):
             if not w.offer(msg):
                 self._subscribers.discard(w)

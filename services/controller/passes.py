@@ -35,6 +35,11 @@ class Passes:
         self._inflight: asyncio.Future[list[int]] | None = None
         self._write_failures = 0
 
+    @property
+    def due(self) -> bool:
+        """A pass is scheduled and has not run yet (the queue depth)."""
+        return self._scheduled
+
     def kick(self, *, at_once: bool = False) -> None:
         """Plan again soon; kicks coalesce into one pass. `at_once`: skip the gap (a batch was
         just stored: the writer already spaced the passes)."""

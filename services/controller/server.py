@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
+from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
+from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
 from services.controller import controller, identity, reconciler, servicer, store, writer
+from services.controller import metrics as controller_metrics
 
 SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
 
@@ -30,6 +33,10 @@ MUTATIONS = tuple(
         "AbortRollout",
     )
 )
+
+
+# Calls whose work is followed by a trace even when the caller sends no trace context.
+TRACE_ROOTS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("CreateService", "UpdateService"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +210,36 @@ def _identity(settings: Settings, db: store.Store) -> str:
     return chosen
 
 
+def _fleet(ctl: controller.Controller, fleet: probe_fleet.ProbeFleet) -> controller_metrics.Fleet:
+    """What the controller's gauges read at scrape time, through its public reads."""
+
+    def services() -> Iterator[tuple[res.Service, list[res.Replica]]]:
+        token = ""
+        while True:
+            page, token = ctl.list_services(1000, token)
+            for svc in page:
+                yield svc, _replicas(ctl, svc.name)
+            if not token:
+                return
+
+    return controller_metrics.Fleet(
+        services=services, watchers=ctl.watchers, queue_depth=ctl.queue_depth, probing_stale=lambda: fleet.stale
+    )
+
+
+def _replicas(ctl: controller.Controller, name: str) -> list[res.Replica]:
+    out: list[res.Replica] = []
+    token = ""
+    while True:
+        try:
+            page, token = ctl.list_replicas(name, 1000, token)
+        except errors.NotFoundError:
+            return out  # deleted meanwhile
+        out += page
+        if not token:
+            return out
+
+
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve."""
     check(settings)
@@ -233,6 +270,11 @@ async def start(settings: Settings) -> Running:
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
     )
+    registry = metrics.for_address("controller", settings.metrics_addr)
+    own = controller_metrics.ControllerMetrics(registry.registry) if registry is not None else None
+    if own is not None:
+        db.on_write(own.store_write)
+        db_writer.db.on_write(own.store_write)  # called on the writer thread
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(
         settings.prober_addrs,
@@ -248,10 +290,15 @@ async def start(settings: Settings) -> Running:
         probes=fleet,
         tuning=tuning,
         controller_id=controller_id,
+        hub_observers=[own.published] if own is not None else [],
+        on_pass=own.pass_seconds.observe if own is not None else None,
     )
     holder.append(ctl)
-    registry = metrics.for_address("controller", settings.metrics_addr)
-    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
+    if own is not None:
+        own.watch(_fleet(ctl, fleet))
+    server = grpc_server.new_server(
+        domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
+    )
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
@@ -287,4 +334,8 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("controller")
-    asyncio.run(serve(load_settings()))
+    traces = tracing.setup("controller")  # off unless OTEL_TRACES_EXPORTER=otlp
+    try:
+        asyncio.run(serve(load_settings()))
+    finally:
+        traces.shutdown()

@@ -17,7 +17,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
-from services.controller import store_history
+from services.controller import store_history, store_jobs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_2,
     _migrate_3,
     _migrate_4,
-    store_history.migrate_5,
+    store_jobs.migrate_jobs,
+    store_history.migrate_6,
 )
 """Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
@@ -198,7 +199,7 @@ def migrate(db: sqlite3.Connection, *, target: int = SCHEMA_VERSION) -> int:
 # ---- the store -----------------------------------------------------------------------------
 
 
-class Store(store_history.HistoryTables):
+class Store(store_history.HistoryTables, store_jobs.JobTables):
     """SQLite store of services, versions, replicas and autoscaler state.
 
     Synchronous and fast: each call is one short transaction. Calls made inside a
@@ -246,6 +247,7 @@ class Store(store_history.HistoryTables):
         self.writable = True
         self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
+        self._on_write: Callable[[float, bool], None] | None = None
         try:
             migrate(self._db)
         except BaseException:
@@ -281,6 +283,16 @@ class Store(store_history.HistoryTables):
     def on_writable_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(writable)` whenever writes start failing or work again."""
         self._on_writable = callback
+
+    def on_write(self, callback: Callable[[float, bool], None]) -> None:
+        """Call `callback(seconds, committed)` after each write transaction (metrics): its time
+        from BEGIN to COMMIT, or to the failure the store reported. A block that raised its own
+        error (nothing was meant to be written) is not reported."""
+        self._on_write = callback
+
+    def _wrote(self, started: float, ok: bool) -> None:
+        if self._on_write is not None:
+            self._on_write(time.perf_counter() - started, ok)
 
     def _set_writable(self, ok: bool) -> None:
         if ok == self.writable:
@@ -361,9 +373,11 @@ class Store(store_history.HistoryTables):
             if self._depth and owner is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
             if self._depth == 0:
+                started = time.perf_counter()
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
                 except sqlite3.Error as exc:
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 self._owner = owner
                 self._depth = 1
@@ -372,6 +386,7 @@ class Store(store_history.HistoryTables):
                     self._db.execute("COMMIT")
                 except sqlite3.Error as exc:
                     self._rollback()
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 except BaseException:
                     self._rollback()
@@ -379,6 +394,7 @@ class Store(store_history.HistoryTables):
                 finally:
                     self._depth = 0
                     self._owner = None
+                self._wrote(started, True)
                 self._set_writable(True)
             else:
                 name = f"sp{self._depth}"
@@ -557,9 +573,9 @@ class Store(store_history.HistoryTables):
                 raise _not_found(name)
             version = int(row[0]) + 1
             self._insert_version(name, version, spec)
-            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
             when = time.time() if now is None else now
             self._history_insert(name, version, spec, now=when, mode=mode, rollback_of=rollback_of)
+            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
             return version
 
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:

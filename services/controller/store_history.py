@@ -1,6 +1,6 @@
 """The store's tables for rollouts: version history, the event log and canary rollout state.
 
-Schema migration 5 adds them. `HistoryTables` is mixed into `store.Store`: its methods join the
+Schema migration 6 adds them. `HistoryTables` is mixed into `store.Store`: its methods join the
 store's transactions like every other store call. The statements use SQL that PostgreSQL takes
 too (no `INSERT OR REPLACE`, no numbered parameters).
 """
@@ -24,7 +24,7 @@ EVENTS_KEPT = 500
 """Entries kept in a service's event log; the oldest go first."""
 
 
-def migrate_5(db: Any) -> None:
+def migrate_6(db: Any) -> None:
     """Version history with outcomes, a bounded event log and canary rollout state."""
     db.execute(
         """CREATE TABLE history (

@@ -20,6 +20,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, spec
 from services.controller import (
     actions,
+    admission,
     autoscaling,
     convert,
     event_log,
@@ -42,18 +43,17 @@ class Versions:
 
     def __init__(
         self,
-        *,
         db: store.Store,
         db_writer: writer.Writer,
-        get: Callable[[str], reconciler.ServiceReconciler],
+        loops: dict[str, reconciler.ServiceReconciler],
         check: Callable[[spec_pb2.ServiceSpec], Coroutine[Any, Any, None]],
-        budget: Callable[[str, spec_pb2.ServiceSpec], None],
+        tuning: reconciler.Tuning,
     ) -> None:
         self._db = db  # reads only
         self._writer = db_writer
-        self._get = get
+        self._loops = loops
         self._check = check
-        self._budget = budget
+        self._limit = tuning.max_replicas_total
         self.event_log = event_log.Events(db=db)
         self._rollouts: dict[str, rollouts.Rollout] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -69,7 +69,8 @@ class Versions:
         name = rec.name
         # Recovered: the records as stored are the starting point, so they make no events.
         self.event_log.open(name, {} if created else dict(rec.replicas), None if created else rec.service())
-        rec.hub.observers.append(self.event_log.observe)
+        rec.hub.observe(self.event_log.observe)
+        rec.hub.observe(lambda change: self.forget(name) if change.deleted else None)
         rollout = rollouts.Rollout(
             name,
             db=self._db,
@@ -93,6 +94,12 @@ class Versions:
         if rollout is not None:
             rollout.close()
         self.event_log.forget(name)
+
+    def _get(self, name: str) -> reconciler.ServiceReconciler:
+        rec = self._loops.get(name)
+        if rec is None:
+            raise errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)
+        return rec
 
     def record(self, name: str, reason: str, message: str, obj: str = "service", *, warning: bool = False) -> None:
         """Add an event to a service's log."""
@@ -179,7 +186,7 @@ class Versions:
         old = next(h.spec for h in kept if h.version == target)
         await self._check(old)
         rec = self._get(name)  # it may have gone while the check ran
-        self._budget(name, old)
+        admission.budget_of(self._loops, name, old, limit=self._limit)
         plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=dry_run)
         if not dry_run:
             self._rollouts[name].end()

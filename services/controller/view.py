@@ -166,4 +166,5 @@ def probe_target(rec: ServiceReconciler, r: res.Replica) -> prober_pb.ProbeTarge
         interval=latest.probe_interval,
         fast_interval=pbtime.duration(rec.tuning.probe_fast_interval_s),
         starting=not r.facts.HasField("first_ready_time"),
+        traceparent=rec.deps.traces.traceparent(r),
     )

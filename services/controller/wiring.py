@@ -13,6 +13,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import errors
 from services.controller import book, convert, facts, hooks, store, writer
+from services.controller import traces as replica_traces
 from services.controller.domain import autoscaler
 from services.controller.drivers import probes
 
@@ -67,6 +68,7 @@ class Deps:
     zones: Callable[[], list[tuple[str, float]]] = list
     owner: str = ""
     launch_slots: asyncio.Semaphore | None = None
+    traces: replica_traces.ReplicaTraces = dataclasses.field(default_factory=lambda: replica_traces.ReplicaTraces())
 
 
 @dataclasses.dataclass

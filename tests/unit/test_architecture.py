@@ -97,6 +97,7 @@ def _sizes(path: str) -> tuple[int, list[tuple[str, int]]]:
 _CONTROLLER_SIZE_EXCEPTIONS = {
     "store.py",  # the store becomes a package (services/controller/store/), part of issue 19
     "domain/lifecycle.py",  # one step function over every event; its events move to their own module next
+    "jobs.py",  # a pool's job runtime (issue 21), landed before these limits: to split
 }
 
 
@@ -117,6 +118,7 @@ def test_controller_effects_live_in_drivers_and_the_loop_never_touches_sqlite() 
     # The loop's modules talk to the store only through the writer (a thread with its own
     # connection): nothing but the store and the writer imports sqlite3.
     for path in python_files("services/controller"):
-        if os.path.basename(os.path.dirname(path)) == "store" or os.path.basename(path) in ("store.py", "writer.py"):
-            continue
+        name = os.path.basename(path)
+        if os.path.basename(os.path.dirname(path)) == "store" or name.startswith("store") or name == "writer.py":
+            continue  # the store (store.py, store_*.py or the store/ package) and the writer
         assert "sqlite3" not in imports_of(path), f"{path} imports sqlite3"

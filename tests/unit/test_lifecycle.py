@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import hypothesis
 import pytest
+from hypothesis import strategies as hst
 
 from services.controller.domain import lifecycle as lc
 from services.controller.domain.failures import Cause, Failure, Kind
@@ -446,3 +448,50 @@ def test_wanted_motion(life: Life, motion: lc.Motion) -> None:
 def test_logs(life: Life, keeps: bool, left: bool) -> None:
     assert lc.keeps_logs(life) is keeps
     assert lc.logs_left(life) is left
+
+
+# ---- properties over any sequence of events ---------------------------------------------------
+
+_causes = hst.sampled_from(list(Cause))
+_events = hst.one_of(
+    hst.just(lc.LaunchProvisioning()),
+    hst.builds(lc.LaunchAttemptFailed, hst.integers(1, 3), hst.sampled_from(["quota", "503"])),
+    hst.just(lc.LaunchRunning()),
+    hst.builds(lc.LaunchFailed, hst.just("x"), _causes, hst.booleans(), hst.booleans(), hst.booleans()),
+    hst.builds(lc.AppExited, hst.integers(0, 2), _causes),
+    hst.builds(lc.Gone, hst.booleans()),
+    hst.builds(lc.Probed, hst.booleans(), hst.floats(0, 100), hst.just(""), hst.sampled_from([0, 503]), hst.booleans()),
+    hst.builds(lc.TeardownAsked, hst.sampled_from([0.0, 5.0]), hst.booleans(), hst.booleans(), hst.booleans()),
+    hst.just(lc.TeardownRunning()),
+    hst.builds(lc.TeardownFinished, hst.booleans(), hst.just("gone")),
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(spot=hst.booleans(), events=hst.lists(_events, max_size=12))
+def test_any_sequence_keeps_the_invariants(spot: bool, events: list[lc.Event]) -> None:
+    """Whatever arrives in whatever order: a repeated event changes nothing and starts nothing
+    (so a replayed or duplicated event is harmless); a teardown starts once and never un-starts;
+    facts that record the past (ever ready, app failed, first failure) are never forgotten; a
+    replica being torn down has no launch in flight."""
+    life = Life(is_spot=spot)
+    for event in sorted(events, key=lambda e: e.time if isinstance(e, lc.Probed) else 0.0):
+        new, actions = lc.step(life, event, W)
+        again, more = lc.step(new, event, W)
+        assert (again, more) == (new, ()), f"{event} applied twice"
+        starts = [a for a in actions if isinstance(a, lc.StartTeardown)]
+        assert len(starts) <= 1
+        if starts:
+            assert not life.tearing_down and new.teardown is TP.SCHEDULED
+        if life.teardown is not TP.NONE:
+            assert new.teardown is not TP.NONE
+        if life.first_ready_time is not None:
+            assert new.first_ready_time == life.first_ready_time
+        if life.first_failure_time is not None:
+            assert new.first_failure_time == life.first_failure_time
+        assert new.user_app_failed >= life.user_app_failed
+        if new.tearing_down:
+            assert not new.launching
+        cancelled = any(isinstance(a, lc.CancelLaunch) for a in actions)
+        assert cancelled is (life.launching and new.launch is LP.INTERRUPTED)
+        life = new

@@ -1,4 +1,4 @@
-"""The store's version history, event log and rollout state (schema migration 5)."""
+"""The store's version history, event log and rollout state (schema migration 6)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_deleting_a_service_removes_its_history_events_and_rollout_state(store: 
     assert outcomes(store) == [(1, ACTIVE, "")]
 
 
-def test_migration_5_keeps_the_versions_stored_before_as_history(tmp_path) -> None:
+def test_migration_6_keeps_the_versions_stored_before_as_history(tmp_path) -> None:
     path = os.path.join(str(tmp_path), "state.db")
     conn = sqlite3.connect(path, isolation_level=None)
     try:

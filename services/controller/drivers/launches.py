@@ -49,6 +49,7 @@ class Launches:
         request: Callable[[], prov_pb.LaunchRequest | None],
         on_event: Callable[[prov_res.LaunchEvent], bool],
         on_refused: Callable[[str], None],
+        metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]] = lambda _: (),
     ) -> None:
         """Follow the launch of `rid` unless already followed.
 
@@ -57,9 +58,10 @@ class Launches:
             request: the request to send now, or None when the launch is no longer wanted.
             on_event: applies one event; True when the launch is over.
             on_refused: the provisioner refused the request itself (a permanent error).
+            metadata: gRPC metadata for the call (the trace context).
         """
         if rid not in self.tasks:
-            self.tasks.start(rid, self._follow(rid, request, on_event, on_refused), f"launch {rid}")
+            self.tasks.start(rid, self._follow(rid, request, on_event, on_refused, metadata), f"launch {rid}")
 
     async def _follow(
         self,
@@ -67,6 +69,7 @@ class Launches:
         request: Callable[[], prov_pb.LaunchRequest | None],
         on_event: Callable[[prov_res.LaunchEvent], bool],
         on_refused: Callable[[str], None],
+        metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
     ) -> None:
         async with self._slots:
             async for attempt in self._policy.retrying(Broke):
@@ -75,7 +78,7 @@ class Launches:
                     if wanted is None:
                         return
                     try:
-                        async for response in self._prov.Launch(wanted):
+                        async for response in self._prov.Launch(wanted, metadata=metadata(wanted)):
                             if on_event(response.event):
                                 return
                     except grpc.aio.AioRpcError as exc:

@@ -46,8 +46,9 @@ class ControllerServiceStub:
     """Lists services in name order."""
     UpdateService: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.UpdateServiceRequest, _controller_service_pb2.UpdateServiceResponse]
     """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-    A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
-    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
+    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
+    FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
+    yet; dry runs included.
     """
     DeleteService: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.DeleteServiceRequest, _controller_service_pb2.DeleteServiceResponse]
     """Deletes a service: every replica is torn down without drain, then the service is gone.
@@ -100,6 +101,29 @@ class ControllerServiceStub:
     malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
     provisioner cannot be reached.
     """
+    SubmitJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.SubmitJobRequest, _controller_service_pb2.SubmitJobResponse]
+    """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+    per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+    empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+    service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+    the pool shuts down.
+    """
+    GetJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.GetJobRequest, _controller_service_pb2.GetJobResponse]
+    """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+    ListJobs: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListJobsRequest, _controller_service_pb2.ListJobsResponse]
+    """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+    a service or a bad page.
+    """
+    CancelJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.CancelJobRequest, _controller_service_pb2.CancelJobResponse]
+    """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+    is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+    left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
+    WatchJob: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchJobRequest, _controller_service_pb2.WatchJobResponse]
+    """Streams a job: the job now, then the job on every change of its state, and, unless
+    `states_only`, its output as the worker writes it. Ends after the job has ended and its
+    output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
     ListEvents: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListEventsRequest, _controller_service_pb2.ListEventsResponse]
     """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
     Returns NOT_FOUND for an unknown service, INVALID_ARGUMENT for a bad `page_size` or
@@ -151,8 +175,9 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Lists services in name order."""
     UpdateService: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.UpdateServiceRequest, _controller_service_pb2.UpdateServiceResponse]  # type: ignore[assignment]
     """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-    A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
-    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
+    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
+    FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
+    yet; dry runs included.
     """
     DeleteService: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.DeleteServiceRequest, _controller_service_pb2.DeleteServiceResponse]  # type: ignore[assignment]
     """Deletes a service: every replica is torn down without drain, then the service is gone.
@@ -204,6 +229,29 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
     malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
     provisioner cannot be reached.
+    """
+    SubmitJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.SubmitJobRequest, _controller_service_pb2.SubmitJobResponse]  # type: ignore[assignment]
+    """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+    per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+    empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+    service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+    the pool shuts down.
+    """
+    GetJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.GetJobRequest, _controller_service_pb2.GetJobResponse]  # type: ignore[assignment]
+    """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+    ListJobs: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListJobsRequest, _controller_service_pb2.ListJobsResponse]  # type: ignore[assignment]
+    """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+    a service or a bad page.
+    """
+    CancelJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.CancelJobRequest, _controller_service_pb2.CancelJobResponse]  # type: ignore[assignment]
+    """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+    is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+    left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
+    WatchJob: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchJobRequest, _controller_service_pb2.WatchJobResponse]  # type: ignore[assignment]
+    """Streams a job: the job now, then the job on every change of its state, and, unless
+    `states_only`, its output as the worker writes it. Ends after the job has ended and its
+    output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
     """
     ListEvents: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListEventsRequest, _controller_service_pb2.ListEventsResponse]  # type: ignore[assignment]
     """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
@@ -277,8 +325,9 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_service_pb2.UpdateServiceResponse, _abc.Awaitable[_controller_service_pb2.UpdateServiceResponse]]:
         """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-        A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
-        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
+        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
+        FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
+        yet; dry runs included.
         """
 
     @_abc_1.abstractmethod
@@ -396,6 +445,59 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
         malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
         provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def SubmitJob(
+        self,
+        request: _controller_service_pb2.SubmitJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.SubmitJobResponse, _abc.Awaitable[_controller_service_pb2.SubmitJobResponse]]:
+        """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+        per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+        empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+        service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+        the pool shuts down.
+        """
+
+    @_abc_1.abstractmethod
+    def GetJob(
+        self,
+        request: _controller_service_pb2.GetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.GetJobResponse, _abc.Awaitable[_controller_service_pb2.GetJobResponse]]:
+        """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+
+    @_abc_1.abstractmethod
+    def ListJobs(
+        self,
+        request: _controller_service_pb2.ListJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListJobsResponse, _abc.Awaitable[_controller_service_pb2.ListJobsResponse]]:
+        """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+        a service or a bad page.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelJob(
+        self,
+        request: _controller_service_pb2.CancelJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.CancelJobResponse, _abc.Awaitable[_controller_service_pb2.CancelJobResponse]]:
+        """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+        is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+        left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchJob(
+        self,
+        request: _controller_service_pb2.WatchJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchJobResponse], _abc.AsyncIterator[_controller_service_pb2.WatchJobResponse]]:
+        """Streams a job: the job now, then the job on every change of its state, and, unless
+        `states_only`, its output as the worker writes it. Ends after the job has ended and its
+        output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
         """
 
     @_abc_1.abstractmethod
