@@ -43,7 +43,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
         pools_api.refuse_pool(text)  # until the controller's pool side lands
-        mode = rollout_api.update_mode(request.mode, text)  # refuses canary until rollouts land
+        mode = rollout_api.update_mode(request.mode, text)  # the spec's strategy when the request names none
         with self._ctl.traces.origin(
             lambda: "" if request.dry_run else request.service_name,
             lambda: self._ctl.get_service(request.service_name).latest_version + 1,
