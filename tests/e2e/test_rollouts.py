@@ -88,7 +88,12 @@ async def canary_update(c: cl.Cluster, yaml_text: str) -> None:
 
 
 async def versions(c: cl.Cluster) -> list[tuple[int, int, str]]:
-    found = (await c.stub.ListVersions(api.ListVersionsRequest(service_name="web"), timeout=5)).versions
+    """The history, once the last version's notes are in (they are written just after it)."""
+    for _ in range(100):
+        found = (await c.stub.ListVersions(api.ListVersionsRequest(service_name="web"), timeout=5)).versions
+        if found[-1].update_mode:
+            break
+        await asyncio.sleep(0.1)
     return [(v.version, v.outcome, v.reason) for v in found]
 
 
