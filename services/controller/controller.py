@@ -23,7 +23,7 @@ from services.controller import (
     pools_api,
     provisioner_watch,
     reconciler,
-    replica_logs,
+    replica_api,
     resync,
     retries,
     store,
@@ -38,7 +38,7 @@ from services.controller.drivers import probes
 log = logging.getLogger(__name__)
 
 
-class Controller:
+class Controller(replica_api.ReplicaCalls):
     """Owns every service's loop, the provisioner watch, and probe result routing."""
 
     def __init__(
@@ -221,27 +221,6 @@ class Controller:
 
     # ---- replicas ------------------------------------------------------------------------
 
-    def list_replicas(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Replica], str]:
-        """A page of a service's replicas in id order; the token holds the last id of the page."""
-        admission.check_page_size(page_size)
-        rec = self._get(name)
-        ids, token = admission.page(
-            sorted(rec.shown), page_size, page_token, kind="replicas", scope=name, position_type=int
-        )
-        return [rec.shown[i] for i in ids], token
-
-    def get_replica(self, name: str, replica_id: int) -> res.Replica:
-        """One replica."""
-        return self._get(name).replica(replica_id)
-
-    async def terminate_replica(self, name: str, replica_id: int, *, purge: bool) -> res.Replica:
-        """Terminate one replica (drained), or purge a failed record."""
-        return await actions.terminate_replica(self._get(name), replica_id, purge=purge)
-
-    async def purge_replicas(self, name: str) -> list[int]:
-        """Purge every failed replica of a service."""
-        return await actions.purge_failed(self._get(name))
-
     # ---- streams and load ----------------------------------------------------------------
 
     def watchers(self) -> int:
@@ -268,10 +247,6 @@ class Controller:
         """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
         return self.versions.report(self._get(request.service_name), request, report)
-
-    def stream_replica_logs(self, name: str, replica_id: int, kind: int, *, follow: bool) -> AsyncIterator[bytes]:
-        """A replica's log (app output or launch log) as the provisioner streams it."""
-        return replica_logs.stream(self._prov, self._get, name, replica_id, kind, follow=follow)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 
