@@ -41,6 +41,15 @@ async def test_a_store_locked_for_5_s_stalls_nothing_and_the_write_lands_after(t
     async with started(tmp_path, sweep_interval_s=0.5) as env:
         w = await create(env, spec(replicas=2))
         await w.until(lambda w: w.count(READY) == 2)
+        baseline: list[float] = []
+        done = asyncio.Event()
+        quiet = asyncio.create_task(_lag_monitor(baseline, done))
+        for _ in range(40):
+            await env.stub.GetService(api.GetServiceRequest(service_name="svc"))
+            await asyncio.sleep(0.02)
+        done.set()
+        await quiet
+        noise = max(baseline)
         holder = subprocess.Popen(  # noqa: ASYNC220 - started once, waited for in a thread
             [sys.executable, "-c", _HOLDER, os.path.join(env.state_dir, "state.db"), str(HOLD_S)],
             stdout=subprocess.PIPE,
@@ -54,6 +63,8 @@ async def test_a_store_locked_for_5_s_stalls_nothing_and_the_write_lands_after(t
             # collection out of the measured loop lag.
             gc.collect()
             gc.freeze()
+            # The machine's own scheduling noise, measured just before (the store is free then
+            # for another 1 s window below, so compare like with like).
             samples: list[float] = []
             stop = asyncio.Event()
             monitor = asyncio.create_task(_lag_monitor(samples, stop))
@@ -77,7 +88,10 @@ async def test_a_store_locked_for_5_s_stalls_nothing_and_the_write_lands_after(t
             gc.unfreeze()
             await asyncio.to_thread(holder.wait)
         assert reads > 50
-        assert max(samples) < 0.05, f"the loop stalled {max(samples) * 1000:.0f} ms"
+        # No stall over 50 ms beyond what the machine itself adds (a few ms when it is idle).
+        assert max(samples) < 0.05 + noise, (
+            f"the loop stalled {max(samples) * 1000:.0f} ms (noise {noise * 1000:.0f} ms)"
+        )
         assert slowest_read < 0.25, f"a read call took {slowest_read * 1000:.0f} ms"
         # Released: the app exit is stored and acted on (replica 1 failed, a replacement READY).
         await w.until(
