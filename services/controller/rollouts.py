@@ -260,11 +260,12 @@ class Rollout:
             svc.stable_version = min(svc.active_versions)
 
     def _resting_weights(self) -> dict[int, int]:
-        """Weights while no rollout is active: every request to the stable version from a rollback
-        until the restored spec is the latest version, else no split."""
+        """Weights while no rollout is active: after a rollback every request goes to the stable
+        version, then to the version that restores its spec (until the next update); else no split."""
         s = self.state
-        if s is not None and s.phase is ro.Phase.ROLLED_BACK and self.latest_version == s.canary_version:
-            return {s.stable_version: 1000}
+        if s is not None and s.phase is ro.Phase.ROLLED_BACK:
+            # The restored spec's version alone, so a canary replica still draining gets nothing.
+            return {s.stable_version if self.latest_version == s.canary_version else self.latest_version: 1000}
         return {}
 
     def _wake(self, at: float | None) -> None:
