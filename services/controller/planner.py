@@ -45,6 +45,7 @@ def plan(
     backoff: failures.Backoff,
     now: float,
     torn_down: Mapping[int, int],
+    rollout: scaling.ScalePlan | None = None,
 ) -> Plan:
     """The plan of one pass.
 
@@ -58,9 +59,10 @@ def plan(
         backoff: the launch pause after infrastructure failures (monotonic clock).
         now: monotonic now.
         torn_down: replica id -> version of each record whose teardown finished.
+        rollout: a canary rollout's launches and teardowns, which replace the rolling ones.
     """
     target = policy.final(adopted_target)
-    scale = scaling.plan(
+    scale = rollout or scaling.plan(
         views,
         target=target,
         latest_version=latest_version,

@@ -91,6 +91,8 @@ def service(rec: ServiceReconciler) -> res.Service:
     if row.uptime_start is not None:
         svc.uptime_start_time.CopyFrom(pbtime.timestamp(row.uptime_start))
     svc.autoscaler.CopyFrom(_autoscaler_status(rec))
+    if rec.rollout is not None:
+        rec.rollout.decorate(svc)
     return svc
 
 
