@@ -85,6 +85,17 @@ class Passes:
     def _plan(self) -> planner.Plan:
         rec = self.rec
         latest = rec.row.latest_version
+        canary = None
+        if rec.rollout is not None:
+            weights = rec.rollout.weights()
+            canary = rec.rollout.scale(
+                list(rec.views.values()),
+                target=rec.final_target(),
+                latest_version=latest,
+                stopped=rec.state.stopped.get(str(latest), ""),
+            )
+            if rec.rollout.weights() != weights:
+                self.show_pending = True  # the split is published even when no record changes
         return planner.plan(
             list(rec.views.values()),
             policy=rec.policy(),
@@ -100,6 +111,7 @@ class Passes:
                 if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
             },
             busy=None if rec.pool is None else frozenset(rec.pool.jobs.busy()),
+            rollout=canary,
         )
 
     def _apply(self, plan: planner.Plan) -> None:
@@ -175,7 +187,7 @@ class Passes:
         svc = rec.service()
         changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        rec.hub.set_endpoints(list(svc.endpoints))
+        rec.hub.set_endpoints(list(svc.endpoints), rec.rollout.weights() if rec.rollout else None)
 
     async def flush(self) -> None:
         """Store whatever is pending now and wait for it (shutdown)."""

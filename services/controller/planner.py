@@ -46,6 +46,7 @@ def plan(
     now: float,
     torn_down: Mapping[int, int],
     busy: frozenset[int] | None = None,
+    rollout: scaling.ScalePlan | None = None,
 ) -> Plan:
     """The plan of one pass.
 
@@ -61,9 +62,12 @@ def plan(
         torn_down: replica id -> version of each record whose teardown finished.
         busy: for a pool, the workers running a job: the pool's own rules size it
             (`pool_scaling.plan`: no busy worker is ever a victim); None for a service.
+        rollout: a canary rollout's launches and teardowns, which replace the rolling ones.
     """
     target = policy.final(adopted_target)
-    if busy is not None:
+    if rollout is not None:
+        scale = rollout
+    elif busy is not None:
         pool = pool_scaling.plan(
             views, set(busy), target=adopted_target, latest_version=latest_version, stopped=stopped
         )

@@ -95,6 +95,8 @@ def service(rec: ServiceReconciler) -> res.Service:
         rec.pool.show_service(svc)
     else:
         svc.kind = spec_pb2.FLEET_KIND_SERVICE
+    if rec.rollout is not None:
+        rec.rollout.decorate(svc)
     return svc
 
 
