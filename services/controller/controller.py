@@ -77,13 +77,7 @@ class Controller(replica_api.ReplicaCalls):
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
         self.versions = versions.Versions(db, db_writer, self._services, self._check_runnable, tuning)
-        # The pool side of each pool, by name (services have none).
-        self._pools: dict[str, pools.PoolSide] = {}
-        self.jobs = pools_api.Jobs(
-            exists=lambda name: name in self._services,
-            pool=self._pools.get,
-            deleting=lambda name: name in self._services and self._services[name].row.deleting,
-        )
+        self.jobs = pools_api.Jobs(lambda: self._services)
 
     @property
     def services(self) -> dict[str, reconciler.ServiceReconciler]:
@@ -215,6 +209,7 @@ class Controller(replica_api.ReplicaCalls):
         parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
+        pools.check_update(rec, parsed)
         admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
         plan = await self.versions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan

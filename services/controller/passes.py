@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.controller import actions, autoscaling, book, convert, events, facts, planner, retries, view
+from services.controller import actions, autoscaling, book, convert, events, facts, planner, pools, retries, view
 from services.controller.domain import autoscaler
 from services.controller.wiring import Checkpoint, parse
 
@@ -110,6 +110,7 @@ class Passes:
                 for rid, r in rec.replicas.items()
                 if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
             },
+            busy=None if rec.pool is None else frozenset(rec.pool.jobs.busy()),
             rollout=canary,
         )
 
@@ -119,8 +120,9 @@ class Passes:
         if plan.launch_wanted != rec.launch_wanted:
             rec.launch_wanted = plan.launch_wanted
             self.show_pending = True
+        drain = 0.0 if rec.pool is not None else rec.tuning.drain_s  # a worker serves no traffic
         for rid in plan.teardown:
-            events.ask_teardown(rec, rid, drain_s=rec.tuning.drain_s, scale_down=True, reason="scale-down")
+            events.ask_teardown(rec, rid, drain_s=drain, scale_down=True, reason="scale-down")
         for _ in range(plan.launch):
             autoscaling.launch_new(rec, spot=rec.policy().use_spot)
         for _ in range(plan.launch_ondemand):
@@ -171,6 +173,7 @@ class Passes:
         for name in batch.logs:
             rec.logs.delete(name)
         self._publish(batch)
+        pools.stored(rec)
         rec.drive(batch.replica_ids)
         if self._rerun or not rec.book.empty():
             self._rerun = False
@@ -182,7 +185,7 @@ class Passes:
         if rec.gone:
             return
         svc = rec.service()
-        changed = sorted(batch.puts, key=lambda r: r.replica_id) if batch else []
+        changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
         rec.hub.set_endpoints(list(svc.endpoints), rec.rollout.weights() if rec.rollout else None)
 

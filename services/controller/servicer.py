@@ -9,7 +9,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from services.common import overrides
-from services.controller import controller, pools_api, rollout_api, traces
+from services.controller import controller, rollout_api, traces
 
 
 class ControllerServicer(api_grpc.ControllerServiceServicer):
@@ -22,7 +22,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
         with self._ctl.traces.origin(lambda: request.service_name or traces.service_name_of(text), lambda: 1):
             svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
@@ -42,7 +41,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
         mode = rollout_api.update_mode(request.mode, text)  # the spec's strategy when the request names none
         with self._ctl.traces.origin(
             lambda: "" if request.dry_run else request.service_name,
