@@ -304,6 +304,8 @@ async def start(settings: Settings) -> Running:
     holder.append(ctl)
     if own is not None:
         own.watch(_fleet(ctl, fleet))
+        # Whose fault a failure was, as the core decided it: the launch counts' `cause`.
+        ctl.hooks.on_failure.append(lambda service, rid, failure: own.failed(service, rid, failure.cause.name.lower()))
     server = grpc_server.new_server(
         domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
     )
