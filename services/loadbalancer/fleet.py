@@ -54,19 +54,22 @@ class Unit:
 class Ports:
     """The HTTP port of each service: `first`..`last`, kept in `path` (if set) across restarts.
 
-    `first` 0 lets every service pick a free port (tests, several fleets on one machine).
+    `first` 0 lets every service pick a free port (tests, several fleets on one machine). With
+    `keep_any` a kept port outside `first`..`last` is still its service's (a fleet whose first port
+    is picked afresh at each start).
     """
 
-    def __init__(self, first: int, last: int, path: str = "") -> None:
+    def __init__(self, first: int, last: int, path: str = "", *, keep_any: bool = False) -> None:
         self.first = first
         self.last = last
         self.path = path
+        self.keep_any = keep_any
         self.assigned: dict[str, int] = {}
         if path and os.path.exists(path):
             try:
                 with open(path, encoding="utf-8") as f:
                     raw = json.load(f)
-                self.assigned = {str(k): int(v) for k, v in raw.items() if isinstance(v, int) and first <= v <= last}
+                self.assigned = {str(k): int(v) for k, v in raw.items() if isinstance(v, int) and self._kept(v)}
             except (OSError, ValueError, AttributeError) as exc:
                 log.warning("ignoring the fleet's port file %s (%s); ports are assigned afresh", path, exc)
 
@@ -79,7 +82,7 @@ class Ports:
         tried: set[int] = set()
         own = self.assigned.get(service)
         for port in (own, hint):
-            if port and self.first <= port <= self.last and port not in in_use and port not in tried:
+            if port and self._kept(port) and port not in in_use and port not in tried:
                 tried.add(port)
                 yield port
         held = set(self.assigned.values())
@@ -91,6 +94,9 @@ class Ports:
             if port not in in_use and port not in tried:
                 tried.add(port)
                 yield port
+
+    def _kept(self, port: int) -> bool:
+        return 0 < port <= 65535 if self.keep_any else self.first <= port <= self.last
 
     def assign(self, service: str, port: int) -> None:
         """Keep `port` for `service` (and for no other service)."""

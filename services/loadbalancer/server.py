@@ -143,16 +143,18 @@ def load_settings(**overrides: Any) -> Settings:
             errors.FieldViolation("loadbalancer.advertise_url", "must be empty with fleet (set advertise_host)")
         )
     first = _port_of(settings.http_addr)
-    if (
-        settings.fleet
-        and first is not None
-        and first > 0
-        and settings.fleet_port_max
-        and settings.fleet_port_max < first
-    ):
-        violations.append(
-            errors.FieldViolation("loadbalancer.fleet_port_max", f"must be at least http_addr's port ({first}) or 0")
-        )
+    if settings.fleet and first is not None and settings.fleet_port_max:
+        if first == 0:
+            # The first port is picked at start, so a fixed last port may lie below it.
+            violations.append(
+                errors.FieldViolation("loadbalancer.fleet_port_max", "must be 0 when http_addr's port is 0")
+            )
+        elif settings.fleet_port_max < first:
+            violations.append(
+                errors.FieldViolation(
+                    "loadbalancer.fleet_port_max", f"must be at least http_addr's port ({first}) or 0"
+                )
+            )
     if settings.fleet_port_max < 0 or settings.fleet_port_max > 65535:
         violations.append(errors.FieldViolation("loadbalancer.fleet_port_max", "must be 0..65535"))
     if not settings.fleet_poll_s > 0:
@@ -237,6 +239,15 @@ def first_port(settings: Settings) -> int:
         sock.bind((host or "0.0.0.0", port))
         sock.listen()  # a socket another process listens on clashes only here, as in the real bind
         return int(sock.getsockname()[1])
+
+
+def fleet_ports(settings: Settings, first: int) -> fleets.Ports:
+    """A fleet's ports from `first` (the bound first port) up. With http_addr's port 0 the range
+    follows the port picked at start (`fleet_port_max` is then 0), and a port kept in
+    `fleet_ports_file` from an earlier run stays its service's wherever it lies."""
+    picked = _split(settings.http_addr)[1] == 0
+    last = min(first + 999, 65535) if picked or not settings.fleet_port_max else settings.fleet_port_max
+    return fleets.Ports(first, last, settings.fleet_ports_file, keep_any=picked)
 
 
 def proxy_settings(settings: Settings) -> proxy.ProxySettings:
@@ -390,10 +401,9 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             ) from None
         if settings.http_port_file:
             grpc_server.write_port_file(settings.http_port_file, first)
-        last = settings.fleet_port_max or min(first + 999, 65535)
         the_fleet = fleets.Fleet(
             stub,
-            ports=fleets.Ports(first, last, settings.fleet_ports_file),
+            ports=fleet_ports(settings, first),
             start_unit=lambda service, port: start_unit(settings, service, port, stub=stub, registry=registry),
             advertise_host=advertised_host(settings),
             poll_s=settings.fleet_poll_s,

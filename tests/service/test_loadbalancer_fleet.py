@@ -131,6 +131,44 @@ async def test_a_drain_ends_once_the_fleet_has_nothing_in_flight_for_the_replica
         await running.stop(None)
 
 
+async def test_a_canary_replica_drained_by_an_abort_goes_once_the_fleet_has_nothing_in_flight(env: tc.Env) -> None:
+    env.provisioner.honour_drain = True
+    running = await start_fleet(env)
+    try:
+        w = await tc.create(env, tc.spec("svc", replicas=2))
+        await w.until(lambda w: w.count(res.REPLICA_STATUS_READY) == 2)
+        canary = tc.spec("svc", replicas=2, run="serve --v2").replace(
+            "  replicas:", "  rollout: {strategy: canary, steps: [{weight: 10, pause_seconds: 600}]}\n  replicas:"
+        )
+        await env.stub.UpdateService(
+            api.UpdateServiceRequest(service_name="svc", yaml=canary, mode=res.UPDATE_MODE_CANARY)
+        )
+        await w.until(lambda w: w.count(res.REPLICA_STATUS_READY) == 3)
+        (canary_id,) = [r.replica_id for r in w.replicas.values() if r.version == 2]
+        # Aborted: the canary's replica drains (60 s here) but the fleet routes nothing to it.
+        loop = asyncio.get_running_loop()
+        aborted = loop.time()
+        await env.stub.AbortRollout(api.AbortRolloutRequest(service_name="svc"))
+        await w.until(lambda w: canary_id not in w.replicas, timeout=15)
+        assert loop.time() - aborted < 15
+    finally:
+        await running.stop(None)
+
+
+async def test_a_fleet_serves_no_pool(env: tc.Env) -> None:
+    running = await start_fleet(env)
+    try:
+        pool = "name: batch\npool: {min_workers: 0, max_workers: 1}\nsetup: echo ready\n"
+        await env.stub.CreateService(api.CreateServiceRequest(yaml=pool))
+        w = await tc.create(env, tc.spec("svc", replicas=1))
+        await w.until(lambda w: bool(w.service.load_balancer_url))
+        assert set(running.units()) == {"svc"}
+        batch = (await env.stub.GetService(api.GetServiceRequest(service_name="batch"))).service
+        assert batch.load_balancer_url == "" and list(batch.endpoints) == []
+    finally:
+        await running.stop(None)
+
+
 async def test_get_balancer_of_a_balancer_of_one_service(env: tc.Env) -> None:
     await tc.create(env, tc.spec("svc", replicas=1))
     running = await lb_server.start(
