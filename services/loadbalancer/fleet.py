@@ -17,6 +17,7 @@ import logging
 import os
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import grpc
@@ -208,12 +209,15 @@ class Fleet:
             unit = self.units.pop(name)
             log.info("service %s is gone; port %d closes", name, unit.http_port)
             await unit.close()
-        for name, url in sorted(wanted.items()):
-            if name not in self.units:
-                await self._start(name, port_of(url, self.advertise_host))
+        # The ports the controller shows go to their services first, and to no other service: a
+        # fleet replica that starts beside another (or restarts without its file) takes the same
+        # port for every service, so a Service in front of both routes each port to one service.
+        hints = {name: port_of(url, self.advertise_host) for name, url in wanted.items()}
+        for name in sorted((n for n in wanted if n not in self.units), key=lambda n: (hints[n] == 0, n)):
+            await self._start(name, hints[name], reserved={p for n, p in hints.items() if p and n != name})
 
-    async def _start(self, name: str, hint: int) -> None:
-        in_use = {u.http_port for u in self.units.values()}
+    async def _start(self, name: str, hint: int, *, reserved: AbstractSet[int] = frozenset()) -> None:
+        in_use = {u.http_port for u in self.units.values()} | set(reserved)
         for port in self.ports.candidates(name, in_use=in_use, hint=hint):
             try:
                 unit = await self._start_unit(name, port)

@@ -5,6 +5,7 @@ and a drain ends as soon as the fleet has nothing in flight for the replica (iss
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -167,6 +168,34 @@ async def test_a_fleet_serves_no_pool(env: tc.Env) -> None:
         assert batch.load_balancer_url == "" and list(batch.endpoints) == []
     finally:
         await running.stop(None)
+
+
+async def test_a_fleet_gives_the_port_the_controller_shows_to_its_service_and_no_other(tmp_path) -> None:
+    # Another fleet replica serves "b" on the first port (its report says so); a fleet starting
+    # with no port file on that same first port must give it to "b", not to "a" (sorted first).
+    async with tc.started(tmp_path, balancer_ttl_s=60.0) as env:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            first = sock.getsockname()[1]
+        shown = f"http://127.0.0.1:{first}"
+        wb = await tc.create(env, tc.spec("b", replicas=1))
+        wa = await tc.create(env, tc.spec("a", replicas=1))
+        other = api.ReportLoadRequest(service_name="b", balancer_id="other", sequence=1, load_balancer_url=shown)
+        await env.stub.ReportLoad(other)
+        running = await start_fleet(env, http_addr=f"127.0.0.1:{first}")
+        try:
+            for _ in range(200):
+                if {"a", "b"} <= set(running.units()):
+                    break
+                await asyncio.sleep(0.05)
+            assert running.units()["b"].http_port == first
+            assert running.units()["a"].http_port != first
+            await wa.until(lambda w: bool(w.service.load_balancer_url))
+            assert wa.service.load_balancer_url != shown
+        finally:
+            await running.stop(None)
+        wa.cancel()
+        wb.cancel()
 
 
 async def test_get_balancer_of_a_balancer_of_one_service(env: tc.Env) -> None:
