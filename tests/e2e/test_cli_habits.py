@@ -189,8 +189,14 @@ def test_logs_of_the_local_stack_follow_sync_down_and_the_endpoint(tmp_path) -> 
         assert "following the endpoints of service hello" in balancer.stdout
         # The stack's balancer fleet serves every service: each one's lines from the same log.
         assert "following the endpoints of service other" not in balancer.stdout
-        other_log = cli("logs", "other", "--load-balancer", "--no-follow")
-        assert other_log.returncode == 0, other_log.stderr
+        # The fleet starts serving "other" at its next look at the services (every second).
+        deadline = time.monotonic() + 60
+        while True:
+            other_log = cli("logs", "other", "--load-balancer", "--no-follow")
+            assert other_log.returncode == 0, other_log.stderr
+            if "following the endpoints of service other" in other_log.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         assert "following the endpoints of service other" in other_log.stdout
         assert "service hello" not in other_log.stdout
         wrong = cli("logs", "nosuch", "--load-balancer", "--no-follow")

@@ -5,17 +5,20 @@ and a drain ends as soon as the fleet has nothing in flight for the replica (iss
 from __future__ import annotations
 
 import asyncio
-import socket
+import types
 from collections.abc import AsyncIterator
+from typing import cast
 
 import aiohttp
 import grpc
 import pytest
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2 as lb_api
 from replicaplane.loadbalancer.v1 import loadbalancer_service_pb2_grpc as lb_grpc
+from services.loadbalancer import fleet
 from services.loadbalancer import server as lb_server
 from tests.service import test_controller as tc
 
@@ -172,30 +175,29 @@ async def test_a_fleet_serves_no_pool(env: tc.Env) -> None:
 
 async def test_a_fleet_gives_the_port_the_controller_shows_to_its_service_and_no_other(tmp_path) -> None:
     # Another fleet replica serves "b" on the first port (its report says so); a fleet starting
-    # with no port file on that same first port must give it to "b", not to "a" (sorted first).
+    # with no port file must give that port to "b", not to "a" (sorted first). Units are recorded,
+    # not served: the ports are the fleet's choice, whoever may hold them on this machine.
     async with tc.started(tmp_path, balancer_ttl_s=60.0) as env:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        shown = f"http://127.0.0.1:{first}"
-        wb = await tc.create(env, tc.spec("b", replicas=1))
-        wa = await tc.create(env, tc.spec("a", replicas=1))
-        other = api.ReportLoadRequest(service_name="b", balancer_id="other", sequence=1, load_balancer_url=shown)
+        await tc.create(env, tc.spec("b", replicas=1))
+        await tc.create(env, tc.spec("a", replicas=1))
+        other = api.ReportLoadRequest(
+            service_name="b", balancer_id="other", sequence=1, load_balancer_url="http://127.0.0.1:30001"
+        )
         await env.stub.ReportLoad(other)
-        running = await start_fleet(env, http_addr=f"127.0.0.1:{first}")
-        try:
-            for _ in range(200):
-                if {"a", "b"} <= set(running.units()):
-                    break
-                await asyncio.sleep(0.05)
-            assert running.units()["b"].http_port == first
-            assert running.units()["a"].http_port != first
-            await wa.until(lambda w: bool(w.service.load_balancer_url))
-            assert wa.service.load_balancer_url != shown
-        finally:
-            await running.stop(None)
-        wa.cancel()
-        wb.cancel()
+
+        async def record(service: str, port: int) -> fleet.Unit:
+            unit = types.SimpleNamespace(service=service, http_port=port, link=types.SimpleNamespace(url=""))
+            return cast(fleet.Unit, unit)
+
+        async with grpc.aio.insecure_channel(env.addr) as channel:
+            f = fleet.Fleet(
+                api_grpc.ControllerServiceStub(channel),
+                ports=fleet.Ports(30001, 30003),
+                start_unit=record,
+                advertise_host="127.0.0.1",
+            )
+            await f.sync()
+        assert {name: u.http_port for name, u in f.units.items()} == {"a": 30002, "b": 30001}
 
 
 async def test_get_balancer_of_a_balancer_of_one_service(env: tc.Env) -> None:
