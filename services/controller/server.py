@@ -37,7 +37,11 @@ class Settings:
     metrics_port_file: str = ""
     """If set, the bound metrics port is written here once serving."""
     state_dir: str = "~/.replicaplane/controller"
-    """Directory of the SQLite store."""
+    """Directory of the SQLite store (and of the controller id file, with either store)."""
+    store_url: str = dataclasses.field(default="", repr=False)
+    """Where the store is: empty for `state.db` in state_dir; `sqlite:PATH` for another SQLite
+    file; `postgresql://user:password@host:5432/db` for PostgreSQL, which several controllers
+    can share (docs/ha.md). It may hold a password: it is never logged."""
     provisioner_addr: str = config.PROVISIONER_ADDR
     """Where the provisioner listens."""
     prober_addrs: str = config.PROBER_ADDR
@@ -151,6 +155,8 @@ def check(settings: Settings) -> None:
         for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
         if getattr(settings, name) < 1
     ]
+    if problem := store.url_problem(settings.store_url):
+        violations.append(errors.FieldViolation("controller.store_url", problem))
     if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
         violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
     if settings.controller_id and (problem := identity.problem(settings.controller_id)):
@@ -201,8 +207,11 @@ async def start(settings: Settings) -> Running:
     def make_channel(addr: str) -> grpc.aio.Channel:
         return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
 
-    db = store.Store.in_state_dir(
-        settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
+    db = store.open_store(
+        settings.store_url,
+        state_dir=settings.state_dir,
+        synchronous=settings.store_synchronous,
+        busy_timeout_s=settings.store_busy_timeout_s,
     )
     controller_id = _identity(settings, db)
     channel = make_channel(settings.provisioner_addr)

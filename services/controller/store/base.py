@@ -1,0 +1,565 @@
+"""The controller store's API and everything both backends share: transactions, errors, queries.
+
+A backend (sqlite.py, postgres.py) supplies the connection: how a statement runs, how a write
+transaction starts (one writer at a time on either backend), and how its errors read. The
+queries below are written once, in SQL both SQLite and PostgreSQL accept; `?` placeholders
+(the PostgreSQL backend turns them into its own) and `{greatest}` for the two-argument max.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.controller.v1 import resources_pb2
+from services.common import errors
+from services.controller.store import rows
+
+log = logging.getLogger("services.controller.store")
+
+DB_FILE = "state.db"
+
+
+class Store:
+    """Store of services, versions, replicas and autoscaler state, on SQLite or PostgreSQL.
+
+    `Store(path_or_url, ...)` opens the backend the argument names (see `open_store`); the
+    annotations elsewhere use this class for either. Synchronous and fast: each call is one
+    short transaction. Calls made inside a `with store.transaction():` block join that
+    transaction. Do not `await` inside such a block: another task using the store meanwhile is
+    refused with RuntimeError rather than silently joining someone else's transaction.
+    """
+
+    path: str
+    """What opens this database again: a file path (SQLite) or the URL (PostgreSQL; it may hold
+    a password, so never log it: `location` is the printable form)."""
+    location: str
+    """The database as logs name it (a path, or the URL without its password)."""
+    greatest = "MAX"
+    """The SQL function that returns the larger of two values."""
+
+    def __new__(cls, path: str, **kwargs: Any) -> Store:
+        """Open a PostgreSQL store for a postgresql:// URL, else a SQLite file."""
+        if cls is Store:
+            from services.controller.store import postgres, sqlite  # the backends build on this module
+
+            return object.__new__(postgres.PostgresStore if postgres.is_url(path) else sqlite.SqliteStore)
+        return object.__new__(cls)
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> Store:
+        """Open the SQLite file `state.db` under `state_dir` (`~` expanded).
+
+        Args:
+            state_dir: the controller's state directory.
+            synchronous: as for the constructor.
+            busy_timeout_s: as for the constructor.
+
+        Returns:
+            The open store.
+        """
+        path = os.path.join(os.path.expanduser(state_dir), DB_FILE)
+        return cls(path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+
+    def _setup(self) -> None:
+        """State every backend keeps; called by each backend's constructor first."""
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._owner: object = None
+        self.writable = True
+        self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
+        self._on_writable: Callable[[bool], None] | None = None
+
+    # ---- what a backend provides -----------------------------------------------------------
+
+    db_errors: tuple[type[BaseException], ...] = ()
+    """The backend's database exceptions (each becomes UnavailableError)."""
+
+    def _execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        """Run one statement; return a cursor (fetchone, fetchall, rowcount)."""
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        """Start a write transaction, waiting for any other writer first."""
+        raise NotImplementedError
+
+    def _cause(self, exc: BaseException) -> tuple[str, str]:
+        """(cause, words) for a failed call: a short code, and what failed in a user's words."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def schema_version(self) -> int:
+        """The schema version of the open database."""
+        raise NotImplementedError
+
+    def reopen(self) -> Store:
+        """Another connection to the same database, with the same settings."""
+        raise NotImplementedError
+
+    # ---- opening and closing ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the database; the store is unusable afterwards."""
+        with self._lock:
+            self._close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def on_writable_change(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(writable)` whenever writes start failing or work again."""
+        self._on_writable = callback
+
+    def _set_writable(self, ok: bool) -> None:
+        if ok == self.writable:
+            return
+        self.writable = ok
+        if ok:
+            self._last_failure = ""
+            log.info("the store takes writes again")
+        else:
+            log.error("the store does not take writes: %s", self.location)
+        if self._on_writable is not None:
+            self._on_writable(ok)
+
+    def check_writable(self) -> bool:
+        """Make one small write (a heartbeat); True if the store took it."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            with self.transaction():
+                self._put_meta("heartbeat", stamp)
+        except errors.UnavailableError:
+            return False
+        return True
+
+    def controller_id(self) -> str:
+        """This controller's stable identity, created on first use and kept in `meta`.
+
+        The provisioner records it as the owner of every replica this controller launches, so
+        two controllers sharing a provisioner never tear down each other's replicas.
+        """
+        query = "SELECT value FROM meta WHERE key = 'controller_id'"
+        with self._read():
+            row = self._execute(query).fetchone()
+        if row is None:  # first start: the only write, so a store that takes none still opens later
+            with self.transaction():
+                self._execute(
+                    "INSERT INTO meta (key, value) VALUES ('controller_id', ?) ON CONFLICT (key) DO NOTHING",
+                    (secrets.token_hex(16),),
+                )
+                row = self._execute(query).fetchone()
+        return str(row[0])
+
+    def stored_controller_id(self) -> str:
+        """The controller id kept in `meta`, or "" when there is none (nothing is written)."""
+        with self._read():
+            row = self._execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+        return "" if row is None else str(row[0])
+
+    def set_controller_id(self, controller_id: str) -> None:
+        """Keep `controller_id` in `meta` (a second copy: identity.py's file is the first)."""
+        with self.transaction():
+            self._put_meta("controller_id", controller_id)
+
+    def _put_meta(self, key: str, value: str) -> None:
+        self._execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
+
+    # ---- transactions --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """Atomic read-modify-write: one writer at a time, COMMIT, or ROLLBACK on exception.
+
+        Nested blocks (and every store call inside the block) join the outer transaction; a
+        nested block that raises rolls back only its own changes (a savepoint).
+
+        Yields:
+            This store.
+
+        Raises:
+            errors.UnavailableError: the store did not take the write: another writer held
+                the lock past the busy timeout, the disk or the database server failed (reason
+                STORE_UNAVAILABLE). `writable` turns false until a write succeeds again.
+            RuntimeError: another asyncio task tried to use the store while a transaction
+                was open (an `await` inside the block).
+        """
+        with self._lock:
+            owner = _current_owner()
+            if self._depth and owner is not self._owner:
+                raise RuntimeError("store transaction held across an await by another task")
+            if self._depth == 0:
+                try:
+                    self._begin()
+                except self.db_errors as exc:
+                    self._rollback()
+                    raise self._unavailable(exc) from exc
+                self._owner = owner
+                self._depth = 1
+                try:
+                    yield self
+                    self._execute("COMMIT")
+                except self.db_errors as exc:
+                    self._rollback()
+                    raise self._unavailable(exc) from exc
+                except BaseException:
+                    self._rollback()
+                    raise
+                finally:
+                    self._depth = 0
+                    self._owner = None
+                self._set_writable(True)
+            else:
+                name = f"sp{self._depth}"
+                self._execute(f"SAVEPOINT {name}")
+                self._depth += 1
+                try:
+                    yield self
+                except BaseException:
+                    # An I/O error can end the whole transaction (and its savepoints) at once;
+                    # the original error is the one to report, not "no such savepoint".
+                    with contextlib.suppress(*self.db_errors):
+                        self._execute(f"ROLLBACK TO SAVEPOINT {name}")
+                        self._execute(f"RELEASE SAVEPOINT {name}")
+                    raise
+                else:
+                    self._execute(f"RELEASE SAVEPOINT {name}")
+                finally:
+                    self._depth -= 1
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(*self.db_errors):  # a failed COMMIT may have ended it already
+            self._execute("ROLLBACK")
+
+    def _unavailable(self, exc: BaseException, *, writing: bool = True) -> errors.UnavailableError:
+        """The API's error for a failed store call: what failed, in the user's words.
+
+        The database's own text names internals and can quote statements, paths or addresses,
+        so it goes to the log (once per distinct failure, not every heartbeat) and never into
+        the message.
+        """
+        cause, words = self._cause(exc)
+        detail = f"{type(exc).__name__}: {exc}"
+        operation = "write" if writing else "read"
+        if detail != self._last_failure:
+            self._last_failure = detail
+            log.error("the store could not %s %s: %s", operation, self.location, detail)
+        else:
+            log.debug("the store could not %s %s again: %s", operation, self.location, detail)
+        if writing:
+            self._set_writable(False)
+            message = f"the controller could not save the change: {words}; nothing was changed, try again later"
+        else:
+            message = f"the controller could not read its state: {words}; try again later"
+        return errors.UnavailableError(message, reason="STORE_UNAVAILABLE", cause=cause, operation=operation)
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[None]:
+        # A single SELECT is atomic on its own; the lock keeps threads off a half-open
+        # transaction and the owner check keeps other tasks out of one.
+        with self._lock:
+            if self._depth and _current_owner() is not self._owner:
+                raise RuntimeError("store transaction held across an await by another task")
+            try:
+                yield
+            except self.db_errors as exc:
+                raise self._unavailable(exc, writing=False) from exc
+
+    # ---- services ------------------------------------------------------------------------
+
+    def create_service(
+        self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = ""
+    ) -> rows.ServiceRow:
+        """Create a service with `spec` as version 1.
+
+        Args:
+            name: the service name.
+            spec: the validated spec of version 1.
+            now: creation time, seconds since the epoch.
+            request_id: the create request's id, kept so a retried create can be recognised.
+
+        Returns:
+            The new row (status CONTROLLER_INIT, latest_version 1, next_replica_id 1).
+
+        Raises:
+            errors.AlreadyExistsError: a service with that name exists.
+        """
+        with self.transaction():
+            if self._exists(name):
+                raise errors.AlreadyExistsError(
+                    f"service {name!r} already exists", reason="SERVICE_ALREADY_EXISTS", service=name
+                )
+            self._execute(
+                "INSERT INTO services (name, create_time, status, latest_version, request_id, uid) "
+                "VALUES (?, ?, ?, 1, ?, ?)",
+                (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id, secrets.token_hex(4)),
+            )
+            self._insert_version(name, 1, spec)
+            return self._get_service(name)  # type: ignore[return-value]
+
+    def get_service(self, name: str) -> rows.ServiceRow | None:
+        """The service row, or None if there is no such service."""
+        with self._read():
+            return self._get_service(name)
+
+    def list_services(self) -> list[rows.ServiceRow]:
+        """Every service row, in name order."""
+        with self._read():
+            found = self._execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
+        return [rows.service_row(r) for r in found]
+
+    def update_service(self, name: str, /, **fields: object) -> rows.ServiceRow:
+        """Set some columns of a service row.
+
+        Args:
+            name: the service name.
+            **fields: any of status, status_message, uptime_start, update_mode, deleting,
+                request_id.
+
+        Returns:
+            The updated row.
+
+        Raises:
+            errors.NotFoundError: no such service.
+            ValueError: a field that is unknown or not updatable (latest_version and
+                next_replica_id only move through add_version and allocate_replica_id).
+        """
+        bad = sorted(set(fields) - rows.UPDATABLE)
+        if bad:
+            raise ValueError(f"update_service cannot set {', '.join(bad)}")
+        with self.transaction():
+            if fields:
+                columns = sorted(fields)
+                values = [rows.column_value(c, fields[c]) for c in columns]
+                sets = ", ".join(f"{c} = ?" for c in columns)
+                cur = self._execute(f"UPDATE services SET {sets} WHERE name = ?", (*values, name))
+                if cur.rowcount == 0:
+                    raise rows.not_found(name)
+            row = self._get_service(name)
+            if row is None:
+                raise rows.not_found(name)
+            return row
+
+    def delete_service(self, name: str) -> None:
+        """Remove a service with its versions, replicas and autoscaler state.
+
+        Deleting a service that is not there is a no-op, so recovery can repeat it.
+        """
+        with self.transaction():
+            for table in ("replicas", "versions", "autoscaler_state"):
+                self._execute(f"DELETE FROM {table} WHERE service = ?", (name,))
+            self._execute("DELETE FROM services WHERE name = ?", (name,))
+
+    # ---- versions ------------------------------------------------------------------------
+
+    def add_version(self, name: str, spec: spec_pb2.ServiceSpec) -> int:
+        """Store `spec` as the next version and make it the latest, atomically.
+
+        Args:
+            name: the service name.
+            spec: the validated spec.
+
+        Returns:
+            The new version number (previous latest + 1).
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            row = self._execute(
+                f"SELECT {self.greatest}(latest_version, COALESCE((SELECT MAX(version) FROM versions "
+                "WHERE service = ?), 0)) FROM services WHERE name = ?",
+                (name, name),
+            ).fetchone()
+            if row is None:
+                raise rows.not_found(name)
+            version = int(row[0]) + 1
+            self._insert_version(name, version, spec)
+            self._execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
+            return version
+
+    def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:
+        """The spec of one version, or None if it is not stored (or deleted)."""
+        with self._read():
+            row = self._execute(
+                "SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)
+            ).fetchone()
+        if row is None:
+            return None
+        spec = spec_pb2.ServiceSpec()
+        spec.ParseFromString(bytes(row[0]))
+        return spec
+
+    def list_versions(self, name: str) -> list[int]:
+        """The stored versions of a service, ascending."""
+        with self._read():
+            found = self._execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
+        return [int(r[0]) for r in found]
+
+    def delete_unreferenced_versions(self, name: str) -> list[int]:
+        """Delete every version but the newest that no replica record references (spec §7.3).
+
+        Returns:
+            The deleted versions, ascending.
+        """
+        with self.transaction():
+            found = self._execute(
+                """DELETE FROM versions
+                   WHERE service = ?
+                     AND version < (SELECT latest_version FROM services WHERE name = ?)
+                     AND version NOT IN (SELECT version FROM replicas WHERE service = ?)
+                   RETURNING version""",
+                (name, name, name),
+            ).fetchall()
+        return sorted(int(r[0]) for r in found)
+
+    # ---- replica ids ---------------------------------------------------------------------
+
+    def allocate_replica_id(self, name: str) -> int:
+        """Take the next replica id of a service. Ids start at 1 and are never handed out twice.
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            row = self._execute(
+                "UPDATE services SET next_replica_id = next_replica_id + 1 WHERE name = ? "
+                "RETURNING next_replica_id - 1",
+                (name,),
+            ).fetchone()
+            if row is None:
+                raise rows.not_found(name)
+            return int(row[0])
+
+    # ---- replicas ------------------------------------------------------------------------
+
+    def put_replica(self, replica: resources_pb2.Replica) -> None:
+        """Insert or replace a replica record (keyed by service and replica_id).
+
+        Raises:
+            errors.NotFoundError: the replica's service does not exist.
+            ValueError: replica_id < 1.
+        """
+        self.put_replicas((replica,))
+
+    def put_replicas(self, replicas: Iterable[resources_pb2.Replica]) -> None:
+        """Insert or replace several replica records in one transaction.
+
+        A record whose id was never allocated also moves the service's id counter past it,
+        so that id is never handed out again.
+
+        Raises:
+            errors.NotFoundError: a replica's service does not exist (nothing is written).
+            ValueError: a replica_id < 1 (nothing is written).
+        """
+        with self.transaction():
+            for replica in replicas:
+                if replica.replica_id < 1:
+                    raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
+                cur = self._execute(
+                    f"UPDATE services SET next_replica_id = {self.greatest}(next_replica_id, ?) WHERE name = ?",
+                    (replica.replica_id + 1, replica.service),
+                )
+                if cur.rowcount == 0:
+                    raise rows.not_found(replica.service)
+                self._execute(
+                    "INSERT INTO replicas (service, replica_id, status, version, data) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (service, replica_id) DO UPDATE SET "
+                    "status = excluded.status, version = excluded.version, data = excluded.data",
+                    (
+                        replica.service,
+                        replica.replica_id,
+                        int(replica.status),
+                        replica.version,
+                        replica.SerializeToString(),
+                    ),
+                )
+
+    def get_replica(self, name: str, replica_id: int) -> resources_pb2.Replica | None:
+        """One replica record, or None."""
+        with self._read():
+            row = self._execute(
+                "SELECT data FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id)
+            ).fetchone()
+        return None if row is None else rows.replica(row[0])
+
+    def list_replicas(self, name: str, *, statuses: Iterable[int] | None = None) -> list[resources_pb2.Replica]:
+        """The replica records of a service in id order, optionally only those in `statuses`."""
+        sql = "SELECT data FROM replicas WHERE service = ?"
+        params: list[object] = [name]
+        if statuses is not None:
+            wanted = [int(s) for s in statuses]
+            if not wanted:
+                return []
+            sql += f" AND status IN ({', '.join('?' * len(wanted))})"
+            params += wanted
+        with self._read():
+            found = self._execute(sql + " ORDER BY replica_id", params).fetchall()
+        return [rows.replica(r[0]) for r in found]
+
+    def delete_replica(self, name: str, replica_id: int) -> None:
+        """Remove a replica record; a no-op if it is not there. Its id is not reused."""
+        with self.transaction():
+            self._execute("DELETE FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id))
+
+    # ---- autoscaler state ----------------------------------------------------------------
+
+    def put_autoscaler_state(self, name: str, state: bytes) -> None:
+        """Replace a service's opaque autoscaler state.
+
+        Raises:
+            errors.NotFoundError: no such service.
+        """
+        with self.transaction():
+            if not self._exists(name):
+                raise rows.not_found(name)
+            self._execute(
+                "INSERT INTO autoscaler_state (service, state) VALUES (?, ?) "
+                "ON CONFLICT (service) DO UPDATE SET state = excluded.state",
+                (name, bytes(state)),
+            )
+
+    def get_autoscaler_state(self, name: str) -> bytes | None:
+        """A service's autoscaler state, or None if none was stored."""
+        with self._read():
+            row = self._execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _exists(self, name: str) -> bool:
+        return self._execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is not None
+
+    def _get_service(self, name: str) -> rows.ServiceRow | None:
+        row = self._execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
+        return None if row is None else rows.service_row(row)
+
+    def _insert_version(self, name: str, version: int, spec: spec_pb2.ServiceSpec) -> None:
+        self._execute(
+            "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
+            (name, version, spec.SerializeToString(), spec.yaml),
+        )
+
+
+def _current_owner() -> object:
+    """Who is using the store: the running asyncio task, else the thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task if task is not None else threading.current_thread()
