@@ -87,7 +87,18 @@ class Server:
         """initdb, then start the server and wait until it takes connections."""
         data = os.path.join(self.dir, "data")
         subprocess.run(
-            [*_run_as(), binary("initdb") or "initdb", "-D", data, "-U", USER, "--auth=trust", "--no-sync"],
+            [
+                *_run_as(),
+                binary("initdb") or "initdb",
+                "-D",
+                data,
+                "-U",
+                USER,
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
             check=True,
             capture_output=True,
             timeout=120,
