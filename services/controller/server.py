@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import socket
 from typing import Any
 
 import grpc
@@ -11,9 +13,15 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
 from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
-from services.controller import controller, identity, reconciler, servicer, store
+from services.controller import controller, forward, identity, leader, reconciler, servicer, store
 
-SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+log = logging.getLogger(__name__)
+
+SERVICE = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"]
+SERVICE_NAME = SERVICE.full_name
+
+DEPOSED_EXIT_CODE = 3
+"""The controller's exit code when it stopped because another controller took the lease."""
 
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
@@ -97,6 +105,18 @@ class Settings:
     tls_* files turns mTLS on toward the provisioner and probers."""
     tls_server_name: str = ""
     """Name the provisioner's and probers' certificates must carry, when not their address host."""
+    leader_election: bool = False
+    """Run as one of several controllers sharing one store (store_url, PostgreSQL): one leads,
+    holding a lease in the store that it renews every lease_duration_s / 3; the others stand
+    by, forward every API call to it, and the first to see its lease lapse takes over. Every
+    write of the leader checks its lease epoch, so a deposed leader changes nothing; it exits
+    with code 3 (docs/ha.md)."""
+    lease_duration_s: float = 3.0
+    """How long the leader's lease lasts unless renewed: a dead leader is replaced within about
+    this long plus a third of it."""
+    advertise_addr: str = ""
+    """host:port where the other controllers (forwarding to the leader) reach this one. Default:
+    the listen address with the bound port (this host's name for a wildcard host)."""
     allow_open_internal: bool = False
     """With a token on the API, the controller refuses to start while it would reach the
     provisioner or probers over plaintext TCP (any local user could call them and run commands
@@ -114,10 +134,17 @@ class Running:
     """A started controller and what must be closed with it."""
 
     built: grpc_server.Built
-    controller: controller.Controller
-    fleet: probe_fleet.ProbeFleet
+    controller: controller.Controller | None
+    """None while this controller stands by (leader_election)."""
+    fleet: probe_fleet.ProbeFleet | None
     db: store.Store
     audit_file: audit.FileSink | None = None
+    leadership: leader.Leadership | None = None
+    """With leader_election: this controller's side of the election."""
+    switch: forward.Switch | None = None
+    lead_task: asyncio.Task[None] | None = None
+    leading: bool = True
+    """The API is served by this process's controller (always, without leader_election)."""
 
     @property
     def port(self) -> int:
@@ -127,11 +154,33 @@ class Running:
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving, then stop following replicas (they keep running)."""
         await self.built.stop(grace)
-        await self.controller.stop()
-        await self.fleet.stop()
+        await self.stop_leading()
         self.db.close()
         if self.audit_file is not None:
             self.audit_file.close()
+
+    async def stop_leading(self) -> None:
+        """Stop the controller and probe fleet (if leading) and the election (releasing the
+        lease unless deposed, so a standby takes over at once)."""
+        # Each part is taken before it is stopped: a second call (shutdown after a step-down)
+        # finds nothing left to stop.
+        self.leading = False
+        lead_task, self.lead_task = self.lead_task, None
+        if lead_task is not None:
+            lead_task.cancel()
+            await asyncio.gather(lead_task, return_exceptions=True)
+        ctl, self.controller = self.controller, None
+        if ctl is not None:
+            await ctl.stop()
+        fleet, self.fleet = self.fleet, None
+        if fleet is not None:
+            await fleet.stop()
+        switch, self.switch = self.switch, None
+        if switch is not None:
+            await switch.close()
+        leadership = self.leadership
+        if leadership is not None and not leadership.closed:
+            await asyncio.to_thread(leadership.close, release=True)
 
 
 def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor], audit.FileSink | None]:
@@ -157,6 +206,14 @@ def check(settings: Settings) -> None:
     ]
     if problem := store.url_problem(settings.store_url):
         violations.append(errors.FieldViolation("controller.store_url", problem))
+    if settings.lease_duration_s < 0.3:
+        violations.append(
+            errors.FieldViolation(
+                "controller.lease_duration_s", f"must be at least 0.3, got {settings.lease_duration_s}"
+            )
+        )
+    if settings.advertise_addr and not _host_port(settings.advertise_addr):
+        violations.append(errors.FieldViolation("controller.advertise_addr", "must be host:port"))
     if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
         violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
     if settings.controller_id and (problem := identity.problem(settings.controller_id)):
@@ -185,10 +242,29 @@ def _open_internal(settings: Settings) -> list[errors.FieldViolation]:
     return violations
 
 
+def _host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+def advertised(settings: Settings, port: int) -> str:
+    """Where the other controllers reach this one."""
+    if settings.advertise_addr:
+        return settings.advertise_addr
+    if settings.listen_addr.startswith("unix:"):
+        return settings.listen_addr
+    host = settings.listen_addr.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 def _identity(settings: Settings, db: store.Store) -> str:
-    """The controller id (see identity.py), kept in the store too."""
+    """The controller id (see identity.py), kept in the store too. Controllers sharing a store
+    (leader_election) share the store's id: each leader owns the replicas the last one launched."""
     stored = db.stored_controller_id()
-    chosen = identity.resolve(settings.state_dir, setting=settings.controller_id, stored=stored)
+    setting = settings.controller_id or (stored if settings.leader_election else "")
+    chosen = identity.resolve(settings.state_dir, setting=setting, stored=stored)
     if stored != chosen:
         try:
             db.set_controller_id(chosen)
@@ -198,7 +274,11 @@ def _identity(settings: Settings, db: store.Store) -> str:
 
 
 async def start(settings: Settings) -> Running:
-    """Open the store, connect to the provisioner and probers, recover, and serve."""
+    """Open the store, connect to the provisioner and probers, recover, and serve.
+
+    With leader_election the server answers at once (forwarding to the leader) and the
+    controller itself starts once this process holds the lease (`Running.lead_task`).
+    """
     check(settings)
     interceptors, audit_file = _interceptors(settings)
     tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
@@ -213,6 +293,51 @@ async def start(settings: Settings) -> Running:
         synchronous=settings.store_synchronous,
         busy_timeout_s=settings.store_busy_timeout_s,
     )
+    registry = metrics.for_address("controller", settings.metrics_addr)
+    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
+    switch: forward.Switch | None = None
+    if settings.leader_election:
+        holder: list[leader.Leadership] = []
+        switch = forward.Switch(
+            SERVICE,
+            leader_address=lambda: holder[0].leader_address() if holder else "",
+            make_channel=lambda addr: clients.channel(addr, retries=False),
+        )
+        server.add_generic_rpc_handlers((switch,))
+        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
+        holder.append(
+            leader.Leadership(db, address=advertised(settings, built.port), duration_s=settings.lease_duration_s)
+        )
+        running = Running(
+            built=built,
+            controller=None,
+            fleet=None,
+            db=db,
+            audit_file=audit_file,
+            leadership=holder[0],
+            switch=switch,
+            leading=False,
+        )
+        await built.start()
+        running.lead_task = asyncio.get_running_loop().create_task(
+            _lead(running, settings, make_channel), name="leader election"
+        )
+        return running
+    ctl, fleet, api = _controller(settings, db, make_channel)
+    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(api, server)
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
+    running = Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
+    _follow_store_health(running)
+    await ctl.start()
+    await fleet.start()
+    await built.start()
+    return running
+
+
+def _controller(
+    settings: Settings, db: store.Store, make_channel: Any
+) -> tuple[controller.Controller, probe_fleet.ProbeFleet, servicer.ControllerServicer]:
+    """The controller, its probe fleet and its servicer (nothing started)."""
     controller_id = _identity(settings, db)
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
@@ -242,40 +367,70 @@ async def start(settings: Settings) -> Running:
         controller_id=controller_id,
     )
     holder.append(ctl)
-    registry = metrics.for_address("controller", settings.metrics_addr)
-    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
-    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
-    # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
+    return ctl, fleet, servicer.ControllerServicer(ctl)
+
+
+def _follow_store_health(running: Running) -> None:
+    """NOT_SERVING while the store refuses writes: nothing the controller decides would stick."""
     background: set[asyncio.Task[None]] = set()
 
     def store_health(writable: bool) -> None:
-        task = asyncio.get_running_loop().create_task(built.set_serving(writable))
+        task = asyncio.get_running_loop().create_task(running.built.set_serving(writable))
         background.add(task)
         task.add_done_callback(background.discard)
 
-    db.on_writable_change(store_health)
+    running.db.on_writable_change(store_health)
+
+
+async def _lead(running: Running, settings: Settings, make_channel: Any) -> None:
+    """Wait for the lease, then start the controller here and serve the API from it."""
+    assert running.leadership is not None and running.switch is not None
+    await running.leadership.wait_to_lead()
+    ctl, fleet, api = _controller(settings, running.db, make_channel)
+    running.controller, running.fleet = ctl, fleet
+    _follow_store_health(running)
     await ctl.start()
     await fleet.start()
-    await built.start()
-    return Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
+    running.switch.lead(
+        forward.method_handlers(controller_service_pb2_grpc.add_ControllerServiceServicer_to_server, api)
+    )
+    running.leading = True
+    log.info("the controller runs here now (epoch %d)", running.leadership.epoch)
 
 
-async def serve(settings: Settings) -> None:
-    """Run until SIGTERM."""
+async def serve(settings: Settings) -> int:
+    """Run until SIGTERM (exit code 0), or until another controller takes the lease (3)."""
     running = await start(settings)
+    stop = asyncio.Event()
+    watcher: asyncio.Task[None] | None = None
+    if running.leadership is not None:
+        leadership = running.leadership
+
+        async def step_down() -> None:
+            await leadership.deposed.wait()
+            await running.stop_leading()  # first: a deposed controller must stop acting at once
+            stop.set()
+
+        watcher = asyncio.get_running_loop().create_task(step_down(), name="step down")
     await grpc_server.serve_until_signal(
         running.built,
         grace=settings.shutdown_grace_s,
         port_file=settings.port_file,
-        on_stop=[running.controller.stop, running.fleet.stop],
+        on_stop=[running.stop_leading],
         metrics_addr=settings.metrics_addr,
         metrics_port_file=settings.metrics_port_file,
+        stop=stop,
     )
+    if watcher is not None and not watcher.done():
+        watcher.cancel()
     running.db.close()
+    if running.leadership is not None and running.leadership.deposed.is_set():
+        log.error("exiting with code %d: %s", DEPOSED_EXIT_CODE, running.leadership.reason)
+        return DEPOSED_EXIT_CODE
+    return 0
 
 
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("controller")
-    asyncio.run(serve(load_settings()))
+    raise SystemExit(asyncio.run(serve(load_settings())))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from services.controller.store import schema
-from services.controller.store.base import DB_FILE, Store
+from services.controller.store.base import DB_FILE, LEASE, FencedError, Lease, Store
 from services.controller.store.rows import ServiceRow
 from services.controller.store.schema import SchemaError
 from services.controller.store.sqlite import SqliteStore, migrate
@@ -21,8 +21,11 @@ SCHEMA_VERSION = schema.SCHEMA_VERSION
 
 __all__ = [
     "DB_FILE",
+    "LEASE",
     "MIGRATIONS",
     "SCHEMA_VERSION",
+    "FencedError",
+    "Lease",
     "SchemaError",
     "ServiceRow",
     "SqliteStore",

@@ -135,7 +135,7 @@ class PostgresStore(base.Store):
             raise
         return db
 
-    def reopen(self) -> PostgresStore:
+    def _open_again(self) -> PostgresStore:
         """Another connection to the same database, with the same settings."""
         return PostgresStore(
             self.path,
@@ -153,6 +153,10 @@ class PostgresStore(base.Store):
         if query is None:
             query = self._sql[sql] = sql.replace("?", "%s")
         return self._db.execute(query, tuple(params))
+
+    def _db_now(self) -> float:
+        # The server's clock: controllers on several machines measure leases on one clock.
+        return float(self._execute("SELECT extract(epoch from clock_timestamp())").fetchone()[0])
 
     def _begin(self) -> None:
         self._execute("BEGIN")

@@ -84,7 +84,20 @@ def _sqlite_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
 
 
-SQLITE: tuple[Migration, ...] = (_sqlite_1, _sqlite_2, _sqlite_3, _sqlite_4)
+def _sqlite_7(db: Any) -> None:
+    """Leases: who leads the controllers sharing this store, and since which epoch."""
+    db.execute(
+        """CREATE TABLE leases (
+            name TEXT PRIMARY KEY,
+            holder TEXT NOT NULL,
+            epoch INTEGER NOT NULL,
+            address TEXT NOT NULL DEFAULT '',
+            expires REAL NOT NULL
+        ) STRICT"""
+    )
+
+
+SQLITE: tuple[Migration, ...] = (_sqlite_1, _sqlite_2, _sqlite_3, _sqlite_4, _sqlite_7)
 """SQLite's forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 
@@ -153,7 +166,20 @@ def _postgres_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-POSTGRES: tuple[Migration, ...] = (_postgres_1, _postgres_2, _postgres_3, _postgres_4)
+def _postgres_7(db: Any) -> None:
+    """Leases: who leads the controllers sharing this store, and since which epoch."""
+    db.execute(
+        """CREATE TABLE leases (
+            name TEXT PRIMARY KEY,
+            holder TEXT NOT NULL,
+            epoch BIGINT NOT NULL,
+            address TEXT NOT NULL DEFAULT '',
+            expires DOUBLE PRECISION NOT NULL
+        )"""
+    )
+
+
+POSTGRES: tuple[Migration, ...] = (_postgres_1, _postgres_2, _postgres_3, _postgres_4, _postgres_7)
 """PostgreSQL's forward migrations, number for number the same schema as `SQLITE`."""
 
 SCHEMA_VERSION = len(SQLITE)

@@ -93,7 +93,7 @@ class SqliteStore(base.Store):
             self._db.close()
             raise
 
-    def reopen(self) -> SqliteStore:
+    def _open_again(self) -> SqliteStore:
         """Another connection to the same file, with the same settings."""
         return SqliteStore(self.path, synchronous=self._synchronous, busy_timeout_s=self._busy_timeout_s)
 
