@@ -7,6 +7,7 @@ BEGIN IMMEDIATE gives), the schema version in a table, and how errors read.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -122,8 +123,11 @@ class PostgresStore(base.Store):
 
     def _connect(self) -> psycopg.Connection[Any]:
         extra: dict[str, Any] = {}
-        if "connect_timeout" not in conninfo.conninfo_to_dict(self.path):
+        given = conninfo.conninfo_to_dict(self.path)
+        if "connect_timeout" not in given:
             extra["connect_timeout"] = max(2, int(self._busy_timeout_s))
+        if "application_name" not in given:  # who is who in pg_stat_activity (and the drill's audit)
+            extra["application_name"] = f"replicaplane:{os.getpid()}"
         db = psycopg.connect(self.path, autocommit=True, **extra)
         try:
             db.execute(f"SET lock_timeout = {int(self._busy_timeout_s * 1000):d}")
