@@ -71,30 +71,42 @@ class Leadership:
         return lease.address
 
     async def wait_to_lead(self) -> int:
-        """Try for the lease until this controller holds it; then fence the store and renew.
+        """Try for the lease until this controller holds it (see `try_lead`).
 
         Returns:
             The epoch this controller leads at.
         """
-        self._loop = asyncio.get_running_loop()
         waiting_logged = False
-        while True:
-            lease = await asyncio.to_thread(self._try)
-            if lease is not None:
-                self.lease = lease
-                if lease.holder == self.holder:
-                    break
-                if not waiting_logged:
-                    log.info("standing by: %s leads (epoch %d) at %s", lease.holder, lease.epoch, lease.address)
-                    waiting_logged = True
+        while not await self.try_lead():
+            lease = self.lease
+            if lease is not None and not waiting_logged:
+                log.info("standing by: %s leads (epoch %d) at %s", lease.holder, lease.epoch, lease.address)
+                waiting_logged = True
             await asyncio.sleep(self.poll_s)
+        return self.epoch
+
+    async def try_lead(self) -> bool:
+        """Try for the lease once; on success fence the store to the epoch and start renewing.
+
+        Returns:
+            True if this controller leads now.
+        """
+        if self.leading:
+            return True
+        self._loop = asyncio.get_running_loop()
+        lease = await asyncio.to_thread(self._try)
+        if lease is None:
+            return False
+        self.lease = lease
+        if lease.holder != self.holder:
+            return False
         self.epoch = lease.epoch
         self._db.fence(self.holder, self.epoch, on_lost=lambda: self._lost("a write found another leader"))
         self.leading = True
         log.info("leading at epoch %d as %s (%s)", self.epoch, self.holder, self.address)
         self._thread = threading.Thread(target=self._renew, name="lease renewal", daemon=True)
         self._thread.start()
-        return self.epoch
+        return True
 
     def _try(self) -> store.Lease | None:
         try:

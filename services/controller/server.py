@@ -318,10 +318,13 @@ async def start(settings: Settings) -> Running:
             switch=switch,
             leading=False,
         )
+        if await holder[0].try_lead():  # a free lease: lead before serving, as without election
+            await _lead(running, settings, make_channel)
+        else:
+            running.lead_task = asyncio.get_running_loop().create_task(
+                _lead(running, settings, make_channel), name="leader election"
+            )
         await built.start()
-        running.lead_task = asyncio.get_running_loop().create_task(
-            _lead(running, settings, make_channel), name="leader election"
-        )
         return running
     ctl, fleet, api = _controller(settings, db, make_channel)
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(api, server)

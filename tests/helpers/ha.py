@@ -170,6 +170,7 @@ class Churn:
     retried with its request id (or as the same delete) until acknowledged."""
 
     target: str
+    prefix: str = "churn-"
     created: list[str] = dataclasses.field(default_factory=list)
     updated: dict[str, int] = dataclasses.field(default_factory=dict)  # name -> replicas acknowledged
     deleted: list[str] = dataclasses.field(default_factory=list)
@@ -200,7 +201,7 @@ class Churn:
             n = 0
             while not self._stop.is_set():
                 n += 1
-                name = f"churn-{n}"
+                name = f"{self.prefix}{n}"
                 request = api.CreateServiceRequest(yaml=spec(name), request_id=str(uuid.uuid4()))
                 if await self._write(stub, "CreateService", request):
                     self.created.append(name)
