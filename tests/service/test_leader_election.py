@@ -151,7 +151,7 @@ async def test_a_deposed_leader_writes_nothing_and_steps_down(tmp_path, url: str
         await a.stub.CreateService(api.CreateServiceRequest(yaml=spec(replicas=1)))
         # Another controller takes the lease under a's feet (as after a pause longer than the lease).
         with store_mod.Store(url) as other:
-            other._execute("UPDATE leases SET expires = 0")
+            other._db.execute("UPDATE leases SET expires = 0")
             assert other.acquire_lease("intruder", "", 30.0).holder == "intruder"
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await a.stub.UpdateService(api.UpdateServiceRequest(service_name="svc", yaml=spec(replicas=2)))

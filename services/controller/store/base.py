@@ -94,6 +94,8 @@ class Store:
     """The database as logs name it (a path, or the URL without its password)."""
     greatest = "MAX"
     """The SQL function that returns the larger of two values."""
+    leases_ddl = ""
+    """The statement that creates the lease table (schema.py)."""
 
     def __new__(cls, path: str, **kwargs: Any) -> Store:
         """Open a PostgreSQL store for a postgresql:// URL, else a SQLite file."""
@@ -127,15 +129,17 @@ class Store:
         self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
         self._fence: Fence | None = None
+        self._leases_ready = False
 
     # ---- what a backend provides -----------------------------------------------------------
 
     db_errors: tuple[type[BaseException], ...] = ()
     """The backend's database exceptions (each becomes UnavailableError)."""
 
-    def _execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        """Run one statement; return a cursor (fetchone, fetchall, rowcount)."""
-        raise NotImplementedError
+    _db: Any
+    """The connection: `execute(sql, params)` with `?` placeholders returns a cursor (fetchone,
+    fetchall, rowcount). SQLite's own connection, or PostgreSQL's through a small adapter, so
+    code written for one runs on the other where its SQL is portable."""
 
     def _begin(self) -> None:
         """Start a write transaction, waiting for any other writer first."""
@@ -218,20 +222,20 @@ class Store:
         """
         query = "SELECT value FROM meta WHERE key = 'controller_id'"
         with self._read():
-            row = self._execute(query).fetchone()
+            row = self._db.execute(query).fetchone()
         if row is None:  # first start: the only write, so a store that takes none still opens later
             with self.transaction():
-                self._execute(
+                self._db.execute(
                     "INSERT INTO meta (key, value) VALUES ('controller_id', ?) ON CONFLICT (key) DO NOTHING",
                     (secrets.token_hex(16),),
                 )
-                row = self._execute(query).fetchone()
+                row = self._db.execute(query).fetchone()
         return str(row[0])
 
     def stored_controller_id(self) -> str:
         """The controller id kept in `meta`, or "" when there is none (nothing is written)."""
         with self._read():
-            row = self._execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
         return "" if row is None else str(row[0])
 
     def set_controller_id(self, controller_id: str) -> None:
@@ -240,7 +244,7 @@ class Store:
             self._put_meta("controller_id", controller_id)
 
     def _put_meta(self, key: str, value: str) -> None:
-        self._execute(
+        self._db.execute(
             "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
             (key, value),
         )
@@ -286,7 +290,7 @@ class Store:
                 self._depth = 1
                 try:
                     yield self
-                    self._execute("COMMIT")
+                    self._db.execute("COMMIT")
                 except self.db_errors as exc:
                     self._rollback()
                     raise self._unavailable(exc) from exc
@@ -299,7 +303,7 @@ class Store:
                 self._set_writable(True)
             else:
                 name = f"sp{self._depth}"
-                self._execute(f"SAVEPOINT {name}")
+                self._db.execute(f"SAVEPOINT {name}")
                 self._depth += 1
                 try:
                     yield self
@@ -307,11 +311,11 @@ class Store:
                     # An I/O error can end the whole transaction (and its savepoints) at once;
                     # the original error is the one to report, not "no such savepoint".
                     with contextlib.suppress(*self.db_errors):
-                        self._execute(f"ROLLBACK TO SAVEPOINT {name}")
-                        self._execute(f"RELEASE SAVEPOINT {name}")
+                        self._db.execute(f"ROLLBACK TO SAVEPOINT {name}")
+                        self._db.execute(f"RELEASE SAVEPOINT {name}")
                     raise
                 else:
-                    self._execute(f"RELEASE SAVEPOINT {name}")
+                    self._db.execute(f"RELEASE SAVEPOINT {name}")
                 finally:
                     self._depth -= 1
 
@@ -323,6 +327,7 @@ class Store:
         A write that finds another holder or epoch raises FencedError and changes nothing; so
         does every write after it, and `on_lost` is called once (from the writing thread).
         """
+        self._ensure_leases()
         self._fence = Fence(holder, epoch, on_lost)
 
     @property
@@ -333,7 +338,7 @@ class Store:
     def _check_fence(self, fence: Fence) -> None:
         # Inside the write transaction, after the writer lock: a takeover (a write itself) is
         # either wholly before this check or wholly after this transaction.
-        row = self._execute("SELECT holder, epoch FROM leases WHERE name = ?", (LEASE,)).fetchone()
+        row = self._db.execute("SELECT holder, epoch FROM leases WHERE name = ?", (LEASE,)).fetchone()
         if row is not None and (str(row[0]), int(row[1])) == (fence.holder, fence.epoch):
             return
         first = not fence.lost
@@ -346,11 +351,19 @@ class Store:
                 fence.on_lost()
         raise FencedError()
 
+    def _ensure_leases(self) -> None:
+        if self._leases_ready:
+            return
+        with self.transaction():  # the writer lock keeps two controllers from creating it at once
+            self._db.execute(self.leases_ddl)
+        self._leases_ready = True
+
     def read_lease(self) -> Lease | None:
         """The lease row, or None before anyone took it."""
+        self._ensure_leases()
         with self._read():
             now = self._db_now()
-            row = self._execute(
+            row = self._db.execute(
                 "SELECT holder, epoch, address, expires FROM leases WHERE name = ?", (LEASE,)
             ).fetchone()
         return None if row is None else Lease(str(row[0]), int(row[1]), str(row[2]), float(row[3]), now)
@@ -362,21 +375,22 @@ class Store:
             The lease after the attempt: `holder` leads if `lease.holder == holder`. Taking it
             from someone else (or for the first time) bumps the epoch.
         """
+        self._ensure_leases()
         with self.transaction():
             now = self._db_now()
-            row = self._execute("SELECT holder, epoch, expires FROM leases WHERE name = ?", (LEASE,)).fetchone()
+            row = self._db.execute("SELECT holder, epoch, expires FROM leases WHERE name = ?", (LEASE,)).fetchone()
             if row is None:
-                self._execute(
+                self._db.execute(
                     "INSERT INTO leases (name, holder, epoch, address, expires) VALUES (?, ?, 1, ?, ?)",
                     (LEASE, holder, address, now + duration_s),
                 )
             elif str(row[0]) == holder or float(row[2]) <= now:
                 epoch = int(row[1]) + (str(row[0]) != holder)
-                self._execute(
+                self._db.execute(
                     "UPDATE leases SET holder = ?, epoch = ?, address = ?, expires = ? WHERE name = ?",
                     (holder, epoch, address, now + duration_s, LEASE),
                 )
-            found = self._execute(
+            found = self._db.execute(
                 "SELECT holder, epoch, address, expires FROM leases WHERE name = ?", (LEASE,)
             ).fetchone()
         return Lease(str(found[0]), int(found[1]), str(found[2]), float(found[3]), now)
@@ -384,7 +398,7 @@ class Store:
     def renew_lease(self, holder: str, epoch: int, duration_s: float) -> bool:
         """Extend `holder`'s lease at `epoch`; False if it is no longer theirs (deposed)."""
         with self.transaction():
-            cur = self._execute(
+            cur = self._db.execute(
                 "UPDATE leases SET expires = ? WHERE name = ? AND holder = ? AND epoch = ?",
                 (self._db_now() + duration_s, LEASE, holder, epoch),
             )
@@ -393,13 +407,13 @@ class Store:
     def release_lease(self, holder: str, epoch: int) -> None:
         """Let the lease lapse now, if it is still `holder`'s at `epoch` (a clean shutdown)."""
         with self.transaction():
-            self._execute(
+            self._db.execute(
                 "UPDATE leases SET expires = 0 WHERE name = ? AND holder = ? AND epoch = ?", (LEASE, holder, epoch)
             )
 
     def _rollback(self) -> None:
         with contextlib.suppress(*self.db_errors):  # a failed COMMIT may have ended it already
-            self._execute("ROLLBACK")
+            self._db.execute("ROLLBACK")
 
     def _unavailable(self, exc: BaseException, *, writing: bool = True) -> errors.UnavailableError:
         """The API's error for a failed store call: what failed, in the user's words.
@@ -424,14 +438,14 @@ class Store:
         return errors.UnavailableError(message, reason="STORE_UNAVAILABLE", cause=cause, operation=operation)
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[None]:
+    def _read(self) -> Iterator[Any]:
         # A single SELECT is atomic on its own; the lock keeps threads off a half-open
         # transaction and the owner check keeps other tasks out of one.
         with self._lock:
             if self._depth and _current_owner() is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
             try:
-                yield
+                yield self._db
             except self.db_errors as exc:
                 raise self._unavailable(exc, writing=False) from exc
 
@@ -459,7 +473,7 @@ class Store:
                 raise errors.AlreadyExistsError(
                     f"service {name!r} already exists", reason="SERVICE_ALREADY_EXISTS", service=name
                 )
-            self._execute(
+            self._db.execute(
                 "INSERT INTO services (name, create_time, status, latest_version, request_id, uid) "
                 "VALUES (?, ?, ?, 1, ?, ?)",
                 (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id, secrets.token_hex(4)),
@@ -475,7 +489,7 @@ class Store:
     def list_services(self) -> list[rows.ServiceRow]:
         """Every service row, in name order."""
         with self._read():
-            found = self._execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
+            found = self._db.execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
         return [rows.service_row(r) for r in found]
 
     def update_service(self, name: str, /, **fields: object) -> rows.ServiceRow:
@@ -502,7 +516,7 @@ class Store:
                 columns = sorted(fields)
                 values = [rows.column_value(c, fields[c]) for c in columns]
                 sets = ", ".join(f"{c} = ?" for c in columns)
-                cur = self._execute(f"UPDATE services SET {sets} WHERE name = ?", (*values, name))
+                cur = self._db.execute(f"UPDATE services SET {sets} WHERE name = ?", (*values, name))
                 if cur.rowcount == 0:
                     raise rows.not_found(name)
             row = self._get_service(name)
@@ -517,8 +531,8 @@ class Store:
         """
         with self.transaction():
             for table in ("replicas", "versions", "autoscaler_state"):
-                self._execute(f"DELETE FROM {table} WHERE service = ?", (name,))
-            self._execute("DELETE FROM services WHERE name = ?", (name,))
+                self._db.execute(f"DELETE FROM {table} WHERE service = ?", (name,))
+            self._db.execute("DELETE FROM services WHERE name = ?", (name,))
 
     # ---- versions ------------------------------------------------------------------------
 
@@ -536,7 +550,7 @@ class Store:
             errors.NotFoundError: no such service.
         """
         with self.transaction():
-            row = self._execute(
+            row = self._db.execute(
                 f"SELECT {self.greatest}(latest_version, COALESCE((SELECT MAX(version) FROM versions "
                 "WHERE service = ?), 0)) FROM services WHERE name = ?",
                 (name, name),
@@ -545,13 +559,13 @@ class Store:
                 raise rows.not_found(name)
             version = int(row[0]) + 1
             self._insert_version(name, version, spec)
-            self._execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
+            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
             return version
 
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:
         """The spec of one version, or None if it is not stored (or deleted)."""
         with self._read():
-            row = self._execute(
+            row = self._db.execute(
                 "SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)
             ).fetchone()
         if row is None:
@@ -562,8 +576,8 @@ class Store:
 
     def list_versions(self, name: str) -> list[int]:
         """The stored versions of a service, ascending."""
-        with self._read():
-            found = self._execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
+        with self._read() as db:
+            found = db.execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
         return [int(r[0]) for r in found]
 
     def delete_unreferenced_versions(self, name: str) -> list[int]:
@@ -573,7 +587,7 @@ class Store:
             The deleted versions, ascending.
         """
         with self.transaction():
-            found = self._execute(
+            found = self._db.execute(
                 """DELETE FROM versions
                    WHERE service = ?
                      AND version < (SELECT latest_version FROM services WHERE name = ?)
@@ -592,7 +606,7 @@ class Store:
             errors.NotFoundError: no such service.
         """
         with self.transaction():
-            row = self._execute(
+            row = self._db.execute(
                 "UPDATE services SET next_replica_id = next_replica_id + 1 WHERE name = ? "
                 "RETURNING next_replica_id - 1",
                 (name,),
@@ -626,13 +640,13 @@ class Store:
             for replica in replicas:
                 if replica.replica_id < 1:
                     raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
-                cur = self._execute(
+                cur = self._db.execute(
                     f"UPDATE services SET next_replica_id = {self.greatest}(next_replica_id, ?) WHERE name = ?",
                     (replica.replica_id + 1, replica.service),
                 )
                 if cur.rowcount == 0:
                     raise rows.not_found(replica.service)
-                self._execute(
+                self._db.execute(
                     "INSERT INTO replicas (service, replica_id, status, version, data) VALUES (?, ?, ?, ?, ?) "
                     "ON CONFLICT (service, replica_id) DO UPDATE SET "
                     "status = excluded.status, version = excluded.version, data = excluded.data",
@@ -648,7 +662,7 @@ class Store:
     def get_replica(self, name: str, replica_id: int) -> resources_pb2.Replica | None:
         """One replica record, or None."""
         with self._read():
-            row = self._execute(
+            row = self._db.execute(
                 "SELECT data FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id)
             ).fetchone()
         return None if row is None else rows.replica(row[0])
@@ -664,13 +678,13 @@ class Store:
             sql += f" AND status IN ({', '.join('?' * len(wanted))})"
             params += wanted
         with self._read():
-            found = self._execute(sql + " ORDER BY replica_id", params).fetchall()
+            found = self._db.execute(sql + " ORDER BY replica_id", params).fetchall()
         return [rows.replica(r[0]) for r in found]
 
     def delete_replica(self, name: str, replica_id: int) -> None:
         """Remove a replica record; a no-op if it is not there. Its id is not reused."""
         with self.transaction():
-            self._execute("DELETE FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id))
+            self._db.execute("DELETE FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id))
 
     # ---- autoscaler state ----------------------------------------------------------------
 
@@ -683,7 +697,7 @@ class Store:
         with self.transaction():
             if not self._exists(name):
                 raise rows.not_found(name)
-            self._execute(
+            self._db.execute(
                 "INSERT INTO autoscaler_state (service, state) VALUES (?, ?) "
                 "ON CONFLICT (service) DO UPDATE SET state = excluded.state",
                 (name, bytes(state)),
@@ -692,20 +706,20 @@ class Store:
     def get_autoscaler_state(self, name: str) -> bytes | None:
         """A service's autoscaler state, or None if none was stored."""
         with self._read():
-            row = self._execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
+            row = self._db.execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
         return None if row is None else bytes(row[0])
 
     # ---- helpers -------------------------------------------------------------------------
 
     def _exists(self, name: str) -> bool:
-        return self._execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is not None
+        return self._db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is not None
 
     def _get_service(self, name: str) -> rows.ServiceRow | None:
-        row = self._execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
+        row = self._db.execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
         return None if row is None else rows.service_row(row)
 
     def _insert_version(self, name: str, version: int, spec: spec_pb2.ServiceSpec) -> None:
-        self._execute(
+        self._db.execute(
             "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
             (name, version, spec.SerializeToString(), spec.yaml),
         )

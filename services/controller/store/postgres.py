@@ -84,6 +84,7 @@ def _version(db: psycopg.Connection[Any]) -> int:
 class PostgresStore(base.Store):
     """The store in a PostgreSQL database; one connection, reconnected after it breaks."""
 
+    leases_ddl = schema.LEASES_POSTGRES
     db_errors = (psycopg.Error,)
     greatest = "GREATEST"
 
@@ -113,10 +114,9 @@ class PostgresStore(base.Store):
         self._synchronous = synchronous.upper()
         self._busy_timeout_s = busy_timeout_s
         self._idle_timeout_s = idle_timeout_s
-        self._sql: dict[str, str] = {}
-        self._db = self._connect()
+        self._db = _Session(self)
         try:
-            migrate(self._db)
+            migrate(self._db.raw)
         except BaseException:
             self._db.close()
             raise
@@ -148,23 +148,13 @@ class PostgresStore(base.Store):
             idle_timeout_s=self._idle_timeout_s,
         )
 
-    def _execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        if self._db.closed and self._depth == 0:
-            # A broken connection (server restart, network) is replaced between transactions;
-            # inside one, the error stands and the transaction is rolled back.
-            self._db = self._connect()
-        query = self._sql.get(sql)
-        if query is None:
-            query = self._sql[sql] = sql.replace("?", "%s")
-        return self._db.execute(query, tuple(params))
-
     def _db_now(self) -> float:
         # The server's clock: controllers on several machines measure leases on one clock.
-        return float(self._execute("SELECT extract(epoch from clock_timestamp())").fetchone()[0])
+        return float(self._db.execute("SELECT extract(epoch from clock_timestamp())").fetchone()[0])
 
     def _begin(self) -> None:
-        self._execute("BEGIN")
-        self._execute("SELECT pg_advisory_xact_lock(?)", (WRITER_LOCK,))
+        self._db.execute("BEGIN")
+        self._db.execute("SELECT pg_advisory_xact_lock(?)", (WRITER_LOCK,))
 
     def _close(self) -> None:
         self._db.close()
@@ -172,7 +162,7 @@ class PostgresStore(base.Store):
     def schema_version(self) -> int:
         """The schema version of the open database."""
         with self._read():
-            return int(self._execute("SELECT version FROM schema_version").fetchone()[0])
+            return int(self._db.execute("SELECT version FROM schema_version").fetchone()[0])
 
     def _cause(self, exc: BaseException) -> tuple[str, str]:
         for kinds, cause in _CAUSES:
@@ -192,3 +182,30 @@ _CAUSES: tuple[tuple[tuple[type[BaseException], ...], tuple[str, str]], ...] = (
     ((pg_errors.DataCorrupted, pg_errors.IndexCorrupted), ("damaged", "its state store is damaged")),
     ((psycopg.OperationalError,), ("unreachable", "its database server cannot be reached")),
 )
+
+
+_PLACEHOLDERS: dict[str, str] = {}
+
+
+class _Session:
+    """The store's PostgreSQL connection, spoken to as SQLite's is: `execute(sql, params)` with
+    `?` placeholders. A broken connection (a server restart, the network, a session the server
+    ended) is replaced by the next statement outside a transaction; inside one, the error stands
+    and the transaction is rolled back."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+        self.raw = store._connect()
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        """Run one statement; returns psycopg's cursor (fetchone, fetchall, rowcount)."""
+        if self.raw.closed and self._store._depth == 0:
+            self.raw = self._store._connect()
+        query = _PLACEHOLDERS.get(sql)
+        if query is None:
+            query = _PLACEHOLDERS[sql] = sql.replace("%", "%%").replace("?", "%s")
+        return self.raw.execute(query, tuple(params))
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.raw.close()

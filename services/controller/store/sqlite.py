@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterable
-from typing import Any
 
 from services.controller.store import base, schema
 
@@ -48,6 +46,7 @@ def migrate(db: sqlite3.Connection, *, target: int | None = None) -> int:
 class SqliteStore(base.Store):
     """The store in a SQLite file in WAL mode; writers take the file's lock up front."""
 
+    leases_ddl = schema.LEASES_SQLITE
     db_errors = (sqlite3.Error,)
 
     def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
@@ -96,9 +95,6 @@ class SqliteStore(base.Store):
     def _open_again(self) -> SqliteStore:
         """Another connection to the same file, with the same settings."""
         return SqliteStore(self.path, synchronous=self._synchronous, busy_timeout_s=self._busy_timeout_s)
-
-    def _execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
-        return self._db.execute(sql, tuple(params))
 
     def _begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
