@@ -108,7 +108,7 @@ class Client:
             retry=tenacity.retry_if_exception(
                 lambda exc: isinstance(exc, grpc.RpcError) and _failover(exc, method=method, several=self._several)
             ),
-            wait=tenacity.wait_exponential_jitter(initial=0.2, max=2.0),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
             stop=tenacity.stop_after_delay(self.failover_s),
             reraise=True,
         )

@@ -135,6 +135,11 @@ class Leadership:
                 self._lost(f"the lease could not be renewed for {self.duration_s:g} s")
                 return
 
+    def step_down(self, reason: str) -> None:
+        """Stop leading (or competing) for `reason`: the controller then exits with code 3."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        self._lost(reason)
+
     def _lost(self, reason: str) -> None:
         """Deposed (from any thread): stop leading."""
         loop = self._loop

@@ -324,6 +324,7 @@ async def start(settings: Settings) -> Running:
             running.lead_task = asyncio.get_running_loop().create_task(
                 _lead(running, settings, make_channel), name="leader election"
             )
+            running.lead_task.add_done_callback(_failed_to_lead(holder[0]))
         await built.start()
         return running
     ctl, fleet, api = _controller(settings, db, make_channel)
@@ -383,6 +384,18 @@ def _follow_store_health(running: Running) -> None:
         task.add_done_callback(background.discard)
 
     running.db.on_writable_change(store_health)
+
+
+def _failed_to_lead(leadership: leader.Leadership) -> Any:
+    """A controller that won the lease but could not start must not sit on the lease: it steps down."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("the controller could not start as the leader", exc_info=task.exception())
+        leadership.step_down("the controller could not start")
+
+    return done
 
 
 async def _lead(running: Running, settings: Settings, make_channel: Any) -> None:

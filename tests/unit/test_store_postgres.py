@@ -102,9 +102,12 @@ def test_a_session_stuck_in_a_transaction_loses_the_writer_lock(url: str) -> Non
     stuck.close()
 
 
-def test_an_unreachable_server_fails_to_open(postgres_server: pg_helper.Server) -> None:
-    with pytest.raises(psycopg.OperationalError):
-        store_mod.Store(f"postgresql://nobody:pw@127.0.0.1:{pg_helper._free_port()}/x", busy_timeout_s=1)
+def test_an_unreachable_server_is_one_line_naming_it_without_the_password(postgres_server: pg_helper.Server) -> None:
+    port = pg_helper._free_port()
+    with pytest.raises(errors.StartupError) as info:
+        store_mod.Store(f"postgresql://nobody:pw-s3cret@127.0.0.1:{port}/x", busy_timeout_s=1)
+    assert str(info.value).startswith(f"cannot reach the PostgreSQL store at postgresql://nobody@127.0.0.1:{port}/x: ")
+    assert "s3cret" not in str(info.value)
 
 
 def _end_sessions(url: str) -> None:

@@ -15,6 +15,7 @@ import psycopg
 from psycopg import conninfo
 from psycopg import errors as pg_errors
 
+from services.common import errors
 from services.controller.store import base, schema
 
 SCHEMES = ("postgresql://", "postgres://")
@@ -104,7 +105,8 @@ class PostgresStore(base.Store):
         Raises:
             SchemaError: the database was written by a newer controller.
             ValueError: `synchronous` is not NORMAL or FULL.
-            psycopg.Error: the database cannot be reached.
+            errors.StartupError: the database cannot be reached (the message names it, without
+                the password).
         """
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
@@ -114,7 +116,11 @@ class PostgresStore(base.Store):
         self._synchronous = synchronous.upper()
         self._busy_timeout_s = busy_timeout_s
         self._idle_timeout_s = idle_timeout_s
-        self._db = _Session(self)
+        try:
+            self._db = _Session(self)
+        except psycopg.Error as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise errors.StartupError(f"cannot reach the PostgreSQL store at {self.location}: {first}") from None
         try:
             migrate(self._db.raw)
         except BaseException:
