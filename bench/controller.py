@@ -4,9 +4,10 @@ latency and throughput of a cheap API call (GetService), where per-call overhead
 
 Run from the repo root: `python bench/controller.py`. Prints `figure:` lines. BENCH_SMOKE=1 (or
 --smoke) runs 2 rounds of 2 replicas, 3 dispatch samples and 200 API calls.
-`--metrics off` runs every service with metrics off (no gRPC metrics interceptor, no endpoint);
-`--metrics compare` runs off and on alternately (three times each) and prints the median of each
-figure side by side with the change.
+`--metrics off` runs the controller with metrics off (no gRPC metrics interceptor, no endpoint);
+`--metrics traces` runs it with metrics on and traces on for the controller, provisioner and
+prober (OTLP to a receiver in this process); `--metrics compare` runs off, on and traces in turn
+(`--repeat`, three times each) and prints the median of each figure side by side with the change.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from replicaplane.controller.v1 import resources_pb2 as res  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb  # noqa: E402
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc  # noqa: E402
 from services.common import clients  # noqa: E402
-from tests.helpers import bench  # noqa: E402
+from tests.helpers import bench, otlp  # noqa: E402
 from tests.helpers import cluster as cl  # noqa: E402
 
 ROUNDS = bench.pick(10, 2)
@@ -105,10 +106,22 @@ async def api_figures(c: cl.Cluster) -> dict[str, float]:
     }
 
 
-async def run(*, metrics: bool) -> dict[str, float]:
-    """One full run with metrics on or off; the figures by name."""
+MODES = ("off", "on", "traces")
+
+
+async def run(mode: str) -> dict[str, float]:
+    """One full run with metrics off, on, or on with traces; the figures by name."""
+    metrics = mode != "off"
     tmp = tempfile.mkdtemp(prefix="rp-bench-ctl-")
-    c = cl.Cluster(tmp, controller_env=None if metrics else METRICS_OFF)
+    receiver = otlp.serving()
+    collector = next(receiver) if mode == "traces" else None
+    traces = collector.env() if collector is not None else {}
+    c = cl.Cluster(
+        tmp,
+        controller_env={**(METRICS_OFF if not metrics else {}), **traces},
+        provisioner_env=traces,
+        prober_env=traces,
+    )
     prov = prov_grpc.ProvisionerServiceStub(clients.channel(c.provisioner.addr))
     dispatch_ms: list[float] = []
     burst_ms: list[float] = []
@@ -161,7 +174,11 @@ async def run(*, metrics: bool) -> dict[str, float]:
         api_calls = await api_figures(c)
     finally:
         await c.close()
-    print(f"samples: {len(ready_ms)} replicas over {ROUNDS} services (metrics {'on' if metrics else 'off'})")
+        if collector is not None:
+            spans = collector.receiver.spans()
+            print(f"traces: {len(spans)} spans in {len({s.trace_id for s in spans})} traces received")
+        receiver.close()
+    print(f"samples: {len(ready_ms)} replicas over {ROUNDS} services (metrics {mode})")
     print(f"ready_in_watch mean {statistics.mean(ready_ms):.1f} ms, max {max(ready_ms):.1f} ms")
     return {
         "ready_in_watch_p50_ms": pct(ready_ms, 50),
@@ -180,27 +197,30 @@ def unit(name: str) -> str:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--metrics", choices=("on", "off", "compare"), default="on")
+    parser.add_argument("--metrics", choices=(*MODES, "compare"), default="on")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each mode with --metrics compare")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the bench runs (BENCH_SMOKE=1)")
     args = parser.parse_args()
     bench.announce()
     if args.metrics != "compare":
-        for name, value in (await run(metrics=args.metrics == "on")).items():
+        for name, value in (await run(args.metrics)).items():
             print(f"figure: {name} {value:.2f} {unit(name)}")
         return
-    # Alternate, so a machine that gets busier or quieter during the run weighs on both alike.
-    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    for metrics in (False, True) * 3:
-        runs[metrics].append(await run(metrics=metrics))
-    print(f"\nmedian of {len(runs[True])} runs each")
-    print(f"{'figure':26} {'metrics off':>12} {'metrics on':>12} {'change':>8}")
-    for name in runs[True][0]:
-        off = statistics.median(r[name] for r in runs[False])
-        on = statistics.median(r[name] for r in runs[True])
+    # In turn, so a machine that gets busier or quieter during the run weighs on all alike.
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    for _ in range(args.repeat):
+        for mode in MODES:
+            runs[mode].append(await run(mode))
+    print(f"\nmedian of {args.repeat} runs each")
+    print(f"{'figure':26} {'metrics off':>12} {'metrics on':>12} {'change':>8} {'+ traces':>12} {'change':>8}")
+    for name in runs["on"][0]:
+        off, on, traced = (statistics.median(r[name] for r in runs[mode]) for mode in MODES)
         change = (on - off) / off * 100 if off else 0.0
-        print(f"{name:26} {off:12.2f} {on:12.2f} {change:+7.1f} %")
+        traced_change = (traced - off) / off * 100 if off else 0.0
+        print(f"{name:26} {off:12.2f} {on:12.2f} {change:+7.1f} % {traced:12.2f} {traced_change:+7.1f} %")
         print(f"figure: {name}_metrics_off {off:.2f} {unit(name)}")
         print(f"figure: {name}_metrics_on {on:.2f} {unit(name)}")
+        print(f"figure: {name}_traces_on {traced:.2f} {unit(name)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""What the gRPC metrics interceptor costs per call, in-process and without the network: the
-interceptor chain called as grpc.aio calls it (intercept_service, then the wrapped handler), for
-a unary and a server-streaming method, beside a pass-through interceptor and the error
-interceptor every service already has. CPU time, so other work on the machine weighs little.
+"""What the gRPC metrics and tracing interceptors cost per call, in-process and without the
+network: the interceptor chain called as grpc.aio calls it (intercept_service, then the wrapped
+handler), for a unary and a server-streaming method, beside a pass-through interceptor and the
+error interceptor every service already has. The tracing interceptor with traces on is timed for
+a call without a trace context (most calls: passed through) and one with a `traceparent` (a
+server span, batched to an exporter that drops it). CPU time, so other work on the machine
+weighs little.
 
 Run from the repo root: `python bench/grpc_metrics.py`. Prints `figure:` lines.
 """
@@ -21,13 +24,21 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 sys.path.insert(1, os.path.join(sys.path[0], "gen", "python"))
 
 import grpc  # noqa: E402
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noqa: E402
 
-from services.common import grpc_errors, grpc_metrics  # noqa: E402
+from services.common import grpc_errors, grpc_metrics, tracing  # noqa: E402
 from services.common import metrics as metrics_mod  # noqa: E402
 
 CALLS = 50_000
 ROUNDS = 5
 Details = collections.namedtuple("Details", "method invocation_metadata")
+
+
+class Drop(SpanExporter):
+    """Takes spans and keeps none: the export path's cost without a collector."""
+
+    def export(self, spans: Any) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
 
 
 class Context:
@@ -58,14 +69,16 @@ class PassThrough(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-async def per_call_us(interceptor: grpc.aio.ServerInterceptor, *, streaming: bool) -> float:
+async def per_call_us(
+    interceptor: grpc.aio.ServerInterceptor, *, streaming: bool, metadata: tuple[tuple[str, str], ...] = ()
+) -> float:
     """CPU microseconds per call through `interceptor`, the median of ROUNDS."""
     handler = grpc.unary_stream_rpc_method_handler(stream) if streaming else grpc.unary_unary_rpc_method_handler(unary)
 
     async def continuation(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         return handler
 
-    details = Details("/bench.v1.Bench/Call", ())
+    details = Details("/bench.v1.Bench/Call", metadata)
     context = Context()
     rounds = []
     for _ in range(ROUNDS):
@@ -91,6 +104,17 @@ async def main() -> None:
     for kind, streaming in (("unary", False), ("stream3", True)):
         for name, interceptor in interceptors.items():
             print(f"figure: {name}_{kind}_us_per_call {await per_call_us(interceptor, streaming=streaming):.2f} us")
+    traces = tracing.with_exporter(Drop(), "bench", batch=True)
+    with tracing.use(traces):
+        parent = traces.start("caller")
+        traced = tracing.metadata(parent)
+        interceptor = tracing.TracingInterceptor("bench")
+        for kind, streaming in (("unary", False), ("stream3", True)):
+            plain = await per_call_us(interceptor, streaming=streaming)
+            print(f"figure: tracing_interceptor_{kind}_us_per_call {plain:.2f} us")
+            spanned = await per_call_us(interceptor, streaming=streaming, metadata=traced)
+            print(f"figure: tracing_interceptor_traced_{kind}_us_per_call {spanned:.2f} us")
+    traces.shutdown()
 
 
 if __name__ == "__main__":

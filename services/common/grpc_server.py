@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import errors, grpc_errors, grpc_metrics
+from services.common import errors, grpc_errors, grpc_metrics, tracing
 from services.common import metrics as metrics_mod
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,16 @@ def new_server(
     domain: str,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: metrics_mod.Metrics | None = None,
+    trace_roots: Sequence[str] = (),
 ) -> grpc.aio.Server:
     """A grpc.aio server with the shared options; `interceptors` (auth, audit) run outside the
     error interceptor, in the order given. With `metrics`, the gRPC metrics interceptor runs
-    outermost, so calls refused by the others are counted too."""
+    outermost, so calls refused by the others are counted too. While traces are on, calls that
+    carry a trace context (and the `trace_roots` methods) get a server span, just outside the
+    error interceptor so the span has the status the client gets."""
     chain = [*interceptors, grpc_errors.ErrorInterceptor(domain=domain)]
+    if tracing.current().enabled:
+        chain.insert(len(chain) - 1, tracing.TracingInterceptor(domain.split(".")[0], trace_roots))
     if metrics is not None:
         chain.insert(0, grpc_metrics.MetricsInterceptor(grpc_metrics.GrpcServerMetrics(metrics.registry)))
     return grpc.aio.server(interceptors=chain, options=SERVER_OPTIONS)

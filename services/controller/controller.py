@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -17,7 +17,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, orphans, reconciler, store
+from services.controller import convert, orphans, reconciler, store, traces
 from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,14 @@ class Controller:
         probes: reconciler.ProbeSink,
         tuning: reconciler.Tuning,
         controller_id: str = "",
+        hub_observers: Sequence[Callable[[api.WatchServiceResponse], None]] = (),
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
+        self._on_pass = on_pass
         self._db = db
+        self.traces = traces.ReplicaTraces()
+        # Each sees every change every service publishes.
+        self._hub_observers = (*hub_observers, self.traces.published)
         self._prov = provisioner
         self._probes = probes
         self._tuning = tuning
@@ -159,7 +165,11 @@ class Controller:
             zones=lambda: self._zones,
             owner=self.controller_id,
             launch_slots=self._launch_slots,
+            traces=self.traces,
+            on_pass=self._on_pass,
         )
+        for observer in self._hub_observers:
+            rec.hub.observe(observer)
         rec.set_probing_stale(self._probing_stale)
         self._services[name] = rec
         return rec
@@ -331,6 +341,14 @@ class Controller:
         return self._get(name).purge_failed()
 
     # ---- streams and load ----------------------------------------------------------------
+
+    def watchers(self) -> int:
+        """WatchService and WatchEndpoints streams open over every service."""
+        return sum(rec.hub.watchers for rec in self._services.values())
+
+    def queue_depth(self) -> int:
+        """Services whose reconcile pass is due and has not run yet."""
+        return sum(1 for rec in self._services.values() if rec.pass_due)
 
     async def watch_service(self, name: str, after_sequence: int) -> AsyncIterator[api.WatchServiceResponse]:
         """A snapshot then every change of a service."""

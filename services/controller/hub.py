@@ -86,6 +86,12 @@ class ServiceHub:
         self.endpoints: list[resources_pb2.Endpoint] = []
         self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
+        self._observers: list[Callable[[api.WatchServiceResponse], None]] = []
+
+    def observe(self, observer: Callable[[api.WatchServiceResponse], None]) -> None:
+        """Call `observer` with every change published from now on (metrics, traces). It runs
+        inside `publish`, so it must be quick; what it raises is logged, never passed on."""
+        self._observers.append(observer)
 
     def publish(
         self,
@@ -105,6 +111,11 @@ class ServiceHub:
             deleted=deleted,
         )
         self._history.append(msg)
+        for observer in self._observers:
+            try:
+                observer(msg)
+            except Exception:
+                log.exception("a hub observer failed on a change of %s", service.name)
         for w in list(self._subscribers):
             if not w.offer(msg):
                 self._subscribers.discard(w)

@@ -27,6 +27,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, pbtime, spec
 from services.controller import convert, hub, store
+from services.controller import traces as replica_traces
 from services.controller.domain import autoscaler, load, placer, scaling
 from services.controller.domain import status as st
 
@@ -156,8 +157,12 @@ class ServiceReconciler:
         zones: Callable[[], list[tuple[str, float]]] = list,
         owner: str = "",
         launch_slots: asyncio.Semaphore | None = None,
+        traces: replica_traces.ReplicaTraces | None = None,
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_pass = on_pass  # metrics: the seconds each pass took
+        self._traces = traces or replica_traces.ReplicaTraces()
         # Shared by every service of the controller: bounds the launch streams followed at once.
         self._launch_slots = launch_slots or asyncio.Semaphore(tuning.max_launches_in_flight)
         self._owner = owner
@@ -489,11 +494,19 @@ class ServiceReconciler:
         self._last_reconcile = time.monotonic()
         if self._row.deleting or self._gone:
             return
+        started = time.perf_counter()
         try:
             self._reconcile_once()
         except Exception:
             log.exception("%s: reconcile failed; retrying", self.name)
             asyncio.get_running_loop().call_later(self._tuning.reconnect_max_s, self.kick)
+        if self._on_pass is not None:
+            self._on_pass(time.perf_counter() - started)
+
+    @property
+    def pass_due(self) -> bool:
+        """A pass is scheduled and has not run yet (the queue depth)."""
+        return self._reconcile_scheduled
 
     def _reconcile_once(self) -> None:
         views = list(self._views.values())
@@ -692,7 +705,8 @@ class ServiceReconciler:
                 owner=self._owner,
             )
             try:
-                async for response in self._prov.Launch(request):
+                metadata = self._traces.launch_metadata(self.name, rid, r.version)
+                async for response in self._prov.Launch(request, metadata=metadata):
                     delay = self._tuning.reconnect_initial_s
                     if self._on_launch_event(rid, response.event):
                         return
@@ -859,6 +873,7 @@ class ServiceReconciler:
             interval=latest.probe_interval,
             fast_interval=pbtime.duration(self._tuning.probe_fast_interval_s),
             starting=not r.facts.HasField("first_ready_time"),
+            traceparent=self._traces.traceparent(r),
         )
 
     def _sync_probe(self, r: res.Replica) -> None:

@@ -6,14 +6,17 @@ import asyncio
 import dataclasses
 import logging
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
+from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security
+from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
 from services.controller import controller, forward, identity, leader, reconciler, servicer, store
+from services.controller import metrics as controller_metrics
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,10 @@ MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
     for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
 )
+
+
+# Calls whose work is followed by a trace even when the caller sends no trace context.
+TRACE_ROOTS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("CreateService", "UpdateService"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +280,34 @@ def _identity(settings: Settings, db: store.Store) -> str:
     return chosen
 
 
+def _fleet(ctl: controller.Controller, fleet: probe_fleet.ProbeFleet) -> controller_metrics.Fleet:
+    """What the controller's gauges read at scrape time, through its public reads."""
+
+    def services() -> Iterator[tuple[res.Service, list[res.Replica]]]:
+        token = ""
+        while True:
+            page, token = ctl.list_services(1000, token)
+            for svc in page:
+                yield svc, _replicas(ctl, svc.name)
+            if not token:
+                return
+
+    return controller_metrics.Fleet(services=services, watchers=ctl.watchers, probing_stale=lambda: fleet.stale)
+
+
+def _replicas(ctl: controller.Controller, name: str) -> list[res.Replica]:
+    out: list[res.Replica] = []
+    token = ""
+    while True:
+        try:
+            page, token = ctl.list_replicas(name, 1000, token)
+        except errors.NotFoundError:
+            return out  # deleted meanwhile
+        out += page
+        if not token:
+            return out
+
+
 async def start(settings: Settings) -> Running:
     """Open the store, connect to the provisioner and probers, recover, and serve.
 
@@ -294,7 +329,12 @@ async def start(settings: Settings) -> Running:
         busy_timeout_s=settings.store_busy_timeout_s,
     )
     registry = metrics.for_address("controller", settings.metrics_addr)
-    server = grpc_server.new_server(domain="controller.replicaplane", interceptors=interceptors, metrics=registry)
+    own = controller_metrics.ControllerMetrics(registry.registry) if registry is not None else None
+    if own is not None:
+        db.on_write(own.store_write)
+    server = grpc_server.new_server(
+        domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
+    )
     switch: forward.Switch | None = None
     if settings.leader_election:
         holder: list[leader.Leadership] = []
@@ -319,15 +359,15 @@ async def start(settings: Settings) -> Running:
             leading=False,
         )
         if await holder[0].try_lead():  # a free lease: lead before serving, as without election
-            await _lead(running, settings, make_channel)
+            await _lead(running, settings, make_channel, own)
         else:
             running.lead_task = asyncio.get_running_loop().create_task(
-                _lead(running, settings, make_channel), name="leader election"
+                _lead(running, settings, make_channel, own), name="leader election"
             )
             running.lead_task.add_done_callback(_failed_to_lead(holder[0]))
         await built.start()
         return running
-    ctl, fleet, api = _controller(settings, db, make_channel)
+    ctl, fleet, api = _controller(settings, db, make_channel, own)
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(api, server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     running = Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
@@ -339,7 +379,7 @@ async def start(settings: Settings) -> Running:
 
 
 def _controller(
-    settings: Settings, db: store.Store, make_channel: Any
+    settings: Settings, db: store.Store, make_channel: Any, own: controller_metrics.ControllerMetrics | None
 ) -> tuple[controller.Controller, probe_fleet.ProbeFleet, servicer.ControllerServicer]:
     """The controller, its probe fleet and its servicer (nothing started)."""
     controller_id = _identity(settings, db)
@@ -369,8 +409,12 @@ def _controller(
         probes=fleet,
         tuning=tuning,
         controller_id=controller_id,
+        hub_observers=[own.published] if own is not None else [],
+        on_pass=own.pass_seconds.observe if own is not None else None,
     )
     holder.append(ctl)
+    if own is not None:
+        own.watch(_fleet(ctl, fleet))
     return ctl, fleet, servicer.ControllerServicer(ctl)
 
 
@@ -398,11 +442,13 @@ def _failed_to_lead(leadership: leader.Leadership) -> Any:
     return done
 
 
-async def _lead(running: Running, settings: Settings, make_channel: Any) -> None:
+async def _lead(
+    running: Running, settings: Settings, make_channel: Any, own: controller_metrics.ControllerMetrics | None
+) -> None:
     """Wait for the lease, then start the controller here and serve the API from it."""
     assert running.leadership is not None and running.switch is not None
     await running.leadership.wait_to_lead()
-    ctl, fleet, api = _controller(settings, running.db, make_channel)
+    ctl, fleet, api = _controller(settings, running.db, make_channel, own)
     running.controller, running.fleet = ctl, fleet
     _follow_store_health(running)
     await ctl.start()
@@ -449,4 +495,9 @@ async def serve(settings: Settings) -> int:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("controller")
-    raise SystemExit(asyncio.run(serve(load_settings())))
+    traces = tracing.setup("controller")  # off unless OTEL_TRACES_EXPORTER=otlp
+    try:
+        code = asyncio.run(serve(load_settings()))
+    finally:
+        traces.shutdown()
+    raise SystemExit(code)

@@ -9,7 +9,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from services.common import overrides
-from services.controller import controller, pools_api, rollout_api
+from services.controller import controller, pools_api, rollout_api, traces
 
 
 class ControllerServicer(api_grpc.ControllerServiceServicer):
@@ -23,7 +23,8 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     ) -> api.CreateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
         pools_api.refuse_pool(text)  # until the controller's pool side lands
-        svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
+        with self._ctl.traces.origin(lambda: request.service_name or traces.service_name_of(text), lambda: 1):
+            svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
 
     async def GetService(
@@ -43,7 +44,11 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
         pools_api.refuse_pool(text)  # until the controller's pool side lands
         mode = rollout_api.update_mode(request.mode, text)  # refuses canary until rollouts land
-        svc, plan = await self._ctl.update_service(request.service_name, text, mode=mode, dry_run=request.dry_run)
+        with self._ctl.traces.origin(
+            lambda: "" if request.dry_run else request.service_name,
+            lambda: self._ctl.get_service(request.service_name).latest_version + 1,
+        ):
+            svc, plan = await self._ctl.update_service(request.service_name, text, mode=mode, dry_run=request.dry_run)
         return api.UpdateServiceResponse(service=svc, plan=plan)
 
     async def DeleteService(

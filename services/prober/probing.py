@@ -59,6 +59,7 @@ class TargetSpec:
     interval_s: float | None = None
     fast_interval_s: float | None = None
     starting: bool = False
+    traceparent: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Target:
     interval_s: float
     fast_interval_s: float
     starting: bool
+    traceparent: str = ""  # the replica's start, while traced: outcome changes become spans
 
     def header_dict(self) -> dict[str, str]:
         """Headers as a dict for the HTTP client (a copy; the caller may change it)."""
@@ -125,6 +127,9 @@ def _seconds(value: float | None, default: float, field: str, out: list[errors.F
         out.append(errors.FieldViolation(field, "must be positive"))
         return default
     return float(value)
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 def make_target(spec: TargetSpec, defaults: Defaults) -> Target:
@@ -180,6 +185,10 @@ def make_target(spec: TargetSpec, defaults: Defaults) -> Target:
     timeout_s = _seconds(spec.timeout_s, defaults.timeout_s, "timeout", violations)
     interval_s = _seconds(spec.interval_s, defaults.interval_s, "interval", violations)
     fast_s = _seconds(spec.fast_interval_s, defaults.fast_interval_s, "fast_interval", violations)
+    if spec.traceparent and not _TRACEPARENT.match(spec.traceparent):
+        violations.append(
+            errors.FieldViolation("traceparent", "must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+        )
     errors.require(violations, subject="probe target")
     assert url is not None
     return Target(
@@ -192,6 +201,7 @@ def make_target(spec: TargetSpec, defaults: Defaults) -> Target:
         interval_s=max(interval_s, defaults.min_interval_s),
         fast_interval_s=max(fast_s, defaults.min_interval_s),
         starting=spec.starting,
+        traceparent=spec.traceparent,
     )
 
 

@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from replicaplane.prober.v1 import prober_service_pb2, prober_service_pb2_grpc
-from services.common import config, grpc_server, logs, probe_fleet, security
+from services.common import config, grpc_server, logs, probe_fleet, security, tracing
 from services.common import metrics as metrics_mod
 from services.prober import metrics, probing, servicer, streams
 
@@ -153,5 +153,9 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("prober")
+    traces = tracing.setup("prober")  # off unless OTEL_TRACES_EXPORTER=otlp
     _raise_fd_limit()
-    asyncio.run(serve(load_settings()))
+    try:
+        asyncio.run(serve(load_settings()))
+    finally:
+        traces.shutdown()

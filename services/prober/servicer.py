@@ -47,6 +47,7 @@ def spec_from_proto(target: pb.ProbeTarget) -> probing.TargetSpec:
         interval_s=_seconds(target, "interval"),
         fast_interval_s=_seconds(target, "fast_interval"),
         starting=target.starting,
+        traceparent=target.traceparent,
     )
 
 

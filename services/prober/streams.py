@@ -9,8 +9,9 @@ import logging
 import time
 
 import prometheus_client
+from opentelemetry import trace
 
-from services.common import errors
+from services.common import errors, tracing
 from services.prober import metrics, probing
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class ProbeStream:
         starting, then every interval (measured start to start)."""
         loop = asyncio.get_running_loop()
         fast = target.starting
+        last: probing.Outcome | None = None
         while True:
             started = loop.time()
             try:
@@ -168,11 +170,36 @@ class ProbeStream:
             if self._targets.get(target.target_id) is not target:
                 return
             self._emit(result)
+            if target.traceparent and result.outcome is not last:
+                _trace(target, result)  # the first probe, and each change of outcome
+            last = result.outcome
             if result.outcome is probing.Outcome.READY:
                 fast = False
             delay = (target.fast_interval_s if fast else target.interval_s) - (loop.time() - started)
             # Sleep even when late, so a tight schedule cannot starve the loop.
             await asyncio.sleep(max(delay, 0.0))
+
+
+def _trace(target: probing.Target, result: probing.Result) -> None:
+    """A span for a probe of a traced target (a child of the replica's start)."""
+    tracing_ = tracing.current()
+    if not tracing_.enabled:
+        return
+    span = tracing_.start(
+        "probe",
+        parent=tracing.parent_of(target.traceparent),
+        kind=trace.SpanKind.CLIENT,
+        attributes={
+            "replicaplane.target_id": target.target_id,
+            "replicaplane.probe.outcome": result.outcome.value,
+            "http.response.status_code": result.http_code,
+            "replicaplane.component": "prober",
+        },
+        start_time_s=result.probe_time,
+    )
+    if result.outcome is not probing.Outcome.READY:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, (result.failure or probing.FailureKind.OTHER).value))
+    span.end(end_time=int((result.probe_time + result.latency_s) * 1e9))
 
 
 class Engine:

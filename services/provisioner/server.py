@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2, provisioner_service_pb2_grpc
-from services.common import config, errors, grpc_server, logs, security
+from services.common import config, errors, grpc_server, logs, security, tracing
 from services.common import metrics as metrics_mod
 from services.provisioner import (
     addresses,
@@ -462,4 +462,8 @@ async def serve(settings: Settings) -> None:
 def main() -> None:
     """Load settings, set up logging and serve."""
     logs.setup("provisioner")
-    asyncio.run(serve(load_settings()))
+    traces = tracing.setup("provisioner")  # off unless OTEL_TRACES_EXPORTER=otlp
+    try:
+        asyncio.run(serve(load_settings()))
+    finally:
+        traces.shutdown()

@@ -1,6 +1,8 @@
-"""Metrics on a live local stack: `python -m services.stack up --detach` prints each service's
-metrics URL, every one of them answers in the Prometheus text format, and the metrics move
-when the example service is created, probed and used through its load balancer."""
+"""Metrics and traces on a live local stack: `python -m services.stack up --detach` prints each
+service's metrics URL, every one of them answers in the Prometheus text format, and the metrics
+move when the example service is created, probed and used through its load balancer; with
+OTEL_TRACES_EXPORTER=otlp the create is one trace across the controller, provisioner and prober
+processes, received over OTLP."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from tests.helpers import metrics
+from tests.helpers import metrics, otlp
 
 pytestmark = pytest.mark.e2e
 
@@ -25,9 +27,10 @@ EXAMPLE = os.path.join(REPO, "examples", "hello", "service.yaml")
 PROCESSES = ["controller", "dashboard", "loadbalancer", "prober-1", "provisioner"]
 
 
-def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _stack(*args: str, timeout: float, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
+        **(extra or {}),
         # Port 0 for the public ports, the rest on Unix sockets, and every metrics port follows:
         # no clash with anything.
         "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
@@ -46,9 +49,16 @@ def _stack(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def stack(tmp_path) -> Iterator[tuple[str, dict]]:
+def collector() -> Iterator[otlp.Serving]:
+    yield from otlp.serving()
+
+
+@pytest.fixture
+def stack(tmp_path, collector: otlp.Serving) -> Iterator[tuple[str, dict]]:
     state_dir = tmp_path / "state"
-    up = _stack("up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, timeout=240)
+    up = _stack(
+        "up", "--detach", "--state-dir", str(state_dir), "--example", EXAMPLE, timeout=240, extra=collector.env()
+    )
     try:
         assert up.returncode == 0, f"{up.stdout}{up.stderr}\n{(state_dir / 'stack.log').read_text(errors='replace')}"
         yield up.stdout, json.loads((state_dir / "stack.json").read_text())
@@ -70,7 +80,7 @@ def _get(url: str) -> int:
             time.sleep(0.2)
 
 
-async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path) -> None:
+async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path, collector) -> None:
     out, state = stack
     printed = dict(re.findall(r"(\S+) metrics: (http://127\.0\.0\.1:\d+/metrics)", out))
     assert sorted(printed) == PROCESSES, out
@@ -86,6 +96,24 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
     controller = await metrics.ascrape(urls["controller"])
     create = {"grpc_service": "replicaplane.controller.v1.ControllerService", "grpc_method": "CreateService"}
     assert controller.value("grpc_server_handled_total", **create, grpc_code="OK") == 1
+
+    # The controller's own: two replicas launched and READY, the launch to READY of each, the
+    # watch streams following hello (the stack's and the balancer's), the store's writes.
+    controller = await metrics.until(
+        urls["controller"],
+        lambda s: s.value("replicaplane_controller_replicas", service="hello", version="1", status="READY") == 2,
+        what="two READY replicas in the controller's metrics",
+    )
+    assert controller.value("replicaplane_controller_launches_total", service="hello", outcome="succeeded") == 2
+    assert controller.value("replicaplane_controller_launch_to_ready_seconds_count") == 2
+    assert controller.value("replicaplane_controller_autoscaler_target_replicas", service="hello") == 2
+    assert controller.value("replicaplane_controller_autoscaler_current_replicas", service="hello") == 2
+    assert controller.value("replicaplane_controller_watch_subscribers") >= 1
+    assert controller.value("replicaplane_controller_store_write_seconds_count") > 0
+    assert controller.value("replicaplane_controller_store_write_errors_total") == 0
+    assert controller.value("replicaplane_controller_probing_stale") == 0
+    assert controller.value("replicaplane_controller_pass_duration_seconds_count") > 0
+    assert controller.has("replicaplane_controller_queue_depth")
 
     # The provisioner launched both replicas; the prober probes them.
     provisioner = await metrics.until(
@@ -147,3 +175,29 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
         name: [url.removeprefix("http://").removesuffix("/metrics")] for name, url in urls.items()
     }
     assert {g["labels"]["job"] for g in targets} == {"controller", "dashboard", "loadbalancer", "prober", "provisioner"}
+
+    # The create is one trace over three processes, received over OTLP.
+    spans = collector.receiver.until(
+        lambda spans: (
+            sum(1 for s in spans if s.name == "replica.ready") == 2
+            and sum(1 for s in spans if s.name == "Launch") == 2
+            and any(s.name == "probe" for s in spans)
+        ),
+        timeout=60,
+    )
+    (create,) = [s for s in spans if s.name == "CreateService"]
+    assert create.process == "replicaplane-controller" and create.parent_id == ""
+    assert create.attributes["replicaplane.service"] == "hello"
+    traced = [s for s in spans if s.trace_id == create.trace_id]
+    assert {(s.process, s.name) for s in traced} == {
+        ("replicaplane-controller", "CreateService"),
+        ("replicaplane-controller", "replica.start"),
+        ("replicaplane-controller", "replica.ready"),
+        ("replicaplane-provisioner", "Launch"),
+        ("replicaplane-prober", "probe"),
+    }
+    starts = {s.span_id: s for s in traced if s.name == "replica.start"}
+    assert sorted(s.attributes["replicaplane.replica_id"] for s in starts.values()) == [1, 2]
+    assert all(s.parent_id == create.span_id for s in starts.values())
+    assert all(s.parent_id in starts for s in traced if s.name in ("Launch", "probe", "replica.ready"))
+    assert all("LAUNCH_EVENT_TYPE_RUNNING" in s.events for s in traced if s.name == "Launch")

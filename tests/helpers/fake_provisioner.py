@@ -33,6 +33,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.hold_launches = False
         self.dead_endpoint = False
         self.launches: collections.Counter[str] = collections.Counter()
+        self.traceparents: list[str] = []  # the trace context each Launch call carried ("" for none)
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
         self.specs: dict[str, spec_pb2.ServiceSpec] = {}  # name -> the spec of its last Launch
         self.terminations: collections.Counter[str] = collections.Counter()
@@ -50,6 +51,8 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
         self.launch_times.setdefault(request.name, time.monotonic())
+        metadata = dict(context.invocation_metadata() or ())
+        self.traceparents.append(str(metadata.get("traceparent", "")))
         self.specs[request.name] = request.spec
         replica = self.running.get(request.name)
         if replica is None and self.capacity_refused:

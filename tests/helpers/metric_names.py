@@ -10,15 +10,15 @@ from prometheus_client import Metric
 
 from services.common import grpc_metrics
 from services.common import metrics as metrics_mod
+from services.controller import metrics as controller_metrics
 from services.dashboard import metrics as dashboard_metrics
 from services.loadbalancer import connections, policies
 from services.loadbalancer import metrics as lb_metrics
 from services.prober import metrics as prober_metrics
 from services.provisioner import metrics as provisioner_metrics
 
-# The controller's own metrics, by name and type, as the controller will register them (its core
-# is being rebuilt; the dashboard and alerts use these names already). When the controller
-# registers one, test_metric_names checks that the type matches.
+# The controller's own metrics, by name and type (the dashboard and alerts use them); test_metric_names
+# checks that the controller registers each with this type.
 CONTROLLER_METRICS = {
     "replicaplane_controller_replicas": "gauge",
     "replicaplane_controller_launch_to_ready_seconds": "histogram",
@@ -46,6 +46,9 @@ def registries() -> dict[str, prometheus_client.CollectorRegistry]:
         metrics = metrics_mod.Metrics(component)
         grpc_metrics.GrpcServerMetrics(metrics.registry)
         out[component] = metrics.registry
+    controller_metrics.ControllerMetrics(out["controller"]).watch(
+        controller_metrics.Fleet(services=list, watchers=lambda: 0)
+    )
     prober_metrics.ProberMetrics(out["prober"]).watch(streams=lambda: 0, targets=lambda: 0)
     provisioner_metrics.ProvisionerMetrics(out["provisioner"], "local").watch(dict)
     lb = lb_metrics.BalancerMetrics(out["loadbalancer"], "web")

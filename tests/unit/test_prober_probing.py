@@ -127,3 +127,10 @@ def test_result_ready_only_for_ready_outcome() -> None:
     bad = probing.Result("a", probing.Outcome.REPLICA_FAILURE, 201, 0.01, "HTTP 201", 0.0)
     assert ok.ready
     assert not bad.ready
+
+
+def test_a_traceparent_is_kept_and_a_malformed_one_refused() -> None:
+    good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert probing.make_target(spec(traceparent=good), DEFAULTS).traceparent == good
+    assert probing.make_target(spec(), DEFAULTS).traceparent == ""
+    assert list(violations(spec(traceparent="00-xyz"))) == ["traceparent"]

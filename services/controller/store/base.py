@@ -128,6 +128,7 @@ class Store:
         self.writable = True
         self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
         self._on_writable: Callable[[bool], None] | None = None
+        self._on_write: Callable[[float, bool], None] | None = None
         self._fence: Fence | None = None
         self._leases_ready = False
 
@@ -191,6 +192,16 @@ class Store:
     def on_writable_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(writable)` whenever writes start failing or work again."""
         self._on_writable = callback
+
+    def on_write(self, callback: Callable[[float, bool], None]) -> None:
+        """Call `callback(seconds, committed)` after each write transaction (metrics): its time
+        from BEGIN to COMMIT, or to the failure the store reported. A block that raised its own
+        error (nothing was meant to be written) is not reported."""
+        self._on_write = callback
+
+    def _wrote(self, started: float, ok: bool) -> None:
+        if self._on_write is not None:
+            self._on_write(time.perf_counter() - started, ok)
 
     def _set_writable(self, ok: bool) -> None:
         if ok == self.writable:
@@ -276,12 +287,14 @@ class Store:
                 fence = self._fence
                 if fence is not None and fence.lost:
                     raise FencedError()
+                started = time.perf_counter()
                 try:
                     self._begin()
                     if fence is not None:
                         self._check_fence(fence)
                 except self.db_errors as exc:
                     self._rollback()
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 except BaseException:
                     self._rollback()
@@ -293,6 +306,7 @@ class Store:
                     self._db.execute("COMMIT")
                 except self.db_errors as exc:
                     self._rollback()
+                    self._wrote(started, False)
                     raise self._unavailable(exc) from exc
                 except BaseException:
                     self._rollback()
@@ -300,6 +314,7 @@ class Store:
                 finally:
                     self._depth = 0
                     self._owner = None
+                self._wrote(started, True)
                 self._set_writable(True)
             else:
                 name = f"sp{self._depth}"

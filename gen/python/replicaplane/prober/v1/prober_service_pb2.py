@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+replicaplane/prober/v1/prober_service.proto\x12\x16replicaplane.prober.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"f\n\x0cProbeRequest\x12;\n\x0eupsert_targets\x18\x01 \x03(\x0b\x32#.replicaplane.prober.v1.ProbeTarget\x12\x19\n\x11remove_target_ids\x18\x02 \x03(\t\"\x98\x03\n\x0bProbeTarget\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x33\n\x06method\x18\x04 \x01(\x0e\x32#.replicaplane.prober.v1.ProbeMethod\x12\x16\n\x0epost_data_json\x18\x05 \x01(\t\x12\x41\n\x07headers\x18\x06 \x03(\x0b\x32\x30.replicaplane.prober.v1.ProbeTarget.HeadersEntry\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08interval\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rfast_interval\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08starting\x18\n \x01(\x08\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\rProbeResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.replicaplane.prober.v1.ProbeResult\x12\x11\n\tprober_id\x18\x02 \x01(\t\"\xf7\x01\n\x0bProbeResult\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x11\n\thttp_code\x18\x03 \x01(\x05\x12*\n\x07latency\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\nprobe_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tprober_id\x18\x07 \x01(\t\x12\x35\n\x07outcome\x18\x08 \x01(\x0e\x32$.replicaplane.prober.v1.ProbeOutcome*X\n\x0bProbeMethod\x12\x1c\n\x18PROBE_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10PROBE_METHOD_GET\x10\x01\x12\x15\n\x11PROBE_METHOD_POST\x10\x02*\xb0\x01\n\x0cProbeOutcome\x12\x1d\n\x19PROBE_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13PROBE_OUTCOME_READY\x10\x01\x12!\n\x1dPROBE_OUTCOME_REPLICA_FAILURE\x10\x02\x12#\n\x1fPROBE_OUTCOME_PROBE_UNAVAILABLE\x10\x03\x12 \n\x1cPROBE_OUTCOME_INVALID_TARGET\x10\x04\x32i\n\rProberService\x12X\n\x05Probe\x12$.replicaplane.prober.v1.ProbeRequest\x1a%.replicaplane.prober.v1.ProbeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+replicaplane/prober/v1/prober_service.proto\x12\x16replicaplane.prober.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"f\n\x0cProbeRequest\x12;\n\x0eupsert_targets\x18\x01 \x03(\x0b\x32#.replicaplane.prober.v1.ProbeTarget\x12\x19\n\x11remove_target_ids\x18\x02 \x03(\t\"\xad\x03\n\x0bProbeTarget\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x33\n\x06method\x18\x04 \x01(\x0e\x32#.replicaplane.prober.v1.ProbeMethod\x12\x16\n\x0epost_data_json\x18\x05 \x01(\t\x12\x41\n\x07headers\x18\x06 \x03(\x0b\x32\x30.replicaplane.prober.v1.ProbeTarget.HeadersEntry\x12*\n\x07timeout\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08interval\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rfast_interval\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08starting\x18\n \x01(\x08\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\rProbeResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.replicaplane.prober.v1.ProbeResult\x12\x11\n\tprober_id\x18\x02 \x01(\t\"\xf7\x01\n\x0bProbeResult\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x11\n\thttp_code\x18\x03 \x01(\x05\x12*\n\x07latency\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\nprobe_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tprober_id\x18\x07 \x01(\t\x12\x35\n\x07outcome\x18\x08 \x01(\x0e\x32$.replicaplane.prober.v1.ProbeOutcome*X\n\x0bProbeMethod\x12\x1c\n\x18PROBE_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10PROBE_METHOD_GET\x10\x01\x12\x15\n\x11PROBE_METHOD_POST\x10\x02*\xb0\x01\n\x0cProbeOutcome\x12\x1d\n\x19PROBE_OUTCOME_UNSPECIFIED\x10\x00\x12\x17\n\x13PROBE_OUTCOME_READY\x10\x01\x12!\n\x1dPROBE_OUTCOME_REPLICA_FAILURE\x10\x02\x12#\n\x1fPROBE_OUTCOME_PROBE_UNAVAILABLE\x10\x03\x12 \n\x1cPROBE_OUTCOME_INVALID_TARGET\x10\x04\x32i\n\rProberService\x12X\n\x05Probe\x12$.replicaplane.prober.v1.ProbeRequest\x1a%.replicaplane.prober.v1.ProbeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROBETARGET_HEADERSENTRY']._loaded_options = None
   _globals['_PROBETARGET_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_PROBEMETHOD']._serialized_start=991
-  _globals['_PROBEMETHOD']._serialized_end=1079
-  _globals['_PROBEOUTCOME']._serialized_start=1082
-  _globals['_PROBEOUTCOME']._serialized_end=1258
+  _globals['_PROBEMETHOD']._serialized_start=1012
+  _globals['_PROBEMETHOD']._serialized_end=1100
+  _globals['_PROBEOUTCOME']._serialized_start=1103
+  _globals['_PROBEOUTCOME']._serialized_end=1279
   _globals['_PROBEREQUEST']._serialized_start=136
   _globals['_PROBEREQUEST']._serialized_end=238
   _globals['_PROBETARGET']._serialized_start=241
-  _globals['_PROBETARGET']._serialized_end=649
-  _globals['_PROBETARGET_HEADERSENTRY']._serialized_start=603
-  _globals['_PROBETARGET_HEADERSENTRY']._serialized_end=649
-  _globals['_PROBERESPONSE']._serialized_start=651
-  _globals['_PROBERESPONSE']._serialized_end=739
-  _globals['_PROBERESULT']._serialized_start=742
-  _globals['_PROBERESULT']._serialized_end=989
-  _globals['_PROBERSERVICE']._serialized_start=1260
-  _globals['_PROBERSERVICE']._serialized_end=1365
+  _globals['_PROBETARGET']._serialized_end=670
+  _globals['_PROBETARGET_HEADERSENTRY']._serialized_start=624
+  _globals['_PROBETARGET_HEADERSENTRY']._serialized_end=670
+  _globals['_PROBERESPONSE']._serialized_start=672
+  _globals['_PROBERESPONSE']._serialized_end=760
+  _globals['_PROBERESULT']._serialized_start=763
+  _globals['_PROBERESULT']._serialized_end=1010
+  _globals['_PROBERSERVICE']._serialized_start=1281
+  _globals['_PROBERSERVICE']._serialized_end=1386
 # @@protoc_insertion_point(module_scope)

@@ -143,6 +143,7 @@ class ProbeTarget(_message.Message):
     INTERVAL_FIELD_NUMBER: _builtins.int
     FAST_INTERVAL_FIELD_NUMBER: _builtins.int
     STARTING_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     target_id: _builtins.str
     """Caller's id of the target, for example `{service}/{replica_id}`."""
     url: _builtins.str
@@ -155,6 +156,11 @@ class ProbeTarget(_message.Message):
     """JSON body for POST."""
     starting: _builtins.bool
     """True while the replica is starting: probe at `fast_interval` until the first success."""
+    traceparent: _builtins.str
+    """W3C trace context (`00-<trace id>-<span id>-<flags>`) of the replica's start, while
+    tracing is on and the replica is not ready yet: the prober records the probes that change
+    the target's outcome as child spans. Empty: no spans.
+    """
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Request headers. Secret: never logged, never echoed."""
@@ -184,10 +190,11 @@ class ProbeTarget(_message.Message):
         interval: _duration_pb2.Duration | None = ...,
         fast_interval: _duration_pb2.Duration | None = ...,
         starting: _builtins.bool = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fast_interval", b"fast_interval", "interval", b"interval", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fast_interval", b"fast_interval", "headers", b"headers", "interval", b"interval", "method", b"method", "path", b"path", "post_data_json", b"post_data_json", "starting", b"starting", "target_id", b"target_id", "timeout", b"timeout", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fast_interval", b"fast_interval", "headers", b"headers", "interval", b"interval", "method", b"method", "path", b"path", "post_data_json", b"post_data_json", "starting", b"starting", "target_id", b"target_id", "timeout", b"timeout", "traceparent", b"traceparent", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
