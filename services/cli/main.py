@@ -29,7 +29,7 @@ import yaml
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import dashboard, exits, inputs, logs, orphans, render
+from services.cli import dashboard, exits, inputs, jobs, logs, orphans, render
 from services.common import config, security, specfile, watchlines
 
 OK, REFUSED, BAD_INPUT, NOT_FOUND = exits.OK, exits.REFUSED, exits.BAD_INPUT, exits.NOT_FOUND
@@ -231,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
         "orphans", "list replicas the provisioner runs that no record of this controller refers to; --reap them"
     )
     orphans.add_parser(orphans_cmd)
+
+    jobs_cmd = command("jobs", "submit jobs to a pool, list, show and cancel them, follow their output")
+    jobs.add_parser(jobs_cmd, _Parser)
 
     dashboard_cmd = command("dashboard", "print (or open) the URL of the live web dashboard")
     dashboard.add_parser(dashboard_cmd, DEFAULT_STATE_DIR)
@@ -550,6 +553,7 @@ def run(
         "logs": lambda: logs.cmd_logs(args, client, out, err),
         "watch": lambda: cmd_watch(args, client, out),
         "orphans": lambda: orphans.cmd_orphans(args, client, out),
+        "jobs": lambda: jobs.cmd_jobs(args, client, out, err),
     }
     try:
         return commands[args.command]()

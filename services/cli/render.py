@@ -106,8 +106,21 @@ def service_row(svc: res.Service, now: float) -> tuple[str, ...]:
     )
 
 
-def replica_row(r: res.Replica, now: float, *, extra: bool = False) -> tuple[str, ...]:
-    """One row of the replicas table; `extra` adds zone, spot and the replica name."""
+def kind(svc: res.Service) -> str:
+    """POOL or SERVICE (a controller from before pools shows no kind: a service)."""
+    return "POOL" if svc.kind == spec_pb2.FLEET_KIND_POOL else "SERVICE"
+
+
+def worker_use(r: res.Replica) -> str:
+    """Who uses a pool worker, shown where a replica shows its endpoint: its job, or idle."""
+    if r.job_id:
+        return f"job {r.job_id}"
+    return "idle" if r.status == res.REPLICA_STATUS_READY else "-"
+
+
+def replica_row(r: res.Replica, now: float, *, extra: bool = False, worker: bool = False) -> tuple[str, ...]:
+    """One row of the replicas table; `extra` adds zone, spot and the replica name; a pool's
+    `worker` shows the job it runs instead of an endpoint."""
     launched = "-"
     for field in ("launch_time", "create_time"):
         if _has(r, field):
@@ -117,7 +130,7 @@ def replica_row(r: res.Replica, now: float, *, extra: bool = False) -> tuple[str
         r.service,
         str(r.replica_id),
         str(r.version),
-        r.endpoint or "-",
+        worker_use(r) if worker else (r.endpoint or "-"),
         launched,
         replica_status(r.status),
         r.failure_reason or "-",
@@ -336,6 +349,8 @@ def _notes(svc: res.Service, show_all: bool) -> list[str]:
     message = svc.status_message
     routine = svc.status == res.SERVICE_STATUS_READY and _ROUTINE.fullmatch(message) is not None
     lines = [f"{svc.name}: {message}"] if message and (show_all or not routine) else []
+    if svc.kind == spec_pb2.FLEET_KIND_POOL:
+        lines.append(f"{svc.name}: pool, {svc.queued_jobs} job(s) queued, {svc.running_jobs} running")
     if svc.probing_stale:
         lines.append(f"{svc.name}: probing is stale (no prober answered recently)")
     if show_all and (line := autoscaler_line(svc)):
@@ -367,6 +382,10 @@ def status_text(
     now = time.time() if now is None else now
     headers = SERVICE_HEADERS + (VERBOSE_HEADERS if verbose else ())
     rows = [service_row(s, now) + (verbose_cells(s) if verbose else ()) for s in services]
+    pools = {s.name for s in services if s.kind == spec_pb2.FLEET_KIND_POOL}
+    if pools:  # a KIND column only when there is a pool to tell apart
+        headers = (*headers[:1], "KIND", *headers[1:])
+        rows = [(*row[:1], kind(s), *row[1:]) for s, row in zip(services, rows, strict=True)]
     out = table("Services", headers, rows, tty=tty, width=width, optional=SERVICE_OPTIONAL)
     notes = [line for s in services for line in _notes(s, show_all)]
     if width is not None:  # prose: wrapped between words, a long word (a URL) kept whole
@@ -380,7 +399,7 @@ def status_text(
     if notes:
         out += "\n" + "\n".join(notes) + "\n"
     headers = REPLICA_HEADERS + (REPLICA_EXTRA_HEADERS if show_all else ())
-    rows = [replica_row(r, now, extra=show_all) for r in replicas]
+    rows = [replica_row(r, now, extra=show_all, worker=r.service in pools) for r in replicas]
     out += "\n" + table("Service Replicas", headers, rows, tty=tty, width=width, optional=REPLICA_OPTIONAL)
     return out
 

@@ -17,7 +17,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, orphans, reconciler, store, traces
+from services.controller import convert, orphans, pools, pools_api, reconciler, store, traces
 from services.controller.domain import autoscaler, load, placer
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,17 @@ class Controller:
         self._foreign_logged: set[str] = set()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
+        # The pool side of each pool, by name (services have none).
+        self._pools: dict[str, pools.PoolSide] = {}
+        self.jobs = pools_api.Jobs(
+            exists=lambda name: name in self._services,
+            pool=self._pools.get,
+            deleting=lambda name: (
+                name in self._services
+                and self._services[name].service().status
+                in (res.SERVICE_STATUS_SHUTTING_DOWN, res.SERVICE_STATUS_FAILED_CLEANUP)
+            ),
+        )
 
     async def start(self) -> None:
         """Recover every stored service, then follow the provisioner's replica events."""

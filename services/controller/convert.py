@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import pbtime
-from services.controller.domain import autoscaler
+from services.controller.domain import autoscaler, lifecycle
 from services.controller.domain import status as st
 
 
@@ -23,6 +25,79 @@ def facts_of(replica: resources_pb2.Replica) -> st.Facts:
         preempted=f.preempted,
         purged=f.purged,
         failed_spot_availability=f.failed_spot_availability,
+    )
+
+
+_TimeField = Literal["first_ready_time", "first_failure_time", "streak_start_time", "streak_last_time"]
+
+
+def _time(facts: resources_pb2.ReplicaFacts, field: _TimeField) -> float | None:
+    return pbtime.from_timestamp(getattr(facts, field)) if facts.HasField(field) else None
+
+
+def life_of(
+    replica: resources_pb2.Replica, *, pending_exit: lifecycle.AppExited | None = None, vanished: bool = False
+) -> lifecycle.Life:
+    """The lifecycle facts of a stored replica; `pending_exit` and `vanished` are kept in memory
+    only (the caller's)."""
+    f = replica.facts
+    return lifecycle.Life(
+        launch=st.LaunchPhase(f.launch_phase),
+        teardown=st.TeardownPhase(f.teardown_phase),
+        user_app_failed=f.user_app_failed,
+        ready_now=f.ready_now,
+        first_ready_time=_time(f, "first_ready_time"),
+        initial_delay_exceeded=f.initial_delay_exceeded,
+        is_scale_down=f.is_scale_down,
+        preempted=f.preempted,
+        purged=f.purged,
+        failed_spot_availability=f.failed_spot_availability,
+        is_spot=replica.is_spot,
+        first_failure_time=_time(f, "first_failure_time"),
+        streak_start=_time(f, "streak_start_time"),
+        streak_last=_time(f, "streak_last_time"),
+        exit_code=f.exit_code,
+        drain_s=pbtime.seconds(f.drain),
+        failure_reason=replica.failure_reason,
+        pending_exit=pending_exit,
+        vanished=vanished,
+    )
+
+
+def put_life(replica: resources_pb2.Replica, life: lifecycle.Life) -> None:
+    """Write lifecycle facts into a replica record (in place; the caller stores it)."""
+    f = replica.facts
+    f.launch_phase = int(life.launch)  # type: ignore[assignment]
+    f.teardown_phase = int(life.teardown)  # type: ignore[assignment]
+    f.user_app_failed = life.user_app_failed
+    f.ready_now = life.ready_now
+    f.initial_delay_exceeded = life.initial_delay_exceeded
+    f.is_scale_down = life.is_scale_down
+    f.preempted = life.preempted
+    f.purged = life.purged
+    f.failed_spot_availability = life.failed_spot_availability
+    f.exit_code = life.exit_code
+    times: tuple[tuple[_TimeField, float | None], ...] = (
+        ("first_ready_time", life.first_ready_time),
+        ("first_failure_time", life.first_failure_time),
+        ("streak_start_time", life.streak_start),
+        ("streak_last_time", life.streak_last),
+    )
+    for field, value in times:
+        if value is None:
+            f.ClearField(field)
+        else:
+            getattr(f, field).CopyFrom(pbtime.timestamp(value))
+    f.drain.CopyFrom(pbtime.duration(life.drain_s))
+    replica.failure_reason = life.failure_reason
+
+
+def windows_of(replica_spec: spec_pb2.ServiceSpec, latest_spec: spec_pb2.ServiceSpec) -> lifecycle.Windows:
+    """A replica's failure windows: the initial delay of its own version, the failure window of
+    the latest (spec.md section 5)."""
+    return lifecycle.Windows(
+        initial_delay_s=pbtime.seconds(replica_spec.service.readiness_probe.initial_delay),
+        failure_threshold_s=pbtime.seconds(latest_spec.service.readiness_probe.consecutive_failure_threshold),
     )
 
 

@@ -98,6 +98,13 @@ class Transitions:
     def __init__(self, since: float | None = None) -> None:
         self._since = time.time() if since is None else since
         self._seen: dict[int, _Seen] = {}
+        self._causes: dict[int, str] = {}  # replica id -> the cause the core reported, until its launch counts
+
+    def failed(self, replica_id: int, cause: str) -> None:
+        """The core says whose fault a replica's failure was (`user` or `infrastructure`); a
+        launch failure seen next for it carries that cause."""
+        if cause in ("user", "infrastructure"):
+            self._causes[replica_id] = cause
 
     def changes(self, replicas: Iterable[res.Replica], removed: Iterable[int]) -> list[Event]:
         """Events of one published change: `replicas` changed, `removed` are gone."""
@@ -105,6 +112,7 @@ class Transitions:
         for r in replicas:
             out += self._replica(r)
         for rid in removed:
+            self._causes.pop(rid, None)
             seen = self._seen.pop(rid, None)
             if seen is None:
                 continue
@@ -118,6 +126,7 @@ class Transitions:
     def forget(self) -> None:
         """The service is gone."""
         self._seen.clear()
+        self._causes.clear()
 
     def _replica(self, r: res.Replica) -> list[Event]:
         f = r.facts
@@ -134,7 +143,7 @@ class Transitions:
             if now.launch == LP.LAUNCH_PHASE_SUCCEEDED:
                 out.append(Event("launch", "succeeded"))
             elif now.launch == LP.LAUNCH_PHASE_FAILED:
-                out.append(Event("launch", "failed", launch_cause(r)))
+                out.append(Event("launch", "failed", self._causes.pop(r.replica_id, "") or launch_cause(r)))
         if ready and not before.ready and r.create_time.seconds:
             seconds = f.first_ready_time.ToNanoseconds() / 1e9 - r.create_time.ToNanoseconds() / 1e9
             out.append(Event("ready", seconds=max(seconds, 0.0)))
@@ -282,6 +291,13 @@ class ControllerMetrics:
                 self._teardowns.labels(name, event.outcome).inc()
             else:
                 self._to_ready.observe(event.seconds)
+
+    def failed(self, service: str, replica_id: int, cause: str) -> None:
+        """A failure hook: whose fault a replica's failure was, as the core decided it."""
+        transitions = self._transitions.get(service)
+        if transitions is None:
+            transitions = self._transitions[service] = Transitions()
+        transitions.failed(replica_id, cause)
 
     def store_write(self, seconds: float, ok: bool) -> None:
         """A store observer: one write took `seconds`, and committed or not."""

@@ -126,3 +126,26 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
             skipped=[api.SkippedOrphan(replica_name=s.replica_name, reason=s.reason) for s in skipped],
             controller_id=orphans.controller_id,
         )
+
+    async def SubmitJob(
+        self, request: api.SubmitJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.SubmitJobResponse:
+        return api.SubmitJobResponse(job=self._ctl.jobs.submit(request))
+
+    async def GetJob(self, request: api.GetJobRequest, context: grpc.aio.ServicerContext) -> api.GetJobResponse:
+        return api.GetJobResponse(job=self._ctl.jobs.get(request))
+
+    async def ListJobs(self, request: api.ListJobsRequest, context: grpc.aio.ServicerContext) -> api.ListJobsResponse:
+        jobs, token = self._ctl.jobs.list(request)
+        return api.ListJobsResponse(jobs=jobs, next_page_token=token)
+
+    async def CancelJob(
+        self, request: api.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> api.CancelJobResponse:
+        return api.CancelJobResponse(job=await self._ctl.jobs.cancel(request))
+
+    async def WatchJob(
+        self, request: api.WatchJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.WatchJobResponse]:
+        async for msg in self._ctl.jobs.watch(request):
+            yield msg

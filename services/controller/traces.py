@@ -62,10 +62,13 @@ class _Open:
     status: int
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when present: 5x faster
+
+
 def service_name_of(yaml_text: str) -> str:
     """The `name:` of a service YAML, or "" (the controller's own parse reports what is wrong)."""
     try:
-        doc = yaml.safe_load(yaml_text)
+        doc = yaml.load(yaml_text, Loader=_LOADER)  # a safe loader (no object tags)
     except yaml.YAMLError:
         return ""
     name = doc.get("name") if isinstance(doc, dict) else None

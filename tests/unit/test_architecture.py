@@ -62,8 +62,14 @@ def test_common_imports_no_service() -> None:
 
 
 def test_controller_domain_is_plain_python() -> None:
+    # Decisions are pure: no RPCs, no event loop, no store (issue 19).
     for path in python_files("services/controller/domain"):
-        bad = sorted(n for n in imports_of(path) if n.split(".")[0] in ("grpc", "google", "replicaplane"))
+        bad = sorted(
+            n
+            for n in imports_of(path)
+            if n.split(".")[0] in ("grpc", "google", "replicaplane", "asyncio", "sqlite3")
+            or (n.startswith("services.controller.") and not n.startswith("services.controller.domain"))
+        )
         assert not bad, f"{path} imports {bad}"
 
 

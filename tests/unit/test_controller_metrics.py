@@ -111,6 +111,20 @@ def test_published_facts_become_events(steps) -> None:
         assert kinds(t.changes([replica(**facts)], [])) == expected, facts
 
 
+def test_the_cause_the_core_reports_wins_over_the_guess() -> None:
+    t = metrics.Transitions(since=SINCE)
+    t.changes([replica(1, launch=LP.LAUNCH_PHASE_RUNNING), replica(2, launch=LP.LAUNCH_PHASE_RUNNING)], [])
+    t.failed(1, "infrastructure")  # an API server's 503: not the user's setup
+    t.failed(2, "unspecified")  # not a cause: the guess stands
+    events = t.changes(
+        [replica(1, launch=LP.LAUNCH_PHASE_FAILED), replica(2, launch=LP.LAUNCH_PHASE_FAILED, capacity=True)], []
+    )
+    assert kinds(events) == [("launch", "failed", "infrastructure"), ("launch", "failed", "infrastructure")]
+    t.changes([replica(3, launch=LP.LAUNCH_PHASE_RUNNING)], [])
+    t.failed(3, "user")
+    assert kinds(t.changes([replica(3, launch=LP.LAUNCH_PHASE_FAILED)], [])) == [("launch", "failed", "user")]
+
+
 def test_launch_to_ready_is_from_the_record_to_the_first_ready() -> None:
     t = metrics.Transitions(since=SINCE)
     (_, ready) = t.changes([replica(launch=LP.LAUNCH_PHASE_SUCCEEDED, created=SINCE + 1, ready_at=SINCE + 3.5)], [])

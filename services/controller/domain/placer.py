@@ -108,3 +108,32 @@ def mark(zones: Sequence[tuple[str, float]], marks: Mapping[str, str], zone: str
     if sum(1 for v in out.values() if v == ACTIVE) < 2:
         out = dict.fromkeys(out, ACTIVE)
     return out
+
+
+def launch_zone(
+    zones: Sequence[tuple[str, float]],
+    places: Sequence[Place],
+    *,
+    spot: bool,
+    spot_placer: bool,
+    marks: Mapping[str, str],
+    used: Collection[str],
+) -> str:
+    """The zone a new replica launches in ("" lets the backend pick).
+
+    A spot replica of a service with the placer goes where `select` says among the allowed
+    zones (the spec's zone when no zone is known). As SkyPilot, on-demand replicas and spot ones
+    without a placer go where the spec allows and the backend prefers (`fixed_zone`); they
+    neither avoid nor count as the placer's zones.
+
+    Args:
+        zones: (name, hourly price) of the provisioner's zones.
+        places: the latest version's resources alternatives.
+        spot: the replica is spot.
+        spot_placer: the latest version uses `dynamic_fallback`.
+        marks: the placer's marks.
+        used: zones of the live spot replicas.
+    """
+    if spot and spot_placer:
+        return select(allowed(zones, places), marks, used) or fixed_zone(zones, places)
+    return fixed_zone(zones, places)

@@ -1,9 +1,13 @@
-"""Fixed-size scaling and rolling replacement decisions (spec.md sections 6 and 7.1)."""
+"""Scaling and update decisions (spec.md sections 6 and 7): how many replicas to launch and
+which to tear down (`plan`: target, rolling or blue-green replacement, the spot/on-demand
+fallback mix, victims in status order), which versions get traffic and when blue-green switches
+(`active_versions`, `removed_at_switch`), how many launches one pass starts (`launches_now`),
+and what an update keeps, launches and tears down (`update_plan`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from services.controller.domain import autoscaler
 from services.controller.domain import status as st
@@ -83,3 +87,93 @@ def active_versions(
     if latest_ready >= max(target, 1) or not old:
         return [latest_version] if latest_ready else []
     return old
+
+
+def removed_at_switch(
+    torn_down: Mapping[int, int], *, active: Sequence[int], latest_version: int, blue_green: bool
+) -> list[int]:
+    """Records removed when blue-green switches (spec.md section 7.1): once traffic goes to the
+    latest version alone, the older versions' kept failure records go with them.
+
+    Args:
+        torn_down: replica id -> version of each record whose teardown finished.
+        active: `active_versions(...)`.
+        latest_version: the newest version.
+        blue_green: the service updates blue-green.
+    """
+    if not (blue_green and list(active) == [latest_version]):
+        return []
+    return sorted(rid for rid, version in torn_down.items() if version != latest_version)
+
+
+# New replicas one pass starts at most (two store writes each); a larger scale-up takes several
+# passes, so the controller keeps answering while a big service starts.
+LAUNCH_BATCH = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """What one pass launches: `regular` replicas (spot if the policy uses spot), `ondemand`
+    forced on-demand ones; `again_in_s` asks for another pass that soon (None: not needed)."""
+
+    regular: int = 0
+    ondemand: int = 0
+    again_in_s: float | None = None
+
+
+def launches_now(p: ScalePlan, *, pause_s: float = 0.0, batch: int = LAUNCH_BATCH) -> Launches:
+    """Launches this pass starts of plan `p`.
+
+    Args:
+        p: the scale plan.
+        pause_s: `failures.launch_pause(...)`: while launches are paused, none start and the
+            pass asks to run again when the pause ends.
+        batch: the most one pass starts; the rest come in the next pass, at once.
+    """
+    wanted = p.launch + p.launch_ondemand
+    if not wanted:
+        return Launches()
+    if pause_s > 0:
+        return Launches(again_in_s=pause_s)
+    regular = min(p.launch, batch)
+    ondemand = min(p.launch_ondemand, batch - regular)
+    return Launches(regular, ondemand, 0.0 if regular + ondemand < wanted else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """What an update does (spec.md section 7.2), ids sorted.
+
+    Attributes:
+        kept: replicas kept and bumped to the new version in place.
+        launch: new replicas to launch beside the kept ones.
+        teardown: kept-eligible replicas beyond the new target, in victim order's choice.
+        replaced: replicas that cannot be kept; rolling or blue-green replaces them.
+        in_place: every live replica is kept: nothing is replaced.
+    """
+
+    kept: tuple[int, ...] = ()
+    launch: int = 0
+    teardown: tuple[int, ...] = ()
+    replaced: tuple[int, ...] = ()
+    in_place: bool = True
+
+
+def update_plan(live: Sequence[st.ReplicaView], *, keepable: Collection[int], target: int) -> UpdatePlan:
+    """Plan an update.
+
+    Args:
+        live: the service's non-terminal replicas.
+        keepable: ids of those whose version differs from the new spec only where an in-place
+            update allows (`spec.is_in_place_update`).
+        target: the new version's final target.
+    """
+    kept = [r for r in live if r.replica_id in keepable]
+    victims = {v.replica_id for v in st.scale_down_victims(kept, len(kept) - target)}
+    return UpdatePlan(
+        kept=tuple(sorted(r.replica_id for r in kept if r.replica_id not in victims)),
+        launch=max(target - len(kept), 0),
+        teardown=tuple(sorted(victims)),
+        replaced=tuple(sorted(r.replica_id for r in live if r.replica_id not in keepable)),
+        in_place=len(kept) == len(live),
+    )

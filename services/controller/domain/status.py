@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 
 class LaunchPhase(enum.IntEnum):
@@ -208,3 +208,140 @@ def ready_and_total(statuses: Sequence[ReplicaStatus]) -> tuple[int, int]:
     ready = sum(1 for s in statuses if s is ReplicaStatus.READY)
     total = sum(1 for s in statuses if s not in FAILED_STATUSES)
     return ready, total
+
+
+# ---- service status, removals, terminations -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceFacts:
+    """What a service's status and message derive from, beside its replicas' statuses.
+
+    Attributes:
+        started: the controller resumed the service (CONTROLLER_INIT before).
+        deleting: a delete is in progress.
+        cleanup_failed: the delete left replicas whose teardown failed (FAILED_CLEANUP).
+        cleanup_message: the message stored when the cleanup failed.
+        replicas_left: records left while deleting.
+        target: the final target (with overprovision).
+        stopped_message: the stop rule's message for the latest version; "" if not stopped.
+        pause_message: `failures.pause_message(...)` while launches wait after an
+            infrastructure failure and some are wanted; "" otherwise.
+        probing_stale: no prober is reachable.
+    """
+
+    started: bool = True
+    deleting: bool = False
+    cleanup_failed: bool = False
+    cleanup_message: str = ""
+    replicas_left: int = 0
+    target: int = 0
+    stopped_message: str = ""
+    pause_message: str = ""
+    probing_stale: bool = False
+
+
+def service_status_of(statuses: Sequence[ReplicaStatus], svc: ServiceFacts) -> ServiceStatus:
+    """The service's status (spec.md section 9): the delete's, CONTROLLER_INIT until resumed,
+    else derived from the replicas. A stopped version launches nothing: NO_REPLICA once its
+    replicas are gone, as SkyPilot. Paused launches still count as launching: REPLICA_INIT."""
+    if svc.deleting:
+        return ServiceStatus.FAILED_CLEANUP if svc.cleanup_failed else ServiceStatus.SHUTTING_DOWN
+    if not svc.started:
+        return ServiceStatus.CONTROLLER_INIT
+    return service_status(statuses, launching=svc.target > 0 and not svc.stopped_message)
+
+
+def status_message(statuses: Sequence[ReplicaStatus], svc: ServiceFacts) -> str:
+    """The one line that says why the service is where it is: the failed cleanup, the delete's
+    progress, the stop rule, stale probing, else the counts (with the launch pause, if any)."""
+    if svc.deleting:
+        if svc.cleanup_failed:
+            return svc.cleanup_message
+        return f"shutting down: {svc.replicas_left} replica(s) left"
+    if svc.stopped_message:
+        return svc.stopped_message
+    if svc.probing_stale:
+        return "probing is stale: no prober reachable, readiness may be out of date"
+    ready, total = ready_and_total(statuses)
+    counts = f"{ready}/{total} ready, target {svc.target}"
+    return f"{counts}; {svc.pause_message}" if svc.pause_message else counts
+
+
+def record_removed(f: Facts, *, version: int, latest_version: int, deleting: bool) -> bool:
+    """Whether a finished teardown removes the replica's record: while the service is deleted,
+    every replica torn down (or purged) goes; otherwise `removed_after_teardown` decides."""
+    if deleting:
+        return f.teardown is TeardownPhase.SUCCEEDED or f.purged
+    return removed_after_teardown(f, version=version, latest_version=latest_version)
+
+
+def cleanup_message(left: Iterable[int]) -> str:
+    """The FAILED_CLEANUP message of a delete that left replicas it could not tear down."""
+    ids = ", ".join(str(i) for i in sorted(left))
+    return f"teardown failed for replica(s) {ids}; delete with purge to forget them"
+
+
+class Termination(enum.Enum):
+    """What a user's request to terminate one replica does (spec.md section 4)."""
+
+    DRAIN_AND_TEAR_DOWN = "torn down after the drain, as a scale-down"
+    PURGE = "the failed record is purged (its cleanup tried once more if it never finished)"
+    REFUSED_SHUTTING_DOWN = "refused: already shutting down"
+    REFUSED_FAILED = "refused: failed, and tearing it down could leak resources; purge removes it"
+
+
+def termination(status: ReplicaStatus, *, tearing_down: bool, purge: bool) -> Termination:
+    """Decide a manual termination.
+
+    Args:
+        status: the replica's status.
+        tearing_down: a teardown of it is in motion.
+        purge: the user asked to purge.
+    """
+    failed = status in FAILED_STATUSES
+    if status is ReplicaStatus.SHUTTING_DOWN or (tearing_down and not failed):
+        return Termination.REFUSED_SHUTTING_DOWN
+    if failed:
+        return Termination.PURGE if purge else Termination.REFUSED_FAILED
+    return Termination.DRAIN_AND_TEAR_DOWN
+
+
+class OnDelete(enum.Enum):
+    """What deleting the service does to one replica (spec.md section 9: down never drains)."""
+
+    MARK = "its teardown runs already: it is only marked (purged) and a drain in progress ends now"
+    REMOVE = "its record goes now (torn down already, or a failed cleanup with purge)"
+    TEAR_DOWN = "torn down now without drain (a failed cleanup is tried once more)"
+
+
+def on_delete(f: Facts, *, tearing_down: bool, purge: bool) -> OnDelete:
+    """Decide one replica's fate when its service is deleted.
+
+    Args:
+        f: the replica's facts.
+        tearing_down: a teardown of it is in motion.
+        purge: the delete asked to purge.
+    """
+    if tearing_down:
+        return OnDelete.MARK
+    if f.teardown is TeardownPhase.SUCCEEDED or (purge and f.teardown is TeardownPhase.FAILED):
+        return OnDelete.REMOVE
+    return OnDelete.TEAR_DOWN
+
+
+def gone_from_snapshot(
+    names: Iterable[str], snapshot: Collection[str], launched_in: Mapping[str, int], generation: int
+) -> list[str]:
+    """Replicas a provisioner snapshot does not list, and so are gone.
+
+    A replica whose launch finished after this watch started (`launched_in[name] >= generation`)
+    may be missing only because the snapshot was older: it is left to live events and probes.
+
+    Args:
+        names: replica names the controller has records of.
+        snapshot: names in the provisioner's snapshot.
+        launched_in: name -> the watch generation its launch finished in.
+        generation: the generation of the watch that sent the snapshot.
+    """
+    return [n for n in names if n not in snapshot and launched_in.get(n, -1) < generation]

@@ -22,6 +22,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
+from services.controller import store_jobs
 from services.controller.store import rows
 
 log = logging.getLogger("services.controller.store")
@@ -77,7 +78,7 @@ class Fence:
     lost: bool = False
 
 
-class Store:
+class Store(store_jobs.JobTables):
     """Store of services, versions, replicas and autoscaler state, on SQLite or PostgreSQL.
 
     `Store(path_or_url, ...)` opens the backend the argument names (see `open_store`); the
@@ -136,6 +137,8 @@ class Store:
 
     db_errors: tuple[type[BaseException], ...] = ()
     """The backend's database exceptions (each becomes UnavailableError)."""
+    integrity_errors: tuple[type[BaseException], ...] = ()
+    """The backend's constraint violations (a row referring to a missing one)."""
 
     _db: Any
     """The connection: `execute(sql, params)` with `?` placeholders returns a cursor (fetchone,

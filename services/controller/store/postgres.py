@@ -87,6 +87,7 @@ class PostgresStore(base.Store):
 
     leases_ddl = schema.LEASES_POSTGRES
     db_errors = (psycopg.Error,)
+    integrity_errors = (psycopg.IntegrityError,)
     greatest = "GREATEST"
 
     def __init__(

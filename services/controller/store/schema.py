@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.controller import store_jobs
+
 Migration = Callable[[Any], None]
 """Takes a connection (sqlite3 or psycopg, in a transaction) and runs statements on it."""
 
@@ -84,7 +86,7 @@ def _sqlite_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
 
 
-SQLITE: tuple[Migration, ...] = (_sqlite_1, _sqlite_2, _sqlite_3, _sqlite_4)
+SQLITE: tuple[Migration, ...] = (_sqlite_1, _sqlite_2, _sqlite_3, _sqlite_4, store_jobs.migrate_jobs)
 """SQLite's forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 
@@ -153,7 +155,13 @@ def _postgres_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-POSTGRES: tuple[Migration, ...] = (_postgres_1, _postgres_2, _postgres_3, _postgres_4)
+POSTGRES: tuple[Migration, ...] = (
+    _postgres_1,
+    _postgres_2,
+    _postgres_3,
+    _postgres_4,
+    store_jobs.migrate_jobs_postgres,
+)
 """PostgreSQL's forward migrations, number for number the same schema as `SQLITE`."""
 
 SCHEMA_VERSION = len(SQLITE)
@@ -161,9 +169,9 @@ SCHEMA_VERSION = len(SQLITE)
 
 # ---- the lease table -------------------------------------------------------------------------
 # Who leads the controllers sharing a store (docs/ha.md). Created when a controller first takes
-# part in an election, with IF NOT EXISTS, outside the numbered migrations for now: numbers 5
-# and 6 are being taken by other work, and the lease table is to become migration 7 (the same
-# statement) once they are in.
+# part in an election, with IF NOT EXISTS, outside the numbered migrations for now: number 6 is
+# being taken by other work (events and history), and the lease table is to become migration 7
+# (the same statement) once it is in.
 
 LEASES_SQLITE = """CREATE TABLE IF NOT EXISTS leases (
     name TEXT PRIMARY KEY,

@@ -48,6 +48,7 @@ class SqliteStore(base.Store):
 
     leases_ddl = schema.LEASES_SQLITE
     db_errors = (sqlite3.Error,)
+    integrity_errors = (sqlite3.IntegrityError,)
 
     def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
         """Open (creating if needed) the database at `path` and migrate it.

@@ -1132,3 +1132,306 @@ class SkippedOrphan(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SkippedOrphan: _TypeAlias = SkippedOrphan  # noqa: Y015
+
+@_typing.final
+class SubmitJobRequest(_message.Message):
+    """SubmitJobRequest is a job for a pool."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POOL_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    ENVS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    run: _builtins.str
+    """Shell command, run with bash in the worker's working directory and environment (the pool
+    spec's envs and secrets), with SKYPILOT_JOB_ID, SKYPILOT_TASK_ID and REPLICAPLANE_JOB_ID set.
+    Not empty; at most 1 MiB.
+    """
+    name: _builtins.str
+    """A name for people; at most 128 characters."""
+    @_builtins.property
+    def envs(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment; names match `[A-Za-z_][A-Za-z0-9_]*` and win over the pool's `envs`. Not
+        secret: shown in Job.
+        """
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        run: _builtins.str = ...,
+        envs: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "name", b"name", "pool", b"pool", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitJobRequest: _TypeAlias = SubmitJobRequest  # noqa: Y015
+
+@_typing.final
+class SubmitJobResponse(_message.Message):
+    """SubmitJobResponse is the queued job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job(self) -> _resources_pb2.Job:
+        """The job, PENDING (or already RUNNING when a worker was free)."""
+
+    def __init__(
+        self,
+        *,
+        job: _resources_pb2.Job | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitJobResponse: _TypeAlias = SubmitJobResponse  # noqa: Y015
+
+@_typing.final
+class GetJobRequest(_message.Message):
+    """GetJobRequest names a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    job_id: _builtins.int
+    """The job id."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        job_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobRequest: _TypeAlias = GetJobRequest  # noqa: Y015
+
+@_typing.final
+class GetJobResponse(_message.Message):
+    """GetJobResponse is the job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job(self) -> _resources_pb2.Job:
+        """The job."""
+
+    def __init__(
+        self,
+        *,
+        job: _resources_pb2.Job | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
+
+@_typing.final
+class ListJobsRequest(_message.Message):
+    """ListJobsRequest pages through a pool's jobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    page_size: _builtins.int
+    """Maximum jobs per page; default 100, maximum 1000."""
+    page_token: _builtins.str
+    """Token from a previous response's `next_page_token` of the same listing; any other value is
+    INVALID_ARGUMENT naming `page_token`.
+    """
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListJobsRequest: _TypeAlias = ListJobsRequest  # noqa: Y015
+
+@_typing.final
+class ListJobsResponse(_message.Message):
+    """ListJobsResponse is one page of jobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Job]:
+        """The jobs, in id order."""
+
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[_resources_pb2.Job] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListJobsResponse: _TypeAlias = ListJobsResponse  # noqa: Y015
+
+@_typing.final
+class CancelJobRequest(_message.Message):
+    """CancelJobRequest names the job to cancel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    job_id: _builtins.int
+    """The job id."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        job_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015
+
+@_typing.final
+class CancelJobResponse(_message.Message):
+    """CancelJobResponse is the job after the request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job(self) -> _resources_pb2.Job:
+        """The job: CANCELLED, still RUNNING with `cancel_requested`, or as it was if it had ended."""
+
+    def __init__(
+        self,
+        *,
+        job: _resources_pb2.Job | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobResponse: _TypeAlias = CancelJobResponse  # noqa: Y015
+
+@_typing.final
+class WatchJobRequest(_message.Message):
+    """WatchJobRequest names the job to follow."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATES_ONLY_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    job_id: _builtins.int
+    """The job id."""
+    states_only: _builtins.bool
+    """Only the job's states, not its output."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        job_id: _builtins.int = ...,
+        states_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "pool", b"pool", "states_only", b"states_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchJobRequest: _TypeAlias = WatchJobRequest  # noqa: Y015
+
+@_typing.final
+class WatchJobResponse(_message.Message):
+    """WatchJobResponse is the job after a change, or a chunk of its output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    output: _builtins.bytes
+    """Output bytes, in order (stdout and stderr of the current attempt)."""
+    @_builtins.property
+    def job(self) -> _resources_pb2.Job:
+        """The job, in the first message and after each change; unset in output messages."""
+
+    def __init__(
+        self,
+        *,
+        job: _resources_pb2.Job | None = ...,
+        output: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "output", b"output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchJobResponse: _TypeAlias = WatchJobResponse  # noqa: Y015

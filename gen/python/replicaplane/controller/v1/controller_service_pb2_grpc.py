@@ -112,6 +112,31 @@ class ControllerServiceStub:
                 request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
                 _registered_method=True)
+        self.SubmitJob = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/SubmitJob',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobResponse.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/GetJob',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobResponse.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ListJobs',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/CancelJob',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobResponse.FromString,
+                _registered_method=True)
+        self.WatchJob = channel.unary_stream(
+                '/replicaplane.controller.v1.ControllerService/WatchJob',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -250,6 +275,50 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitJob(self, request, context):
+        """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+        per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+        empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+        service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+        the pool shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+        a service or a bad page.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+        is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+        left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchJob(self, request, context):
+        """Streams a job: the job now, then the job on every change of its state, and, unless
+        `states_only`, its output as the worker writes it. Ends after the job has ended and its
+        output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -327,6 +396,31 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.ReapOrphans,
                     request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.FromString,
                     response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobResponse.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobResponse.SerializeToString,
+            ),
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -737,6 +831,141 @@ class ControllerService:
             '/replicaplane.controller.v1.ControllerService/ReapOrphans',
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansRequest.SerializeToString,
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ReapOrphansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/SubmitJob',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.SubmitJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/GetJob',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.GetJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ListJobs',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/CancelJob',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/WatchJob',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -101,6 +101,29 @@ class ControllerServiceStub:
     malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
     provisioner cannot be reached.
     """
+    SubmitJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.SubmitJobRequest, _controller_service_pb2.SubmitJobResponse]
+    """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+    per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+    empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+    service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+    the pool shuts down.
+    """
+    GetJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.GetJobRequest, _controller_service_pb2.GetJobResponse]
+    """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+    ListJobs: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListJobsRequest, _controller_service_pb2.ListJobsResponse]
+    """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+    a service or a bad page.
+    """
+    CancelJob: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.CancelJobRequest, _controller_service_pb2.CancelJobResponse]
+    """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+    is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+    left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
+    WatchJob: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchJobRequest, _controller_service_pb2.WatchJobResponse]
+    """Streams a job: the job now, then the job on every change of its state, and, unless
+    `states_only`, its output as the worker writes it. Ends after the job has ended and its
+    output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -174,6 +197,29 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
     malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
     provisioner cannot be reached.
+    """
+    SubmitJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.SubmitJobRequest, _controller_service_pb2.SubmitJobResponse]  # type: ignore[assignment]
+    """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+    per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+    empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+    service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+    the pool shuts down.
+    """
+    GetJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.GetJobRequest, _controller_service_pb2.GetJobResponse]  # type: ignore[assignment]
+    """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+    ListJobs: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListJobsRequest, _controller_service_pb2.ListJobsResponse]  # type: ignore[assignment]
+    """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+    a service or a bad page.
+    """
+    CancelJob: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.CancelJobRequest, _controller_service_pb2.CancelJobResponse]  # type: ignore[assignment]
+    """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+    is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+    left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
+    WatchJob: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchJobRequest, _controller_service_pb2.WatchJobResponse]  # type: ignore[assignment]
+    """Streams a job: the job now, then the job on every change of its state, and, unless
+    `states_only`, its output as the worker writes it. Ends after the job has ended and its
+    output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -335,6 +381,59 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         Returns INVALID_ARGUMENT, changing nothing, for `owner` together with `all_owners`, a
         malformed owner or replica name; UNAVAILABLE (reason PROVISIONER_UNAVAILABLE) when the
         provisioner cannot be reached.
+        """
+
+    @_abc_1.abstractmethod
+    def SubmitJob(
+        self,
+        request: _controller_service_pb2.SubmitJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.SubmitJobResponse, _abc.Awaitable[_controller_service_pb2.SubmitJobResponse]]:
+        """Submits a job to a pool: queued (PENDING) at once, run on the first free READY worker, one job
+        per worker at a time, in submission order. Returns INVALID_ARGUMENT naming the field for an
+        empty or too long `run`, a bad `envs` key, a too long `name`, or a `pool` that names a
+        service; NOT_FOUND (reason POOL_NOT_FOUND) for an unknown pool; FAILED_PRECONDITION while
+        the pool shuts down.
+        """
+
+    @_abc_1.abstractmethod
+    def GetJob(
+        self,
+        request: _controller_service_pb2.GetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.GetJobResponse, _abc.Awaitable[_controller_service_pb2.GetJobResponse]]:
+        """Gets a job. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND)."""
+
+    @_abc_1.abstractmethod
+    def ListJobs(
+        self,
+        request: _controller_service_pb2.ListJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListJobsResponse, _abc.Awaitable[_controller_service_pb2.ListJobsResponse]]:
+        """Lists a pool's jobs in id order. Returns NOT_FOUND for an unknown pool, INVALID_ARGUMENT for
+        a service or a bad page.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelJob(
+        self,
+        request: _controller_service_pb2.CancelJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.CancelJobResponse, _abc.Awaitable[_controller_service_pb2.CancelJobResponse]]:
+        """Cancels a job: a queued job is CANCELLED at once; a running one is stopped on its worker and
+        is CANCELLED once its processes are gone (`cancel_requested` meanwhile). A finished job is
+        left as it is. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchJob(
+        self,
+        request: _controller_service_pb2.WatchJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchJobResponse], _abc.AsyncIterator[_controller_service_pb2.WatchJobResponse]]:
+        """Streams a job: the job now, then the job on every change of its state, and, unless
+        `states_only`, its output as the worker writes it. Ends after the job has ended and its
+        output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

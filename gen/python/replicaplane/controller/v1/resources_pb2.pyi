@@ -240,6 +240,46 @@ update asking for it is refused with FAILED_PRECONDITION.
 """
 Global___UpdateMode: _TypeAlias = UpdateMode  # noqa: Y015
 
+class _JobState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_STATE_UNSPECIFIED: _JobState.ValueType  # 0
+    """Not set."""
+    JOB_STATE_PENDING: _JobState.ValueType  # 1
+    """Queued: waiting for a free READY worker (also after its worker died mid-job)."""
+    JOB_STATE_RUNNING: _JobState.ValueType  # 2
+    """Given to a worker (`replica_id`); its command runs there."""
+    JOB_STATE_SUCCEEDED: _JobState.ValueType  # 3
+    """Its command exited with code 0."""
+    JOB_STATE_FAILED: _JobState.ValueType  # 4
+    """Its command exited with another code (`exit_code`), it could not run, or its workers kept
+    dying past the recovery cap (`message` says which).
+    """
+    JOB_STATE_CANCELLED: _JobState.ValueType  # 5
+    """It was cancelled."""
+
+class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper):
+    """JobState is where a pool job stands."""
+
+JOB_STATE_UNSPECIFIED: JobState.ValueType  # 0
+"""Not set."""
+JOB_STATE_PENDING: JobState.ValueType  # 1
+"""Queued: waiting for a free READY worker (also after its worker died mid-job)."""
+JOB_STATE_RUNNING: JobState.ValueType  # 2
+"""Given to a worker (`replica_id`); its command runs there."""
+JOB_STATE_SUCCEEDED: JobState.ValueType  # 3
+"""Its command exited with code 0."""
+JOB_STATE_FAILED: JobState.ValueType  # 4
+"""Its command exited with another code (`exit_code`), it could not run, or its workers kept
+dying past the recovery cap (`message` says which).
+"""
+JOB_STATE_CANCELLED: JobState.ValueType  # 5
+"""It was cancelled."""
+Global___JobState: _TypeAlias = JobState  # noqa: Y015
+
 @_typing.final
 class Service(_message.Message):
     """Service is a named, versioned service and where it stands."""
@@ -263,6 +303,9 @@ class Service(_message.Message):
     UID_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
     AUTOSCALER_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    QUEUED_JOBS_FIELD_NUMBER: _builtins.int
+    RUNNING_JOBS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The service name, `[a-z]([-a-z0-9]*[a-z0-9])?`, at most 63 characters."""
     status: Global___ServiceStatus.ValueType
@@ -289,6 +332,15 @@ class Service(_message.Message):
     """Output only. The URL of the load balancer that last reported load for this service, if any:
     the service's one endpoint for clients.
     """
+    kind: _spec_pb2.FleetKind.ValueType
+    """Output only. What the fleet is: a service (replicas serving HTTP) or a pool (workers running
+    jobs, with no endpoint and no load balancer). Services stored before pools existed show
+    FLEET_KIND_SERVICE.
+    """
+    queued_jobs: _builtins.int
+    """Output only. For a pool: jobs waiting for a worker."""
+    running_jobs: _builtins.int
+    """Output only. For a pool: jobs running on a worker."""
     @_builtins.property
     def active_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Output only. Versions that may receive traffic, ascending (`1,2` during a rolling update)."""
@@ -333,10 +385,13 @@ class Service(_message.Message):
         uid: _builtins.str = ...,
         load_balancer_url: _builtins.str = ...,
         autoscaler: Global___AutoscalerStatus | None = ...,
+        kind: _spec_pb2.FleetKind.ValueType = ...,
+        queued_jobs: _builtins.int = ...,
+        running_jobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "create_time", b"create_time", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "autoscaler", b"autoscaler", "create_time", b"create_time", "endpoints", b"endpoints", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "ready_replicas", b"ready_replicas", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "autoscaler", b"autoscaler", "create_time", b"create_time", "endpoints", b"endpoints", "kind", b"kind", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "queued_jobs", b"queued_jobs", "ready_replicas", b"ready_replicas", "running_jobs", b"running_jobs", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -364,6 +419,7 @@ class Replica(_message.Message):
     FACTS_FIELD_NUMBER: _builtins.int
     ACCELERATOR_FIELD_NUMBER: _builtins.int
     PROVISIONER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     service: _builtins.str
     """The service name."""
     replica_id: _builtins.int
@@ -389,6 +445,8 @@ class Replica(_message.Message):
     """Output only. Accelerator of the replica, for instance-aware load balancing."""
     provisioner_sequence: _builtins.int
     """Output only. Sequence number of the last launch or teardown event the controller applied."""
+    job_id: _builtins.int
+    """Output only. For a pool worker: the id of the job it runs; 0 while it is free."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """Output only. When the replica record was created."""
@@ -418,10 +476,11 @@ class Replica(_message.Message):
         facts: Global___ReplicaFacts | None = ...,
         accelerator: _builtins.str = ...,
         provisioner_sequence: _builtins.int = ...,
+        job_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "facts", b"facts", "launch_time", b"launch_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "create_time", b"create_time", "endpoint", b"endpoint", "facts", b"facts", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "launch_time", b"launch_time", "provisioner_sequence", b"provisioner_sequence", "replica_id", b"replica_id", "replica_name", b"replica_name", "service", b"service", "status", b"status", "version", b"version", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator", b"accelerator", "create_time", b"create_time", "endpoint", b"endpoint", "facts", b"facts", "failure_reason", b"failure_reason", "is_spot", b"is_spot", "job_id", b"job_id", "launch_time", b"launch_time", "provisioner_sequence", b"provisioner_sequence", "replica_id", b"replica_id", "replica_name", b"replica_name", "service", b"service", "status", b"status", "version", b"version", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -827,3 +886,113 @@ class Orphan(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Orphan: _TypeAlias = Orphan  # noqa: Y015
+
+@_typing.final
+class Job(_message.Message):
+    """Job is one batch job submitted to a pool: a shell command run on one of its workers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POOL_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    ENVS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    RECOVERIES_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    SUBMIT_TIME_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool's name."""
+    job_id: _builtins.int
+    """Per pool, starting at 1 in submission order, never reused while the pool exists."""
+    name: _builtins.str
+    """A name for people; not unique."""
+    run: _builtins.str
+    """The shell command, run with bash in the worker's working directory and environment."""
+    state: Global___JobState.ValueType
+    """Output only. Where the job stands."""
+    replica_id: _builtins.int
+    """Output only. The worker (replica id) running it; after it ended, the worker that ran it last.
+    0 while it has never run.
+    """
+    exit_code: _builtins.int
+    """Output only. The command's exit code, once it exited."""
+    message: _builtins.str
+    """Output only. Why the job is in its state: a failure, a cancel, or why it was queued again."""
+    attempts: _builtins.int
+    """Output only. How many times it was given to a worker (1 once it runs, more after recoveries)."""
+    recoveries: _builtins.int
+    """Output only. How many times it went back to the queue because its worker died or was
+    preempted mid-job. Capped: past the cap it is FAILED.
+    """
+    cancel_requested: _builtins.bool
+    """Output only. True once a cancel was asked while it ran; it ends CANCELLED."""
+    @_builtins.property
+    def envs(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment of the job, on top of the pool spec's `envs`."""
+
+    @_builtins.property
+    def submit_time(self) -> _timestamp_pb2.Timestamp:
+        """Output only. When it was submitted."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """Output only. When its command last started on a worker; unset before."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """Output only. When it ended; unset before."""
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        job_id: _builtins.int = ...,
+        name: _builtins.str = ...,
+        run: _builtins.str = ...,
+        envs: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        state: Global___JobState.ValueType = ...,
+        replica_id: _builtins.int = ...,
+        exit_code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        recoveries: _builtins.int = ...,
+        cancel_requested: _builtins.bool = ...,
+        submit_time: _timestamp_pb2.Timestamp | None = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time", "submit_time", b"submit_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "cancel_requested", b"cancel_requested", "end_time", b"end_time", "envs", b"envs", "exit_code", b"exit_code", "job_id", b"job_id", "message", b"message", "name", b"name", "pool", b"pool", "recoveries", b"recoveries", "replica_id", b"replica_id", "run", b"run", "start_time", b"start_time", "state", b"state", "submit_time", b"submit_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Job: _TypeAlias = Job  # noqa: Y015
