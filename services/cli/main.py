@@ -29,7 +29,7 @@ import yaml
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import dashboard, exits, inputs, jobs, logs, orphans, render
+from services.cli import dashboard, exits, inputs, jobs, logs, orphans, render, rollouts
 from services.common import config, security, specfile, watchlines
 
 OK, REFUSED, BAD_INPUT, NOT_FOUND = exits.OK, exits.REFUSED, exits.BAD_INPUT, exits.NOT_FOUND
@@ -167,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="rolling: replace replicas a few at a time; blue_green: switch once the new version is ready; "
         "canary: move traffic in weighted steps (refused by the controller until canary rollouts are "
-        "available). Default: the new spec's service.rollout.strategy, else rolling",
+        "available; see `replicactl rollout`). Default: the new spec's service.rollout.strategy, else rolling",
     )
     update.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     _add_overrides(update)
@@ -232,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
     )
     orphans.add_parser(orphans_cmd)
 
+    rollouts.add_parsers(command, _Parser)
     jobs_cmd = command("jobs", "submit jobs to a pool, list, show and cancel them, follow their output")
     jobs.add_parser(jobs_cmd, _Parser)
 
@@ -553,6 +554,10 @@ def run(
         "logs": lambda: logs.cmd_logs(args, client, out, err),
         "watch": lambda: cmd_watch(args, client, out),
         "orphans": lambda: orphans.cmd_orphans(args, client, out),
+        "events": lambda: rollouts.cmd_events(args, client, out),
+        "history": lambda: rollouts.cmd_history(args, client, out),
+        "rollback": lambda: rollouts.cmd_rollback(args, client, out),
+        "rollout": lambda: rollouts.cmd_rollout(args, client, out),
         "jobs": lambda: jobs.cmd_jobs(args, client, out, err),
     }
     try:

@@ -17,8 +17,18 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert, orphans, pools, pools_api, reconciler, store, traces
-from services.controller.domain import autoscaler, load, placer
+from services.controller import (
+    convert,
+    event_log,
+    orphans,
+    pools,
+    pools_api,
+    reconciler,
+    store,
+    store_history,
+    traces,
+)
+from services.controller.domain import autoscaler, history, load, placer
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +132,7 @@ class Controller:
         self._foreign_logged: set[str] = set()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
+        self.event_log = event_log.Events(db=db)
         # The pool side of each pool, by name (services have none).
         self._pools: dict[str, pools.PoolSide] = {}
         self.jobs = pools_api.Jobs(
@@ -139,6 +150,7 @@ class Controller:
         await self._load_zones()
         for row in self._db.list_services():
             rec = self._new_reconciler(row.name)
+            self.event_log.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
             rec.start()
         reserved = sum(r.reserved_replicas() for r in self._services.values())
         if reserved > self._tuning.max_replicas_total:
@@ -159,6 +171,7 @@ class Controller:
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
         await self.orphans.close()
+        await asyncio.to_thread(self.event_log.close)
 
     def _records(self) -> orphans.Records:
         """Every replica record: service name -> replica id -> replica name."""
@@ -182,11 +195,13 @@ class Controller:
         for observer in self._hub_observers:
             rec.hub.observe(observer)
         rec.set_probing_stale(self._probing_stale)
+        rec.hub.observe(self.event_log.observe)
         self._services[name] = rec
         return rec
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
+        self.event_log.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
@@ -219,12 +234,14 @@ class Controller:
             with self._db.transaction():
                 self._db.create_service(name, parsed, now=time.time(), request_id=request_id)
                 rec = self._new_reconciler(name)
+                self.event_log.open(name, {})
                 rec.start()
         except BaseException:
             if rec is not None:
                 self._forget(name)
                 await rec.stop()
             raise
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "ServiceCreated", "created with version 1"))
         return rec.service()
 
     async def _check_runnable(self, parsed: spec_pb2.ServiceSpec) -> None:
@@ -311,6 +328,7 @@ class Controller:
         """Start deleting a service."""
         rec = self._get(name)
         rec.delete(purge=purge)
+        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "DeleteRequested", "tearing down every replica"))
         return rec.service()
 
     async def update_service(
@@ -324,7 +342,99 @@ class Controller:
         rec = self._get(name)  # it may have gone while the check ran
         self._check_budget(name, parsed)
         plan = rec.update(parsed, mode=mode, dry_run=dry_run)
+        if not dry_run:
+            self._updated(name, plan, mode=mode)
         return rec.service(), plan
+
+    def _updated(self, name: str, plan: res.UpdatePlan, *, mode: int, rollback_of: int = 0) -> None:
+        """Note an applied update in the history and the event log."""
+        mode = mode or res.UPDATE_MODE_ROLLING
+        version = plan.new_version
+        self._db.note_version(name, version, mode=mode, rollback_of=rollback_of)
+        mode_name = res.UpdateMode.Name(mode)  # type: ignore[arg-type]
+        how = "in place" if plan.in_place else mode_name.removeprefix("UPDATE_MODE_").lower()
+        if rollback_of:
+            message = f"rolled back to the spec of version {rollback_of} as version {version} ({how})"
+            self.event_log.record(name, event_log.Draft(event_log.WARNING, "RolledBack", message, f"version/{version}"))
+        else:
+            message = f"updated to version {version} ({how})"
+            draft = event_log.Draft(event_log.NORMAL, "ServiceUpdated", message, f"version/{version}")
+            self.event_log.record(name, draft)
+
+    async def rollback_service(
+        self, name: str, to_version: int, *, dry_run: bool
+    ) -> tuple[res.Service, res.UpdatePlan, int]:
+        """Update a service to an earlier version's spec (a new version), or plan it on a dry run.
+
+        The version rolled back from is marked rolled back in the history.
+
+        Raises:
+            errors.ValidationError: a negative `to_version`.
+            errors.NotFoundError: no such service, or `to_version` is not in the history.
+            errors.FailedPreconditionError: no earlier version to go back to; shutting down.
+        """
+        if to_version < 0:
+            raise errors.ValidationError([errors.FieldViolation("to_version", f"must be >= 0, got {to_version}")])
+        rec = self._get(name)
+        latest = rec.service().latest_version
+        kept = self._db.list_history(name)
+        try:
+            target = history.rollback_target([history.Kept(h.version, h.outcome) for h in kept], latest, to_version)
+        except history.NoTarget as exc:
+            if to_version and to_version != latest:
+                raise errors.NotFoundError(
+                    str(exc), reason="VERSION_NOT_FOUND", service=name, version=to_version
+                ) from None
+            raise errors.FailedPreconditionError(
+                str(exc), reason="NO_ROLLBACK_TARGET", subject=f"services/{name}", service=name
+            ) from None
+        old = next(h.spec for h in kept if h.version == target)
+        await self._check_runnable(old)
+        rec = self._get(name)
+        self._check_budget(name, old)
+        plan = rec.update(old, mode=res.UPDATE_MODE_ROLLING, dry_run=dry_run)
+        if not dry_run:
+            self._db.set_version_outcome(
+                name,
+                latest,
+                res.VERSION_OUTCOME_ROLLED_BACK,
+                f"rolled back to version {target} by a user",
+                now=time.time(),
+            )
+            self._updated(name, plan, mode=res.UPDATE_MODE_ROLLING, rollback_of=target)
+        return rec.service(), plan, target
+
+    def list_versions(self, name: str) -> list[res.ServiceVersion]:
+        """A service's version history, oldest first."""
+        self._get(name)
+        return [store_history.version_proto(h) for h in self._db.list_history(name)]
+
+    def list_events(self, name: str, page_size: int, page_token: str) -> tuple[list[res.Event], str]:
+        """A page of a service's events, oldest first."""
+        return self.event_log.list(name, page_size, page_token)
+
+    async def watch_events(self, name: str, after_sequence: int) -> AsyncIterator[res.Event]:
+        """A service's events after `after_sequence`, then each new one."""
+        async for event in self.event_log.watch(name, after_sequence):
+            yield event
+
+    def promote_rollout(self, name: str, *, full: bool) -> res.Service:
+        """Move a canary rollout on.
+
+        Raises:
+            errors.FailedPreconditionError: no canary rollout in progress (none can run yet).
+        """
+        rec = self._get(name)
+        raise _no_rollout(name, rec.service())
+
+    def abort_rollout(self, name: str) -> res.Service:
+        """Abort a canary rollout.
+
+        Raises:
+            errors.FailedPreconditionError: no canary rollout in progress (none can run yet).
+        """
+        rec = self._get(name)
+        raise _no_rollout(name, rec.service())
 
     # ---- replicas ------------------------------------------------------------------------
 
@@ -534,6 +644,16 @@ class Controller:
     def _after_snapshot(self, seen: set[str], generation: int) -> None:
         for rec in self._services.values():
             rec.on_missing(seen, generation)
+
+
+def _no_rollout(name: str, service: res.Service) -> errors.FailedPreconditionError:
+    return errors.FailedPreconditionError(
+        f"service {name!r} has no canary rollout in progress",
+        reason="NO_ROLLOUT_IN_PROGRESS",
+        subject=f"services/{name}",
+        service=name,
+        latest_version=service.latest_version,
+    )
 
 
 def _check_page_size(page_size: int) -> None:

@@ -29,7 +29,17 @@ DEPOSED_EXIT_CODE = 3
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
     f"/{SERVICE_NAME}/{m}"
-    for m in ("CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans")
+    for m in (
+        "CreateService",
+        "UpdateService",
+        "DeleteService",
+        "TerminateReplica",
+        "PurgeReplicas",
+        "ReapOrphans",
+        "RollbackService",
+        "PromoteRollout",
+        "AbortRollout",
+    )
 )
 
 

@@ -127,6 +127,41 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
             controller_id=orphans.controller_id,
         )
 
+    async def ListEvents(
+        self, request: api.ListEventsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListEventsResponse:
+        found, token = self._ctl.list_events(request.service_name, request.page_size, request.page_token)
+        return api.ListEventsResponse(events=found, next_page_token=token)
+
+    async def WatchEvents(
+        self, request: api.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.WatchEventsResponse]:
+        async for event in self._ctl.watch_events(request.service_name, request.after_sequence):
+            yield api.WatchEventsResponse(event=event)
+
+    async def ListVersions(
+        self, request: api.ListVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListVersionsResponse:
+        return api.ListVersionsResponse(versions=self._ctl.list_versions(request.service_name))
+
+    async def RollbackService(
+        self, request: api.RollbackServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.RollbackServiceResponse:
+        svc, plan, to = await self._ctl.rollback_service(
+            request.service_name, request.to_version, dry_run=request.dry_run
+        )
+        return api.RollbackServiceResponse(service=svc, plan=plan, to_version=to)
+
+    async def PromoteRollout(
+        self, request: api.PromoteRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> api.PromoteRolloutResponse:
+        return api.PromoteRolloutResponse(service=self._ctl.promote_rollout(request.service_name, full=request.full))
+
+    async def AbortRollout(
+        self, request: api.AbortRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> api.AbortRolloutResponse:
+        return api.AbortRolloutResponse(service=self._ctl.abort_rollout(request.service_name))
+
     async def SubmitJob(
         self, request: api.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> api.SubmitJobResponse:

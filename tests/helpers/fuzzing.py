@@ -277,9 +277,35 @@ requests = st.one_of(
         texts,
         st.booleans(),
     ),
+    st.builds(
+        lambda n, s, t: ("ListEvents", api.ListEventsRequest(service_name=n, page_size=s, page_token=t)),
+        names,
+        int32s,
+        texts,
+    ),
+    st.builds(lambda n, s: ("WatchEvents", api.WatchEventsRequest(service_name=n, after_sequence=s)), names, ints),
+    st.builds(lambda n: ("ListVersions", api.ListVersionsRequest(service_name=n)), names),
+    st.builds(
+        lambda n, v, d: ("RollbackService", api.RollbackServiceRequest(service_name=n, to_version=v, dry_run=d)),
+        names,
+        ints,
+        st.booleans(),
+    ),
+    st.builds(lambda n, f: ("PromoteRollout", api.PromoteRolloutRequest(service_name=n, full=f)), names, st.booleans()),
+    st.builds(lambda n: ("AbortRollout", api.AbortRolloutRequest(service_name=n)), names),
 )
 
-MUTATIONS = {"CreateService", "UpdateService", "DeleteService", "TerminateReplica", "PurgeReplicas", "ReapOrphans"}
+MUTATIONS = {
+    "CreateService",
+    "UpdateService",
+    "DeleteService",
+    "TerminateReplica",
+    "PurgeReplicas",
+    "ReapOrphans",
+    "RollbackService",
+    "PromoteRollout",
+    "AbortRollout",
+}
 
 # ---- the controller under fuzz -----------------------------------------------------------
 

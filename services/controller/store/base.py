@@ -22,7 +22,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
-from services.controller import store_jobs
+from services.controller import store_history, store_jobs
 from services.controller.store import rows
 
 log = logging.getLogger("services.controller.store")
@@ -78,7 +78,7 @@ class Fence:
     lost: bool = False
 
 
-class Store(store_jobs.JobTables):
+class Store(store_history.HistoryTables, store_jobs.JobTables):
     """Store of services, versions, replicas and autoscaler state, on SQLite or PostgreSQL.
 
     `Store(path_or_url, ...)` opens the backend the argument names (see `open_store`); the
@@ -497,6 +497,7 @@ class Store(store_jobs.JobTables):
                 (name, float(now), resources_pb2.SERVICE_STATUS_CONTROLLER_INIT, request_id, secrets.token_hex(4)),
             )
             self._insert_version(name, 1, spec)
+            self._history_insert(name, 1, spec, now=now, mode=0, rollback_of=0)
             return self._get_service(name)  # type: ignore[return-value]
 
     def get_service(self, name: str) -> rows.ServiceRow | None:
@@ -548,18 +549,31 @@ class Store(store_jobs.JobTables):
         Deleting a service that is not there is a no-op, so recovery can repeat it.
         """
         with self.transaction():
-            for table in ("replicas", "versions", "autoscaler_state"):
+            for table in ("replicas", "versions", "autoscaler_state", "history", "events", "rollout_state"):
                 self._db.execute(f"DELETE FROM {table} WHERE service = ?", (name,))
             self._db.execute("DELETE FROM services WHERE name = ?", (name,))
 
     # ---- versions ------------------------------------------------------------------------
 
-    def add_version(self, name: str, spec: spec_pb2.ServiceSpec) -> int:
+    def add_version(
+        self,
+        name: str,
+        spec: spec_pb2.ServiceSpec,
+        *,
+        now: float | None = None,
+        mode: int = 0,
+        rollback_of: int = 0,
+    ) -> int:
         """Store `spec` as the next version and make it the latest, atomically.
+
+        The history records it as active and the version active before as superseded.
 
         Args:
             name: the service name.
             spec: the validated spec.
+            now: when, for the history (default: the clock).
+            mode: the update mode, for the history.
+            rollback_of: the version whose spec this restores, for a rollback.
 
         Returns:
             The new version number (previous latest + 1).
@@ -578,6 +592,8 @@ class Store(store_jobs.JobTables):
             version = int(row[0]) + 1
             self._insert_version(name, version, spec)
             self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
+            when = time.time() if now is None else now
+            self._history_insert(name, version, spec, now=when, mode=mode, rollback_of=rollback_of)
             return version
 
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:

@@ -213,6 +213,14 @@ class _Session:
             query = _PLACEHOLDERS[sql] = sql.replace("%", "%%").replace("?", "%s")
         return self.raw.execute(query, tuple(params))
 
+    def executemany(self, sql: str, params: Iterable[Iterable[Any]]) -> None:
+        """Run one statement once per parameter tuple."""
+        if self.raw.closed and self._store._depth == 0:
+            self.raw = self._store._connect()
+        query = sql.replace("%", "%%").replace("?", "%s")
+        with self.raw.cursor() as cur:
+            cur.executemany(query, [tuple(p) for p in params])
+
     def close(self) -> None:
         """Close the connection."""
         self.raw.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.controller import store_jobs
+from services.controller import store_history, store_jobs
 
 Migration = Callable[[Any], None]
 """Takes a connection (sqlite3 or psycopg, in a transaction) and runs statements on it."""
@@ -86,7 +86,20 @@ def _sqlite_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
 
 
-SQLITE: tuple[Migration, ...] = (_sqlite_1, _sqlite_2, _sqlite_3, _sqlite_4, store_jobs.migrate_jobs)
+def _sqlite_7(db: Any) -> None:
+    """Leases: who leads the controllers sharing this store (docs/ha.md)."""
+    db.execute(LEASES_SQLITE)
+
+
+SQLITE: tuple[Migration, ...] = (
+    _sqlite_1,
+    _sqlite_2,
+    _sqlite_3,
+    _sqlite_4,
+    store_jobs.migrate_jobs,
+    store_history.migrate_6,
+    _sqlite_7,
+)
 """SQLite's forward migrations; the schema version is the number applied (PRAGMA user_version)."""
 
 
@@ -155,12 +168,53 @@ def _postgres_4(db: Any) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
+def _postgres_6(db: Any) -> None:
+    """`store_history.migrate_6` on PostgreSQL: version history, the event log, rollout state.
+    (No rows to carry over: no PostgreSQL store predates it.)"""
+    db.execute(
+        """CREATE TABLE history (
+            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+            version BIGINT NOT NULL,
+            spec BYTEA NOT NULL,
+            digest TEXT NOT NULL,
+            create_time DOUBLE PRECISION NOT NULL,
+            update_mode INTEGER NOT NULL DEFAULT 0,
+            outcome INTEGER NOT NULL,
+            reason TEXT NOT NULL DEFAULT '',
+            end_time DOUBLE PRECISION,
+            rollback_of BIGINT NOT NULL DEFAULT 0,
+            PRIMARY KEY (service, version)
+        )"""
+    )
+    db.execute(
+        """CREATE TABLE events (
+            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+            sequence BIGINT NOT NULL,
+            data BYTEA NOT NULL,
+            PRIMARY KEY (service, sequence)
+        )"""
+    )
+    db.execute(
+        """CREATE TABLE rollout_state (
+            service TEXT PRIMARY KEY REFERENCES services(name) ON DELETE CASCADE,
+            state BYTEA NOT NULL
+        )"""
+    )
+
+
+def _postgres_7(db: Any) -> None:
+    """Leases: who leads the controllers sharing this store (docs/ha.md)."""
+    db.execute(LEASES_POSTGRES)
+
+
 POSTGRES: tuple[Migration, ...] = (
     _postgres_1,
     _postgres_2,
     _postgres_3,
     _postgres_4,
     store_jobs.migrate_jobs_postgres,
+    _postgres_6,
+    _postgres_7,
 )
 """PostgreSQL's forward migrations, number for number the same schema as `SQLITE`."""
 
@@ -168,10 +222,8 @@ SCHEMA_VERSION = len(SQLITE)
 """The schema version this code writes, on either backend."""
 
 # ---- the lease table -------------------------------------------------------------------------
-# Who leads the controllers sharing a store (docs/ha.md). Created when a controller first takes
-# part in an election, with IF NOT EXISTS, outside the numbered migrations for now: number 6 is
-# being taken by other work (events and history), and the lease table is to become migration 7
-# (the same statement) once it is in.
+# Who leads the controllers sharing a store (docs/ha.md): migration 7. IF NOT EXISTS: a store
+# that took part in an election before the migration existed made it on first use.
 
 LEASES_SQLITE = """CREATE TABLE IF NOT EXISTS leases (
     name TEXT PRIMARY KEY,

@@ -2,7 +2,8 @@
 
 Paths:
   /health                 200
-  /whoami                 "replica N"
+  /whoami                 "replica N" (then the --say text, if any); with --fail-every K, every
+                          K-th answer is a 500
   /slow?s=S               answers "replica N" after S seconds
   /stream?words=N&delay=S N words, one chunk each, S seconds apart
   /status/CODE            answers CODE with a body naming the replica
@@ -27,14 +28,20 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
 
 
-def make_app(replica: str) -> web.Application:
+def make_app(replica: str, *, say: str = "", fail_every: int = 0) -> web.Application:
     """The app, answering as replica `replica`."""
+    answered = 0
+    me = f"replica {replica} {say}".rstrip()
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
     async def whoami(request: web.Request) -> web.Response:
-        return web.Response(text=f"replica {replica}\n")
+        nonlocal answered
+        answered += 1
+        if fail_every and answered % fail_every == 0:
+            return web.Response(status=500, text=f"{me} failed\n")
+        return web.Response(text=f"{me}\n")
 
     async def slow(request: web.Request) -> web.Response:
         await asyncio.sleep(float(request.query.get("s", "1")))
@@ -109,9 +116,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
     parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
     parser.add_argument("--tag", default="", help="marker so tests can find the process")
+    parser.add_argument("--say", default="", help="words /whoami adds after the replica id")
+    parser.add_argument("--fail-every", type=int, default=0, help="every K-th /whoami answers 500")
     args = parser.parse_args()
     web.run_app(
-        make_app(os.environ.get("REPLICA_ID", "?")),
+        make_app(os.environ.get("REPLICA_ID", "?"), say=args.say, fail_every=args.fail_every),
         host=args.host,
         port=args.port,
         print=None,

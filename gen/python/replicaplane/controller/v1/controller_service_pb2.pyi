@@ -1435,3 +1435,321 @@ class WatchJobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchJobResponse: _TypeAlias = WatchJobResponse  # noqa: Y015
+
+@_typing.final
+class ListEventsRequest(_message.Message):
+    """ListEventsRequest names a service and pages through its events."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    page_size: _builtins.int
+    """Maximum events per page; default 100, maximum 1000."""
+    page_token: _builtins.str
+    """Token from a previous response's `next_page_token` of the same listing; any other value is
+    INVALID_ARGUMENT naming `page_token`.
+    """
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsRequest: _TypeAlias = ListEventsRequest  # noqa: Y015
+
+@_typing.final
+class ListEventsResponse(_message.Message):
+    """ListEventsResponse is one page of events."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty on the last page."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Event]:
+        """The events, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[_resources_pb2.Event] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEventsResponse: _TypeAlias = ListEventsResponse  # noqa: Y015
+
+@_typing.final
+class WatchEventsRequest(_message.Message):
+    """WatchEventsRequest names the service whose events to stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    after_sequence: _builtins.int
+    """Send only events with a higher sequence; 0 sends every event still in the log first."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        after_sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    """WatchEventsResponse is one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> _resources_pb2.Event:
+        """The event (new, or counted again)."""
+
+    def __init__(
+        self,
+        *,
+        event: _resources_pb2.Event | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
+
+@_typing.final
+class ListVersionsRequest(_message.Message):
+    """ListVersionsRequest names a service."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListVersionsRequest: _TypeAlias = ListVersionsRequest  # noqa: Y015
+
+@_typing.final
+class ListVersionsResponse(_message.Message):
+    """ListVersionsResponse is a service's version history."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.ServiceVersion]:
+        """The versions, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        versions: _abc.Iterable[_resources_pb2.ServiceVersion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListVersionsResponse: _TypeAlias = ListVersionsResponse  # noqa: Y015
+
+@_typing.final
+class RollbackServiceRequest(_message.Message):
+    """RollbackServiceRequest names a service and the version to go back to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    TO_VERSION_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    to_version: _builtins.int
+    """The version whose spec to restore; 0 for the last version before the latest that was not
+    rolled back or failed.
+    """
+    dry_run: _builtins.bool
+    """Return the plan without applying it."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        to_version: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "service_name", b"service_name", "to_version", b"to_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollbackServiceRequest: _TypeAlias = RollbackServiceRequest  # noqa: Y015
+
+@_typing.final
+class RollbackServiceResponse(_message.Message):
+    """RollbackServiceResponse is the service after the rollback and the plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
+    TO_VERSION_FIELD_NUMBER: _builtins.int
+    to_version: _builtins.int
+    """The version whose spec was restored."""
+    @_builtins.property
+    def service(self) -> _resources_pb2.Service:
+        """The service (unchanged on a dry run)."""
+
+    @_builtins.property
+    def plan(self) -> _resources_pb2.UpdatePlan:
+        """What the rollback does to the replicas; `new_version` is the version it creates."""
+
+    def __init__(
+        self,
+        *,
+        service: _resources_pb2.Service | None = ...,
+        plan: _resources_pb2.UpdatePlan | None = ...,
+        to_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "service", b"service"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "service", b"service", "to_version", b"to_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollbackServiceResponse: _TypeAlias = RollbackServiceResponse  # noqa: Y015
+
+@_typing.final
+class PromoteRolloutRequest(_message.Message):
+    """PromoteRolloutRequest names the service whose rollout to promote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    FULL_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    full: _builtins.bool
+    """Skip every remaining step: all the traffic to the new version now."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+        full: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["full", b"full", "service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromoteRolloutRequest: _TypeAlias = PromoteRolloutRequest  # noqa: Y015
+
+@_typing.final
+class PromoteRolloutResponse(_message.Message):
+    """PromoteRolloutResponse is the service after the promotion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def service(self) -> _resources_pb2.Service:
+        """The service, with its rollout status."""
+
+    def __init__(
+        self,
+        *,
+        service: _resources_pb2.Service | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["service", b"service"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["service", b"service"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromoteRolloutResponse: _TypeAlias = PromoteRolloutResponse  # noqa: Y015
+
+@_typing.final
+class AbortRolloutRequest(_message.Message):
+    """AbortRolloutRequest names the service whose rollout to abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service name."""
+    def __init__(
+        self,
+        *,
+        service_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortRolloutRequest: _TypeAlias = AbortRolloutRequest  # noqa: Y015
+
+@_typing.final
+class AbortRolloutResponse(_message.Message):
+    """AbortRolloutResponse is the service after the abort."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVICE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def service(self) -> _resources_pb2.Service:
+        """The service, with its rollout status."""
+
+    def __init__(
+        self,
+        *,
+        service: _resources_pb2.Service | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["service", b"service"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["service", b"service"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortRolloutResponse: _TypeAlias = AbortRolloutResponse  # noqa: Y015

@@ -137,6 +137,36 @@ class ControllerServiceStub:
                 request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.FromString,
                 _registered_method=True)
+        self.ListEvents = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ListEvents',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/replicaplane.controller.v1.ControllerService/WatchEvents',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
+        self.ListVersions = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/ListVersions',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsResponse.FromString,
+                _registered_method=True)
+        self.RollbackService = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/RollbackService',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceResponse.FromString,
+                _registered_method=True)
+        self.PromoteRollout = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/PromoteRollout',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutResponse.FromString,
+                _registered_method=True)
+        self.AbortRollout = channel.unary_unary(
+                '/replicaplane.controller.v1.ControllerService/AbortRollout',
+                request_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -319,6 +349,62 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEvents(self, request, context):
+        """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
+        Returns NOT_FOUND for an unknown service, INVALID_ARGUMENT for a bad `page_size` or
+        `page_token`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Streams a service's events: the ones after `after_sequence` still in the log, then each new
+        one (an entry counted again comes again, with a higher sequence). Resumable: call again with
+        the last sequence seen. Ends when the service is deleted. A client that falls 10,000 events
+        behind gets RESOURCE_EXHAUSTED (reason WATCH_FELL_BEHIND, metadata `after_sequence`).
+        Returns NOT_FOUND for an unknown service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVersions(self, request, context):
+        """Lists a service's versions, oldest first (the last 100 are kept), with their outcome.
+        Returns NOT_FOUND for an unknown service.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackService(self, request, context):
+        """Rolls a service back to an earlier version's spec: an update (a new version) to that spec,
+        in place where only the service section differs. Returns NOT_FOUND for an unknown service
+        or a version not in the history, INVALID_ARGUMENT for a bad `to_version`, FAILED_PRECONDITION
+        while the service shuts down or when there is no earlier version to go back to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromoteRollout(self, request, context):
+        """Moves a canary rollout on: to its next step, or with `full` to all the traffic on the new
+        version, skipping pauses and analysis. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+        NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRollout(self, request, context):
+        """Aborts a canary rollout: the traffic goes back to the stable version at once and the new
+        version's replicas are torn down. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+        NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -421,6 +507,36 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.FromString,
                     response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.SerializeToString,
+            ),
+            'ListEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEvents,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'ListVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVersions,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsResponse.SerializeToString,
+            ),
+            'RollbackService': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackService,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceResponse.SerializeToString,
+            ),
+            'PromoteRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteRollout,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutResponse.SerializeToString,
+            ),
+            'AbortRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRollout,
+                    request_deserializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutRequest.FromString,
+                    response_serializer=replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -966,6 +1082,168 @@ class ControllerService:
             '/replicaplane.controller.v1.ControllerService/WatchJob',
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobRequest.SerializeToString,
             replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ListEvents',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/WatchEvents',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/ListVersions',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.ListVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackService(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/RollbackService',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.RollbackServiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/PromoteRollout',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.PromoteRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replicaplane.controller.v1.ControllerService/AbortRollout',
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutRequest.SerializeToString,
+            replicaplane_dot_controller_dot_v1_dot_controller__service__pb2.AbortRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

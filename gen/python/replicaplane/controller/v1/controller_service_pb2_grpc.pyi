@@ -124,6 +124,38 @@ class ControllerServiceStub:
     `states_only`, its output as the worker writes it. Ends after the job has ended and its
     output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
     """
+    ListEvents: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListEventsRequest, _controller_service_pb2.ListEventsResponse]
+    """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
+    Returns NOT_FOUND for an unknown service, INVALID_ARGUMENT for a bad `page_size` or
+    `page_token`.
+    """
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_controller_service_pb2.WatchEventsRequest, _controller_service_pb2.WatchEventsResponse]
+    """Streams a service's events: the ones after `after_sequence` still in the log, then each new
+    one (an entry counted again comes again, with a higher sequence). Resumable: call again with
+    the last sequence seen. Ends when the service is deleted. A client that falls 10,000 events
+    behind gets RESOURCE_EXHAUSTED (reason WATCH_FELL_BEHIND, metadata `after_sequence`).
+    Returns NOT_FOUND for an unknown service.
+    """
+    ListVersions: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.ListVersionsRequest, _controller_service_pb2.ListVersionsResponse]
+    """Lists a service's versions, oldest first (the last 100 are kept), with their outcome.
+    Returns NOT_FOUND for an unknown service.
+    """
+    RollbackService: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.RollbackServiceRequest, _controller_service_pb2.RollbackServiceResponse]
+    """Rolls a service back to an earlier version's spec: an update (a new version) to that spec,
+    in place where only the service section differs. Returns NOT_FOUND for an unknown service
+    or a version not in the history, INVALID_ARGUMENT for a bad `to_version`, FAILED_PRECONDITION
+    while the service shuts down or when there is no earlier version to go back to.
+    """
+    PromoteRollout: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.PromoteRolloutRequest, _controller_service_pb2.PromoteRolloutResponse]
+    """Moves a canary rollout on: to its next step, or with `full` to all the traffic on the new
+    version, skipping pauses and analysis. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+    NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+    """
+    AbortRollout: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.AbortRolloutRequest, _controller_service_pb2.AbortRolloutResponse]
+    """Aborts a canary rollout: the traffic goes back to the stable version at once and the new
+    version's replicas are torn down. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+    NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -220,6 +252,38 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Streams a job: the job now, then the job on every change of its state, and, unless
     `states_only`, its output as the worker writes it. Ends after the job has ended and its
     output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+    """
+    ListEvents: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListEventsRequest, _controller_service_pb2.ListEventsResponse]  # type: ignore[assignment]
+    """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
+    Returns NOT_FOUND for an unknown service, INVALID_ARGUMENT for a bad `page_size` or
+    `page_token`.
+    """
+    WatchEvents: _aio.UnaryStreamMultiCallable[_controller_service_pb2.WatchEventsRequest, _controller_service_pb2.WatchEventsResponse]  # type: ignore[assignment]
+    """Streams a service's events: the ones after `after_sequence` still in the log, then each new
+    one (an entry counted again comes again, with a higher sequence). Resumable: call again with
+    the last sequence seen. Ends when the service is deleted. A client that falls 10,000 events
+    behind gets RESOURCE_EXHAUSTED (reason WATCH_FELL_BEHIND, metadata `after_sequence`).
+    Returns NOT_FOUND for an unknown service.
+    """
+    ListVersions: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.ListVersionsRequest, _controller_service_pb2.ListVersionsResponse]  # type: ignore[assignment]
+    """Lists a service's versions, oldest first (the last 100 are kept), with their outcome.
+    Returns NOT_FOUND for an unknown service.
+    """
+    RollbackService: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.RollbackServiceRequest, _controller_service_pb2.RollbackServiceResponse]  # type: ignore[assignment]
+    """Rolls a service back to an earlier version's spec: an update (a new version) to that spec,
+    in place where only the service section differs. Returns NOT_FOUND for an unknown service
+    or a version not in the history, INVALID_ARGUMENT for a bad `to_version`, FAILED_PRECONDITION
+    while the service shuts down or when there is no earlier version to go back to.
+    """
+    PromoteRollout: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.PromoteRolloutRequest, _controller_service_pb2.PromoteRolloutResponse]  # type: ignore[assignment]
+    """Moves a canary rollout on: to its next step, or with `full` to all the traffic on the new
+    version, skipping pauses and analysis. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+    NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+    """
+    AbortRollout: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.AbortRolloutRequest, _controller_service_pb2.AbortRolloutResponse]  # type: ignore[assignment]
+    """Aborts a canary rollout: the traffic goes back to the stable version at once and the new
+    version's replicas are torn down. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+    NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -434,6 +498,74 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams a job: the job now, then the job on every change of its state, and, unless
         `states_only`, its output as the worker writes it. Ends after the job has ended and its
         output is sent. Returns NOT_FOUND (POOL_NOT_FOUND or JOB_NOT_FOUND).
+        """
+
+    @_abc_1.abstractmethod
+    def ListEvents(
+        self,
+        request: _controller_service_pb2.ListEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListEventsResponse, _abc.Awaitable[_controller_service_pb2.ListEventsResponse]]:
+        """Lists a service's events, oldest first (the log keeps the last 500 entries per service).
+        Returns NOT_FOUND for an unknown service, INVALID_ARGUMENT for a bad `page_size` or
+        `page_token`.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _controller_service_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_service_pb2.WatchEventsResponse], _abc.AsyncIterator[_controller_service_pb2.WatchEventsResponse]]:
+        """Streams a service's events: the ones after `after_sequence` still in the log, then each new
+        one (an entry counted again comes again, with a higher sequence). Resumable: call again with
+        the last sequence seen. Ends when the service is deleted. A client that falls 10,000 events
+        behind gets RESOURCE_EXHAUSTED (reason WATCH_FELL_BEHIND, metadata `after_sequence`).
+        Returns NOT_FOUND for an unknown service.
+        """
+
+    @_abc_1.abstractmethod
+    def ListVersions(
+        self,
+        request: _controller_service_pb2.ListVersionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.ListVersionsResponse, _abc.Awaitable[_controller_service_pb2.ListVersionsResponse]]:
+        """Lists a service's versions, oldest first (the last 100 are kept), with their outcome.
+        Returns NOT_FOUND for an unknown service.
+        """
+
+    @_abc_1.abstractmethod
+    def RollbackService(
+        self,
+        request: _controller_service_pb2.RollbackServiceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.RollbackServiceResponse, _abc.Awaitable[_controller_service_pb2.RollbackServiceResponse]]:
+        """Rolls a service back to an earlier version's spec: an update (a new version) to that spec,
+        in place where only the service section differs. Returns NOT_FOUND for an unknown service
+        or a version not in the history, INVALID_ARGUMENT for a bad `to_version`, FAILED_PRECONDITION
+        while the service shuts down or when there is no earlier version to go back to.
+        """
+
+    @_abc_1.abstractmethod
+    def PromoteRollout(
+        self,
+        request: _controller_service_pb2.PromoteRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.PromoteRolloutResponse, _abc.Awaitable[_controller_service_pb2.PromoteRolloutResponse]]:
+        """Moves a canary rollout on: to its next step, or with `full` to all the traffic on the new
+        version, skipping pauses and analysis. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+        NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
+        """
+
+    @_abc_1.abstractmethod
+    def AbortRollout(
+        self,
+        request: _controller_service_pb2.AbortRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_service_pb2.AbortRolloutResponse, _abc.Awaitable[_controller_service_pb2.AbortRolloutResponse]]:
+        """Aborts a canary rollout: the traffic goes back to the stable version at once and the new
+        version's replicas are torn down. Returns NOT_FOUND, or FAILED_PRECONDITION (reason
+        NO_ROLLOUT_IN_PROGRESS) when no canary rollout is progressing or failed.
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

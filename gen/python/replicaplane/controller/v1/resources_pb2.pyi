@@ -280,6 +280,106 @@ JOB_STATE_CANCELLED: JobState.ValueType  # 5
 """It was cancelled."""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
+class _RolloutState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RolloutStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLLOUT_STATE_UNSPECIFIED: _RolloutState.ValueType  # 0
+    """Not set."""
+    ROLLOUT_STATE_PROGRESSING: _RolloutState.ValueType  # 1
+    """Moving through the steps: launching the new version's replicas, holding a step's pause,
+    analysing.
+    """
+    ROLLOUT_STATE_SUCCEEDED: _RolloutState.ValueType  # 2
+    """Every step passed and the new version has all the traffic and its target replicas READY."""
+    ROLLOUT_STATE_ROLLED_BACK: _RolloutState.ValueType  # 3
+    """Failed (analysis, progress deadline, stop rule) or aborted, and the traffic went back to the
+    stable version.
+    """
+    ROLLOUT_STATE_FAILED: _RolloutState.ValueType  # 4
+    """Failed with `auto_rollback: false`: the traffic stays as it was at the failure until a person
+    promotes, aborts or updates.
+    """
+
+class RolloutState(_RolloutState, metaclass=_RolloutStateEnumTypeWrapper):
+    """RolloutState is the position of a canary rollout."""
+
+ROLLOUT_STATE_UNSPECIFIED: RolloutState.ValueType  # 0
+"""Not set."""
+ROLLOUT_STATE_PROGRESSING: RolloutState.ValueType  # 1
+"""Moving through the steps: launching the new version's replicas, holding a step's pause,
+analysing.
+"""
+ROLLOUT_STATE_SUCCEEDED: RolloutState.ValueType  # 2
+"""Every step passed and the new version has all the traffic and its target replicas READY."""
+ROLLOUT_STATE_ROLLED_BACK: RolloutState.ValueType  # 3
+"""Failed (analysis, progress deadline, stop rule) or aborted, and the traffic went back to the
+stable version.
+"""
+ROLLOUT_STATE_FAILED: RolloutState.ValueType  # 4
+"""Failed with `auto_rollback: false`: the traffic stays as it was at the failure until a person
+promotes, aborts or updates.
+"""
+Global___RolloutState: _TypeAlias = RolloutState  # noqa: Y015
+
+class _EventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EVENT_TYPE_UNSPECIFIED: _EventType.ValueType  # 0
+    """Not set."""
+    EVENT_TYPE_NORMAL: _EventType.ValueType  # 1
+    """Routine: a launch, a replica ready, a rollout step."""
+    EVENT_TYPE_WARNING: _EventType.ValueType  # 2
+    """Something went wrong: a failure, a rollback."""
+
+class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
+    """EventType says whether an event is routine or a problem."""
+
+EVENT_TYPE_UNSPECIFIED: EventType.ValueType  # 0
+"""Not set."""
+EVENT_TYPE_NORMAL: EventType.ValueType  # 1
+"""Routine: a launch, a replica ready, a rollout step."""
+EVENT_TYPE_WARNING: EventType.ValueType  # 2
+"""Something went wrong: a failure, a rollback."""
+Global___EventType: _TypeAlias = EventType  # noqa: Y015
+
+class _VersionOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _VersionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VersionOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VERSION_OUTCOME_UNSPECIFIED: _VersionOutcome.ValueType  # 0
+    """Not set."""
+    VERSION_OUTCOME_ACTIVE: _VersionOutcome.ValueType  # 1
+    """The latest version: serving, or rolling out."""
+    VERSION_OUTCOME_SUPERSEDED: _VersionOutcome.ValueType  # 2
+    """A newer version replaced it."""
+    VERSION_OUTCOME_ROLLED_BACK: _VersionOutcome.ValueType  # 3
+    """Its rollout failed or was aborted and the service went back to an earlier spec."""
+    VERSION_OUTCOME_FAILED: _VersionOutcome.ValueType  # 4
+    """Its rollout failed and `auto_rollback: false` kept it."""
+
+class VersionOutcome(_VersionOutcome, metaclass=_VersionOutcomeEnumTypeWrapper):
+    """VersionOutcome is what became of a version."""
+
+VERSION_OUTCOME_UNSPECIFIED: VersionOutcome.ValueType  # 0
+"""Not set."""
+VERSION_OUTCOME_ACTIVE: VersionOutcome.ValueType  # 1
+"""The latest version: serving, or rolling out."""
+VERSION_OUTCOME_SUPERSEDED: VersionOutcome.ValueType  # 2
+"""A newer version replaced it."""
+VERSION_OUTCOME_ROLLED_BACK: VersionOutcome.ValueType  # 3
+"""Its rollout failed or was aborted and the service went back to an earlier spec."""
+VERSION_OUTCOME_FAILED: VersionOutcome.ValueType  # 4
+"""Its rollout failed and `auto_rollback: false` kept it."""
+Global___VersionOutcome: _TypeAlias = VersionOutcome  # noqa: Y015
+
 @_typing.final
 class Service(_message.Message):
     """Service is a named, versioned service and where it stands."""
@@ -303,6 +403,8 @@ class Service(_message.Message):
     UID_FIELD_NUMBER: _builtins.int
     LOAD_BALANCER_URL_FIELD_NUMBER: _builtins.int
     AUTOSCALER_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    STABLE_VERSION_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     QUEUED_JOBS_FIELD_NUMBER: _builtins.int
     RUNNING_JOBS_FIELD_NUMBER: _builtins.int
@@ -331,6 +433,10 @@ class Service(_message.Message):
     load_balancer_url: _builtins.str
     """Output only. The URL of the load balancer that last reported load for this service, if any:
     the service's one endpoint for clients.
+    """
+    stable_version: _builtins.int
+    """Output only. The last version that had its target replicas READY with all the traffic: the
+    version an automatic rollback goes back to. 0 while no version ever had.
     """
     kind: _spec_pb2.FleetKind.ValueType
     """Output only. What the fleet is: a service (replicas serving HTTP) or a pool (workers running
@@ -365,6 +471,12 @@ class Service(_message.Message):
     def autoscaler(self) -> Global___AutoscalerStatus:
         """Output only. The autoscaler: its kind, target, bounds, the load it sees and its last decision."""
 
+    @_builtins.property
+    def rollout(self) -> Global___RolloutStatus:
+        """Output only. The service's canary rollout: the one in progress, or the last one (until the
+        next update). Unset when the service was never updated in canary mode.
+        """
+
     def __init__(
         self,
         *,
@@ -385,13 +497,15 @@ class Service(_message.Message):
         uid: _builtins.str = ...,
         load_balancer_url: _builtins.str = ...,
         autoscaler: Global___AutoscalerStatus | None = ...,
+        rollout: Global___RolloutStatus | None = ...,
+        stable_version: _builtins.int = ...,
         kind: _spec_pb2.FleetKind.ValueType = ...,
         queued_jobs: _builtins.int = ...,
         running_jobs: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "create_time", b"create_time", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscaler", b"autoscaler", "create_time", b"create_time", "rollout", b"rollout", "spec", b"spec", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "autoscaler", b"autoscaler", "create_time", b"create_time", "endpoints", b"endpoints", "kind", b"kind", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "queued_jobs", b"queued_jobs", "ready_replicas", b"ready_replicas", "running_jobs", b"running_jobs", "spec", b"spec", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_versions", b"active_versions", "autoscaler", b"autoscaler", "create_time", b"create_time", "endpoints", b"endpoints", "kind", b"kind", "latest_version", b"latest_version", "load_balancer_url", b"load_balancer_url", "name", b"name", "probing_stale", b"probing_stale", "queued_jobs", b"queued_jobs", "ready_replicas", b"ready_replicas", "rollout", b"rollout", "running_jobs", b"running_jobs", "spec", b"spec", "stable_version", b"stable_version", "status", b"status", "status_message", b"status_message", "target_replicas", b"target_replicas", "total_replicas", b"total_replicas", "uid", b"uid", "update_mode", b"update_mode", "uptime_start_time", b"uptime_start_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -996,3 +1110,201 @@ class Job(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class RolloutStatus(_message.Message):
+    """RolloutStatus is where a canary rollout stands."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STABLE_VERSION_FIELD_NUMBER: _builtins.int
+    CANARY_VERSION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    CANARY_WEIGHT_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    STEP_START_TIME_FIELD_NUMBER: _builtins.int
+    DEADLINE_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ANALYSIS_FIELD_NUMBER: _builtins.int
+    stable_version: _builtins.int
+    """The version the traffic comes from: the one an automatic rollback goes back to."""
+    canary_version: _builtins.int
+    """The new version."""
+    state: Global___RolloutState.ValueType
+    """Where the rollout is."""
+    step: _builtins.int
+    """The current step, 1 to `step_count`; `step_count + 1` once all the traffic moves to the new
+    version (the final step); 0 before the first.
+    """
+    step_count: _builtins.int
+    """Number of steps in the spec's `service.rollout.steps`."""
+    canary_weight: _builtins.int
+    """Percent of the requests the new version gets now."""
+    message: _builtins.str
+    """One line: what the rollout waits for, or why it ended (for example `rolled back: error rate
+    48.0 % over the last 30 s (125 requests) is above the stable version's 0.5 % + 5 points`).
+    """
+    analysis: _builtins.str
+    """The last analysis verdict, for example `error rate 1.0 % over the last 30 s ...`."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the rollout started (the update)."""
+
+    @_builtins.property
+    def step_start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the current step's weight took effect (its pause counts from here); unset while the
+        step waits for the new version's replicas.
+        """
+
+    @_builtins.property
+    def deadline_time(self) -> _timestamp_pb2.Timestamp:
+        """When the rollout fails unless the new version has its target replicas READY by then."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """When the rollout ended (succeeded, rolled back or failed); unset while in progress."""
+
+    def __init__(
+        self,
+        *,
+        stable_version: _builtins.int = ...,
+        canary_version: _builtins.int = ...,
+        state: Global___RolloutState.ValueType = ...,
+        step: _builtins.int = ...,
+        step_count: _builtins.int = ...,
+        canary_weight: _builtins.int = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        step_start_time: _timestamp_pb2.Timestamp | None = ...,
+        deadline_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        message: _builtins.str = ...,
+        analysis: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline_time", b"deadline_time", "end_time", b"end_time", "start_time", b"start_time", "step_start_time", b"step_start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["analysis", b"analysis", "canary_version", b"canary_version", "canary_weight", b"canary_weight", "deadline_time", b"deadline_time", "end_time", b"end_time", "message", b"message", "stable_version", b"stable_version", "start_time", b"start_time", "state", b"state", "step", b"step", "step_count", b"step_count", "step_start_time", b"step_start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutStatus: _TypeAlias = RolloutStatus  # noqa: Y015
+
+@_typing.final
+class Event(_message.Message):
+    """Event is one entry of a service's event log, in the manner of Kubernetes Events: what happened,
+    to which object, why, and how often. Repeats of the same event are counted in one entry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    OBJECT_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    FIRST_TIME_FIELD_NUMBER: _builtins.int
+    LAST_TIME_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Position in the service's event log, strictly increasing; an entry counted again moves to
+    the end with a new sequence. WatchEvents resumes after a sequence.
+    """
+    service_name: _builtins.str
+    """The service name."""
+    type: Global___EventType.ValueType
+    """Normal or warning."""
+    reason: _builtins.str
+    """A short machine-readable CamelCase cause, for example `ReplicaFailed` or `RolledBack`."""
+    message: _builtins.str
+    """One line for people."""
+    object: _builtins.str
+    """What the event is about: `service`, `replica/3` or `version/2`."""
+    count: _builtins.int
+    """How many times it happened (1 for a single occurrence)."""
+    @_builtins.property
+    def first_time(self) -> _timestamp_pb2.Timestamp:
+        """When it happened first."""
+
+    @_builtins.property
+    def last_time(self) -> _timestamp_pb2.Timestamp:
+        """When it happened last."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        service_name: _builtins.str = ...,
+        type: Global___EventType.ValueType = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        object: _builtins.str = ...,
+        count: _builtins.int = ...,
+        first_time: _timestamp_pb2.Timestamp | None = ...,
+        last_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_time", b"first_time", "last_time", b"last_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "first_time", b"first_time", "last_time", b"last_time", "message", b"message", "object", b"object", "reason", b"reason", "sequence", b"sequence", "service_name", b"service_name", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class ServiceVersion(_message.Message):
+    """ServiceVersion is one version of a service in its history."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    UPDATE_MODE_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    ROLLBACK_OF_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version."""
+    spec_digest: _builtins.str
+    """The first 12 hex digits of the SHA-256 of the version's spec with its secrets redacted (two
+    versions with the same digest run the same spec, secret values aside).
+    """
+    outcome: Global___VersionOutcome.ValueType
+    """What became of it."""
+    reason: _builtins.str
+    """Why, for a rolled back or failed version; for a rollback version, which version it restores."""
+    update_mode: Global___UpdateMode.ValueType
+    """How the update that created it was rolled out (unspecified for version 1)."""
+    rollback_of: _builtins.int
+    """The version whose spec this version restores, when it was created by a rollback; else 0."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the version was created."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """When it stopped being active; unset while active."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        spec_digest: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        outcome: Global___VersionOutcome.ValueType = ...,
+        reason: _builtins.str = ...,
+        update_mode: Global___UpdateMode.ValueType = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        rollback_of: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "outcome", b"outcome", "reason", b"reason", "rollback_of", b"rollback_of", "spec_digest", b"spec_digest", "update_mode", b"update_mode", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServiceVersion: _TypeAlias = ServiceVersion  # noqa: Y015
