@@ -15,7 +15,7 @@ from replicaplane.controller.v1 import controller_service_pb2, controller_servic
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
 from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
-from services.controller import controller, forward, identity, leader, reconciler, servicer, store
+from services.controller import controller, forward, identity, leader, reconciler, servicer, store, writer
 from services.controller import metrics as controller_metrics
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,8 @@ class Running:
     """None while this controller stands by (leader_election)."""
     fleet: probe_fleet.ProbeFleet | None
     db: store.Store
+    db_writer: writer.Writer | None = None
+    """The controller's store writer (None while standing by)."""
     audit_file: audit.FileSink | None = None
     leadership: leader.Leadership | None = None
     """With leader_election: this controller's side of the election."""
@@ -192,6 +194,9 @@ class Running:
         fleet, self.fleet = self.fleet, None
         if fleet is not None:
             await fleet.stop()
+        db_writer, self.db_writer = self.db_writer, None
+        if db_writer is not None:
+            await db_writer.close()
         switch, self.switch = self.switch, None
         if switch is not None:
             await switch.close()
@@ -302,7 +307,9 @@ def _fleet(ctl: controller.Controller, fleet: probe_fleet.ProbeFleet) -> control
             if not token:
                 return
 
-    return controller_metrics.Fleet(services=services, watchers=ctl.watchers, probing_stale=lambda: fleet.stale)
+    return controller_metrics.Fleet(
+        services=services, watchers=ctl.watchers, queue_depth=ctl.queue_depth, probing_stale=lambda: fleet.stale
+    )
 
 
 def _replicas(ctl: controller.Controller, name: str) -> list[res.Replica]:
@@ -377,10 +384,10 @@ async def start(settings: Settings) -> Running:
             running.lead_task.add_done_callback(_failed_to_lead(holder[0]))
         await built.start()
         return running
-    ctl, fleet, api = _controller(settings, db, make_channel, own)
+    ctl, fleet, api, db_writer = _controller(settings, db, make_channel, own)
     controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(api, server)
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
-    running = Running(built=built, controller=ctl, fleet=fleet, db=db, audit_file=audit_file)
+    running = Running(built=built, controller=ctl, fleet=fleet, db=db, db_writer=db_writer, audit_file=audit_file)
     _follow_store_health(running)
     await ctl.start()
     await fleet.start()
@@ -390,8 +397,8 @@ async def start(settings: Settings) -> Running:
 
 def _controller(
     settings: Settings, db: store.Store, make_channel: Any, own: controller_metrics.ControllerMetrics | None
-) -> tuple[controller.Controller, probe_fleet.ProbeFleet, servicer.ControllerServicer]:
-    """The controller, its probe fleet and its servicer (nothing started)."""
+) -> tuple[controller.Controller, probe_fleet.ProbeFleet, servicer.ControllerServicer, writer.Writer]:
+    """The controller, its probe fleet, its servicer and its store writer (nothing started)."""
     controller_id = _identity(settings, db)
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
@@ -405,6 +412,11 @@ def _controller(
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
     )
+    # Every write of the controller goes through the writer thread and its own connection,
+    # which checks the same lease epoch as `db` (reopen shares the fence).
+    db_writer = writer.Writer(db.path, db=db.reopen())
+    if own is not None:
+        db_writer.db.on_write(own.store_write)  # called on the writer thread
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(
         settings.prober_addrs,
@@ -415,6 +427,7 @@ def _controller(
     )
     ctl = controller.Controller(
         db=db,
+        db_writer=db_writer,
         provisioner=provisioner_service_pb2_grpc.ProvisionerServiceStub(channel),
         probes=fleet,
         tuning=tuning,
@@ -425,7 +438,7 @@ def _controller(
     holder.append(ctl)
     if own is not None:
         own.watch(_fleet(ctl, fleet))
-    return ctl, fleet, servicer.ControllerServicer(ctl)
+    return ctl, fleet, servicer.ControllerServicer(ctl), db_writer
 
 
 def _follow_store_health(running: Running) -> None:
@@ -438,6 +451,8 @@ def _follow_store_health(running: Running) -> None:
         task.add_done_callback(background.discard)
 
     running.db.on_writable_change(store_health)
+    if running.db_writer is not None:
+        running.db_writer.on_writable_change(store_health)
 
 
 def _failed_to_lead(leadership: leader.Leadership) -> Any:
@@ -458,8 +473,8 @@ async def _lead(
     """Wait for the lease, then start the controller here and serve the API from it."""
     assert running.leadership is not None and running.switch is not None
     await running.leadership.wait_to_lead()
-    ctl, fleet, api = _controller(settings, running.db, make_channel, own)
-    running.controller, running.fleet = ctl, fleet
+    ctl, fleet, api, db_writer = _controller(settings, running.db, make_channel, own)
+    running.controller, running.fleet, running.db_writer = ctl, fleet, db_writer
     _follow_store_health(running)
     await ctl.start()
     await fleet.start()

@@ -54,7 +54,9 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def DeleteService(
         self, request: api.DeleteServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.DeleteServiceResponse:
-        return api.DeleteServiceResponse(service=self._ctl.delete_service(request.service_name, purge=request.purge))
+        return api.DeleteServiceResponse(
+            service=await self._ctl.delete_service(request.service_name, purge=request.purge)
+        )
 
     async def ListReplicas(
         self, request: api.ListReplicasRequest, context: grpc.aio.ServicerContext
@@ -70,13 +72,13 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def TerminateReplica(
         self, request: api.TerminateReplicaRequest, context: grpc.aio.ServicerContext
     ) -> api.TerminateReplicaResponse:
-        replica = self._ctl.terminate_replica(request.service_name, request.replica_id, purge=request.purge)
+        replica = await self._ctl.terminate_replica(request.service_name, request.replica_id, purge=request.purge)
         return api.TerminateReplicaResponse(replica=replica)
 
     async def PurgeReplicas(
         self, request: api.PurgeReplicasRequest, context: grpc.aio.ServicerContext
     ) -> api.PurgeReplicasResponse:
-        return api.PurgeReplicasResponse(replica_ids=self._ctl.purge_replicas(request.service_name))
+        return api.PurgeReplicasResponse(replica_ids=await self._ctl.purge_replicas(request.service_name))
 
     async def WatchService(
         self, request: api.WatchServiceRequest, context: grpc.aio.ServicerContext

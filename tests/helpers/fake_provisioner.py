@@ -24,7 +24,8 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     """Launches succeed at `endpoint` (or all fail for capacity while `capacity_refused`);
     names in `fail_teardown` fail every teardown. While `hold_launches` is set, new launches
     stay PROVISIONING until cancelled; while `dead_endpoint` is set, new replicas run at an
-    endpoint nothing answers."""
+    endpoint nothing answers. Each entry of `failing_launches` ((message, cause), oldest first)
+    fails one new launch, not for capacity."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -32,6 +33,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.capacity_refused = False
         self.hold_launches = False
         self.dead_endpoint = False
+        self.failing_launches: list[tuple[str, int]] = []
         self.launches: collections.Counter[str] = collections.Counter()
         self.traceparents: list[str] = []  # the trace context each Launch call carried ("" for none)
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
@@ -66,6 +68,15 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 "cause": res.FAILURE_CAUSE_INFRASTRUCTURE,
             }
             yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_FAILED, failed, **refusal))
+            return
+        if replica is None and self.failing_launches:
+            self.launches[request.name] += 1
+            message, cause = self.failing_launches.pop(0)
+            failed = res.ProvisionedReplica(name=request.name, state=res.REPLICA_STATE_FAILED)
+            yield pb.LaunchResponse(event=self._event(res.LAUNCH_EVENT_TYPE_QUEUED, failed))
+            yield pb.LaunchResponse(
+                event=self._event(res.LAUNCH_EVENT_TYPE_FAILED, failed, message=message, cause=cause)
+            )
             return
         if replica is None:
             self.launches[request.name] += 1

@@ -3,7 +3,9 @@ termination, the update plan, launches per pass, the blue-green switch and the f
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
+from hypothesis import strategies as hst
 
 from services.controller.domain import autoscaler, placer, scaling
 from services.controller.domain import status as st
@@ -278,3 +280,58 @@ def test_launch_zone(
 ) -> None:
     got = placer.launch_zone(ZONES, places, spot=spot, spot_placer=spot_placer, marks=marks, used=used)
     assert got == zone
+
+
+# ---- properties of the scale plan over any fleet ----------------------------------------------
+
+_replicas = hst.lists(
+    hst.tuples(hst.integers(1, 3), hst.sampled_from([s for s in S if s is not S.UNSPECIFIED]), hst.booleans()),
+    max_size=12,
+).map(lambda rows: [R(i + 1, v, s, is_spot=spot) for i, (v, s, spot) in enumerate(rows)])
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(replicas=_replicas, target=hst.integers(0, 6), blue_green=hst.booleans(), stopped=hst.booleans())
+def test_any_fleet_gets_a_sane_plan(replicas: list[R], target: int, blue_green: bool, stopped: bool) -> None:
+    """Victims are live replicas, each once; the latest version ends at the target; old replicas
+    go only as new ones are READY (rolling) or all at once after the switch (blue-green); a
+    stopped version launches nothing; traffic goes only to versions with READY replicas."""
+    p = scaling.plan(replicas, target=target, latest_version=3, stopped=stopped, blue_green=blue_green)
+    live = {r.replica_id: r for r in replicas if not st.is_terminal(r.status)}
+    assert len(set(p.teardown)) == len(p.teardown) and set(p.teardown) <= set(live)
+    latest = [r for r in live.values() if r.version == 3]
+    old = [r for r in live.values() if r.version != 3]
+    latest_victims = [i for i in p.teardown if live[i].version == 3]
+    old_victims = [i for i in p.teardown if live[i].version != 3]
+    assert p.launch_ondemand == 0
+    if stopped:
+        assert p.launch == 0
+    else:
+        assert len(latest) + p.launch - len(latest_victims) == target
+    assert p.launch == 0 or not latest_victims  # never launch and tear down the latest at once
+    new_ready = sum(1 for r in latest if r.status is S.READY)
+    if blue_green:
+        assert len(old_victims) == (len(old) if new_ready >= target else 0)
+    else:
+        assert len(old) - len(old_victims) == min(len(old), max(target - new_ready, 0))
+    active = scaling.active_versions(replicas, latest_version=3, target=target, blue_green=blue_green)
+    assert set(active) <= {r.version for r in replicas if r.status is S.READY}
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(replicas=_replicas, target=hst.integers(0, 5), base=hst.integers(0, 3), dynamic=hst.booleans())
+def test_any_fleet_runs_the_fallback_mix(replicas: list[R], target: int, base: int, dynamic: bool) -> None:
+    """With spot fallback, the latest version ends at exactly the spot and on-demand counts the
+    policy asks for, whatever it runs now."""
+    policy = autoscaler.Policy(
+        min_replicas=target, max_replicas=target, use_spot=True, base_ondemand=base, dynamic_fallback=dynamic
+    )
+    p = scaling.plan(replicas, target=policy.final(target), latest_version=3, fallback=(policy, target))
+    latest = {r.replica_id: r for r in replicas if r.version == 3 and not st.is_terminal(r.status)}
+    spot_ready = sum(1 for r in latest.values() if r.is_spot and r.status is S.READY)
+    want_spot, want_ondemand = autoscaler.fallback_counts(policy, target=target, spot_ready=spot_ready)
+    gone = [latest[i] for i in p.teardown if i in latest]
+    spot_now = sum(1 for r in latest.values() if r.is_spot) - sum(1 for r in gone if r.is_spot)
+    ondemand_now = sum(1 for r in latest.values() if not r.is_spot) - sum(1 for r in gone if not r.is_spot)
+    assert spot_now + p.launch == want_spot
+    assert ondemand_now + p.launch_ondemand == want_ondemand

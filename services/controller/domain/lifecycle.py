@@ -9,6 +9,8 @@ down" is answered by the `StartTeardown.reason` it returned. Scale-down victims 
 `wanted_motion(life)` is the level-triggered half: what a replica in these facts should have in
 motion (a launch followed, a teardown, probing), so a restart or a resync puts it back.
 
+The events and actions are plain values in `replica_events` (re-exported here).
+
 Pure: no asyncio, grpc or store. Times are wall-clock seconds (probe times, as the prober
 stamps them).
 """
@@ -20,6 +22,52 @@ import enum
 
 from services.controller.domain import status as st
 from services.controller.domain.failures import Cause, Failure, Kind
+from services.controller.domain.replica_events import (
+    Action,
+    AppExited,
+    CancelLaunch,
+    Event,
+    Failed,
+    Gone,
+    LaunchAttemptFailed,
+    LaunchFailed,
+    LaunchProvisioning,
+    LaunchRunning,
+    LaunchSucceeded,
+    MarkZone,
+    Probed,
+    StartTeardown,
+    TeardownAsked,
+    TeardownFinished,
+    TeardownRunning,
+)
+
+__all__ = [
+    "Action",
+    "AppExited",
+    "CancelLaunch",
+    "Event",
+    "Failed",
+    "Gone",
+    "LaunchAttemptFailed",
+    "LaunchFailed",
+    "LaunchProvisioning",
+    "LaunchRunning",
+    "LaunchSucceeded",
+    "Life",
+    "MarkZone",
+    "Motion",
+    "Probed",
+    "StartTeardown",
+    "TeardownAsked",
+    "TeardownFinished",
+    "TeardownRunning",
+    "Windows",
+    "keeps_logs",
+    "logs_left",
+    "step",
+    "wanted_motion",
+]
 
 LP = st.LaunchPhase
 TP = st.TeardownPhase
@@ -101,150 +149,6 @@ class Windows:
 
     initial_delay_s: float = 1200.0
     failure_threshold_s: float = 180.0
-
-
-# ---- events --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchProvisioning:
-    """The provisioner started working on the launch."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchAttemptFailed:
-    """One attempt failed; the provisioner tries again."""
-
-    attempt: int
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchRunning:
-    """The launch finished: the replica runs."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchFailed:
-    """The launch is over without a replica.
-
-    Attributes:
-        message: what the provisioner said.
-        cause: whose fault, as reported.
-        capacity: the zone had no (spot) capacity.
-        refused: the provisioner refused the request itself (a permanent gRPC error).
-        cancelled: cancelled at the provisioner by someone else.
-    """
-
-    message: str
-    cause: Cause = Cause.UNSPECIFIED
-    capacity: bool = False
-    refused: bool = False
-    cancelled: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class AppExited:
-    """The provisioner saw the app exit."""
-
-    code: int
-    cause: Cause = Cause.UNSPECIFIED
-
-
-@dataclasses.dataclass(frozen=True)
-class Gone:
-    """The replica vanished, or was preempted, without a teardown of ours."""
-
-    preempted: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Probed:
-    """A probe result. `informative` False (the prober could not probe, or the target was
-    invalid) says nothing about the replica: never a failure."""
-
-    ready: bool
-    time: float
-    error: str = ""
-    http_code: int = 0
-    informative: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class TeardownAsked:
-    """Someone decided this replica goes: a scale-down, the user, a service deletion."""
-
-    drain_s: float = 0.0
-    keep_logs: bool = False
-    scale_down: bool = False
-    purge: bool = False
-    reason: str = "asked"
-
-
-@dataclasses.dataclass(frozen=True)
-class TeardownRunning:
-    """The provisioner started the teardown."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TeardownFinished:
-    """The teardown is over: the replica is gone (`ok`), or could not be removed."""
-
-    ok: bool
-    message: str = ""
-
-
-Event = (
-    LaunchProvisioning
-    | LaunchAttemptFailed
-    | LaunchRunning
-    | LaunchFailed
-    | AppExited
-    | Gone
-    | Probed
-    | TeardownAsked
-    | TeardownRunning
-    | TeardownFinished
-)
-
-
-# ---- actions -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CancelLaunch:
-    """Stop following (and cancel) the replica's launch."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StartTeardown:
-    """Tear the replica down after `drain_s`; keep its logs if `keep_logs`; `reason` says why."""
-
-    drain_s: float
-    keep_logs: bool
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class MarkZone:
-    """Spot placer bookkeeping: the replica's zone worked, or failed or preempted it."""
-
-    preempted: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """A failure for the service-level rules: the stop rule and the launch pause (`failures`)."""
-
-    failure: Failure
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchSucceeded:
-    """A launch reached RUNNING: the launch backoff resets."""
-
-
-Action = CancelLaunch | StartTeardown | MarkZone | Failed | LaunchSucceeded
 
 
 # ---- the step ------------------------------------------------------------------------------

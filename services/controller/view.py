@@ -1,0 +1,168 @@
+"""What a service shows: the `Service` message (status derived by the domain), its endpoints,
+the autoscaler's status, the probe target of a replica."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from replicaplane.common.v1 import spec_pb2
+from replicaplane.controller.v1 import controller_service_pb2 as api
+from replicaplane.controller.v1 import resources_pb2 as res
+from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
+from services.common import pbtime, spec
+from services.controller.domain import autoscaler, failures, scaling
+from services.controller.domain import status as st
+from services.controller.drivers import probes
+
+if TYPE_CHECKING:
+    from services.controller.reconciler import ServiceReconciler
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Cache:
+    """What is rebuilt only when it changes."""
+
+    endpoint_key: tuple[tuple[int, str, int], ...] = ()
+    endpoint_list: list[res.Endpoint] = dataclasses.field(default_factory=list)
+    redacted: tuple[int, spec_pb2.ServiceSpec] = (0, spec_pb2.ServiceSpec())
+    published_version: int = 0
+
+    def without_unchanged_spec(self, svc: res.Service) -> res.Service:
+        # The watch history holds ~1,000 messages per service: the spec (up to 1 MiB of YAML)
+        # travels with the snapshot and with the change that brings a new version only.
+        if svc.latest_version == self.published_version:
+            svc.ClearField("spec")
+        self.published_version = svc.latest_version
+        return svc
+
+
+def _service_facts(rec: ServiceReconciler) -> st.ServiceFacts:
+    row = rec.row
+    latest = str(row.latest_version)
+    pause = failures.pause_message(rec.backoff, time.monotonic()) if rec.launch_wanted else ""
+    return st.ServiceFacts(
+        started=rec.started,
+        deleting=row.deleting,
+        cleanup_failed=row.status == res.SERVICE_STATUS_FAILED_CLEANUP,
+        cleanup_message=row.status_message,
+        replicas_left=len(rec.shown),
+        target=rec.final_target(),
+        stopped_message=rec.state.stopped.get(latest, ""),
+        pause_message=pause,
+        probing_stale=rec.probing_stale,
+    )
+
+
+def service(rec: ServiceReconciler) -> res.Service:
+    """The service as the API shows it: from the records as stored."""
+    views = list(rec.shown_views.values())
+    statuses = [v.status for v in views]
+    ready, total = st.ready_and_total(statuses)
+    active = scaling.active_versions(
+        views,
+        latest_version=rec.row.latest_version,
+        target=rec.final_target(),
+        blue_green=rec.row.update_mode == res.UPDATE_MODE_BLUE_GREEN,
+    )
+    sf = _service_facts(rec)
+    row = rec.row
+    svc = res.Service(
+        name=rec.name,
+        status=int(st.service_status_of(statuses, sf)),  # type: ignore[arg-type]
+        status_message=st.status_message(statuses, sf),
+        ready_replicas=ready,
+        total_replicas=total,
+        active_versions=active,
+        latest_version=row.latest_version,
+        spec=_shown_spec(rec),
+        create_time=pbtime.timestamp(row.create_time),
+        target_replicas=rec.final_target(),
+        probing_stale=rec.probing_stale,
+        update_mode=row.update_mode,  # type: ignore[arg-type]
+        endpoints=_endpoints(rec, views, active),
+        uid=row.uid,
+        load_balancer_url=rec.load_balancer_url,
+    )
+    if row.uptime_start is not None:
+        svc.uptime_start_time.CopyFrom(pbtime.timestamp(row.uptime_start))
+    svc.autoscaler.CopyFrom(_autoscaler_status(rec))
+    return svc
+
+
+def snapshot(rec: ServiceReconciler) -> api.WatchServiceResponse:
+    """The whole service for a new watcher."""
+    return api.WatchServiceResponse(service=service(rec), replicas=[rec.shown[i] for i in sorted(rec.shown)])
+
+
+def store_status(rec: ServiceReconciler) -> None:
+    """Keep the stored status and message equal to the derived ones (written with the batch)."""
+    if rec.row.deleting or not rec.started:
+        return
+    views = list(rec.views.values())
+    statuses = [v.status for v in views]
+    sf = _service_facts(rec)
+    status, message = int(st.service_status_of(statuses, sf)), st.status_message(statuses, sf)
+    if status != rec.row.status or message != rec.row.status_message:
+        rec.row = dataclasses.replace(rec.row, status=status, status_message=message)
+        rec.book.row(status=status, status_message=message)
+
+
+def _shown_spec(rec: ServiceReconciler) -> spec_pb2.ServiceSpec:
+    # Probe headers and secrets never leave the controller in full.
+    version = rec.row.latest_version
+    if rec.view_cache.redacted[0] != version:
+        rec.view_cache.redacted = (version, spec.redacted(rec.spec(version)))
+    return rec.view_cache.redacted[1]
+
+
+def _endpoints(rec: ServiceReconciler, views: list[st.ReplicaView], active: list[int]) -> list[res.Endpoint]:
+    ids = sorted(v.replica_id for v in views if v.status is st.ReplicaStatus.READY and v.version in active)
+    key = tuple((i, rec.shown[i].endpoint, rec.shown[i].version) for i in ids)
+    cache = rec.view_cache
+    if key != cache.endpoint_key:  # built once per change of the ready set
+        cache.endpoint_key = key
+        cache.endpoint_list = [
+            res.Endpoint(replica_id=i, url=url, version=version, accelerator=rec.shown[i].accelerator or "unknown")
+            for i, url, version in key
+        ]
+    return cache.endpoint_list
+
+
+def _autoscaler_status(rec: ServiceReconciler) -> res.AutoscalerStatus:
+    policy = rec.policy()
+    out = res.AutoscalerStatus(
+        kind=policy.kind,
+        target_replicas=rec.final_target(),
+        min_replicas=policy.min_replicas,
+        max_replicas=policy.max_replicas,
+        qps=autoscaler.qps(rec.state.window(), time.time(), window_s=rec.tuning.qps_window_s),
+        last_decision_reason=rec.state.reason,
+    )
+    if rec.state.decided_at:
+        out.last_decision_time.CopyFrom(pbtime.timestamp(rec.state.decided_at))
+    return out
+
+
+def probe_target(rec: ServiceReconciler, r: res.Replica) -> prober_pb.ProbeTarget:
+    """A replica's probe target: path, body, headers, timeout from its own version; interval
+    from the latest."""
+    probe = rec.spec(r.version).service.readiness_probe
+    latest = rec.spec(rec.row.latest_version).service.readiness_probe
+    return prober_pb.ProbeTarget(
+        target_id=probes.target_id(rec.name, r.replica_id),
+        url=r.endpoint,
+        path=probe.path or "/",
+        method=prober_pb.PROBE_METHOD_POST if probe.post_data_json else prober_pb.PROBE_METHOD_GET,
+        post_data_json=probe.post_data_json,
+        headers=dict(probe.headers),
+        timeout=probe.timeout,
+        interval=latest.probe_interval,
+        fast_interval=pbtime.duration(rec.tuning.probe_fast_interval_s),
+        starting=not r.facts.HasField("first_ready_time"),
+        traceparent=rec.deps.traces.traceparent(r),
+    )
