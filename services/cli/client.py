@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import grpc
 import tenacity
 
+from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc as pb_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
@@ -227,10 +228,16 @@ def wait_for(
 
 
 def all_ready(svc: res.Service) -> bool:
+    if svc.kind == spec_pb2.FLEET_KIND_POOL:  # a pool may want no worker until jobs come
+        return svc.status != res.SERVICE_STATUS_CONTROLLER_INIT and svc.ready_replicas >= svc.target_replicas
     return svc.status == res.SERVICE_STATUS_READY and svc.ready_replicas >= max(1, svc.target_replicas)
 
 
 def print_endpoints(svc: res.Service, out: TextIO) -> None:
+    if svc.kind == spec_pb2.FLEET_KIND_POOL:
+        print(f"{svc.name} is up: {svc.ready_replicas}/{svc.target_replicas} worker(s) READY", file=out)
+        print(f"  submit jobs: replicactl jobs submit {svc.name} -- COMMAND", file=out)
+        return
     print(f"{svc.name} is READY ({svc.ready_replicas}/{svc.total_replicas} ready)", file=out)
     for endpoint in sorted(svc.endpoints, key=lambda e: e.replica_id):
         print(f"  replica {endpoint.replica_id}: {endpoint.url}", file=out)

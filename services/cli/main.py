@@ -166,8 +166,8 @@ def parser() -> argparse.ArgumentParser:
         choices=list(_UPDATE_MODES),
         default=None,
         help="rolling: replace replicas a few at a time; blue_green: switch once the new version is ready; "
-        "canary: move traffic in weighted steps (refused by the controller until canary rollouts are "
-        "available; see `replicactl rollout`). Default: the new spec's service.rollout.strategy, else rolling",
+        "canary: move traffic in weighted steps, rolled back by itself on failure (see `replicactl rollout`). "
+        "Default: the new spec's service.rollout.strategy, else rolling",
     )
     update.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     _add_overrides(update)

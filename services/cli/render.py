@@ -355,7 +355,28 @@ def _notes(svc: res.Service, show_all: bool) -> list[str]:
         lines.append(f"{svc.name}: probing is stale (no prober answered recently)")
     if show_all and (line := autoscaler_line(svc)):
         lines.append(line)
+    if line := rollout_line(svc):
+        lines.append(line)
     return lines
+
+
+_ROLLOUT_STATES = {
+    res.ROLLOUT_STATE_PROGRESSING: "canary",
+    res.ROLLOUT_STATE_SUCCEEDED: "canary succeeded",
+    res.ROLLOUT_STATE_ROLLED_BACK: "canary rolled back",
+    res.ROLLOUT_STATE_FAILED: "canary failed",
+}
+
+
+def rollout_line(svc: res.Service) -> str:
+    """`hello: canary version 2 from 1, step 1/2 at 10 %: <message>` while a canary rollout runs
+    (or after it ended), else ""."""
+    if "rollout" not in svc.DESCRIPTOR.fields_by_name or not _has(svc, "rollout"):
+        return ""
+    r = svc.rollout
+    kind = _ROLLOUT_STATES.get(r.state, "canary")
+    where = f", step {r.step}/{r.step_count} at {r.canary_weight} %" if r.state == res.ROLLOUT_STATE_PROGRESSING else ""
+    return f"{svc.name}: {kind}: version {r.canary_version} from {r.stable_version}{where}: {r.message}"
 
 
 def status_text(

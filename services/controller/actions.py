@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, spec
-from services.controller import autoscaling, convert, events
+from services.controller import autoscaling, convert, events, pools
 from services.controller.domain import autoscaler, scaling
 from services.controller.domain import status as st
 
@@ -184,6 +184,8 @@ async def _delete(rec: ServiceReconciler, *, purge: bool) -> None:
     status = res.SERVICE_STATUS_SHUTTING_DOWN
     rec.row = dataclasses.replace(rec.row, deleting=True, status=status, status_message="")
     rec.book.row(deleting=True, status=status, status_message="")
+    if rec.pool is not None:
+        rec.pool.jobs.cancel_all()
     for rid, r in list(rec.replicas.items()):
         phase = r.facts.teardown_phase
         if rid in rec.teardowns.tasks or phase in (TP.TEARDOWN_PHASE_SCHEDULED, TP.TEARDOWN_PHASE_RUNNING):
@@ -230,6 +232,8 @@ async def _finish_delete(rec: ServiceReconciler) -> None:
     rec.finishing = True
     try:
         await rec.idle()
+        if rec.pool is not None:  # every worker is gone, so every job has ended
+            await pools.forget_logs(rec)
         await rec.deps.writer.submit(lambda db: db.delete_service(rec.name))
     except errors.UnavailableError:
         log.warning("%s: could not forget the deleted service yet; retrying", rec.name)

@@ -153,9 +153,18 @@ def check_page_size(page_size: int) -> None:
 
 
 def check_mode(mode: int) -> list[errors.FieldViolation]:
-    if mode in (res.UPDATE_MODE_UNSPECIFIED, res.UPDATE_MODE_ROLLING, res.UPDATE_MODE_BLUE_GREEN):
+    if mode in (
+        res.UPDATE_MODE_UNSPECIFIED,
+        res.UPDATE_MODE_ROLLING,
+        res.UPDATE_MODE_BLUE_GREEN,
+        res.UPDATE_MODE_CANARY,
+    ):
         return []
-    return [errors.FieldViolation("mode", f"must be UPDATE_MODE_ROLLING or UPDATE_MODE_BLUE_GREEN, got {mode}")]
+    return [
+        errors.FieldViolation(
+            "mode", f"must be UPDATE_MODE_ROLLING, UPDATE_MODE_BLUE_GREEN or UPDATE_MODE_CANARY, got {mode}"
+        )
+    ]
 
 
 _MAX_PAGE = 1000

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import pbtime
-from services.controller import convert, retries
+from services.controller import convert, pools, retries
 from services.controller.domain import autoscaler, load, placer
 from services.controller.domain import status as st
 
@@ -37,7 +37,7 @@ def decide(rec: ServiceReconciler) -> None:
     views = list(rec.views.values()) if policy.target_qps_per_accelerator else []
     wanted = autoscaler.candidate(policy, qps(rec, now), views)
     before = rec.state.hysteresis
-    d = autoscaler.decide(
+    d = pools.decide(rec, before, now) or autoscaler.decide(
         policy,
         before,
         wanted,

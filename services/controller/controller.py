@@ -16,8 +16,6 @@ from services.common import errors, spec
 from services.controller import (
     actions,
     admission,
-    autoscaling,
-    event_log,
     events,
     hooks,
     orphans,
@@ -30,7 +28,7 @@ from services.controller import (
     retries,
     store,
     traces,
-    versions_api,
+    versions,
     view,
     wiring,
     writer,
@@ -40,7 +38,7 @@ from services.controller.drivers import probes
 log = logging.getLogger(__name__)
 
 
-class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
+class Controller(replica_api.ReplicaCalls):
     """Owns every service's loop, the provisioner watch, and probe result routing."""
 
     def __init__(
@@ -78,14 +76,8 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        self.event_log = event_log.Events(db=db)
-        # The pool side of each pool, by name (services have none).
-        self._pools: dict[str, pools.PoolSide] = {}
-        self.jobs = pools_api.Jobs(
-            exists=lambda name: name in self._services,
-            pool=self._pools.get,
-            deleting=lambda name: name in self._services and self._services[name].row.deleting,
-        )
+        self.versions = versions.Versions(db, db_writer, self._services, self._check_runnable, tuning)
+        self.jobs = pools_api.Jobs(lambda: self._services)
 
     @property
     def services(self) -> dict[str, reconciler.ServiceReconciler]:
@@ -96,9 +88,7 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
         """Recover every stored service, then follow the provisioner's replica events."""
         await self.watch.load_zones()
         for row in self._db.list_services():
-            rec = self._new_loop(reconciler.Loaded.read(self._db, row.name))
-            self.event_log.open(row.name, rec.replicas, rec.service())  # as recovered: no events for them
-            rec.start()
+            self._new_loop(reconciler.Loaded.read(self._db, row.name), created=False).start()
         reserved = sum(r.reserved_replicas() for r in self._services.values())
         if reserved > self._tuning.max_replicas_total:
             log.warning(
@@ -131,13 +121,13 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
         await asyncio.gather(*(r.stop() for r in self._services.values()))
         await self.watch.stop()
         await self.orphans.close()
-        await asyncio.to_thread(self.event_log.close)
+        await asyncio.to_thread(self.versions.close)
 
     def _records(self) -> orphans.Records:
         """Every replica record: service name -> replica id -> replica name."""
         return {name: {i: r.replica_name for i, r in rec.replicas.items()} for name, rec in self._services.items()}
 
-    def _new_loop(self, loaded: reconciler.Loaded) -> reconciler.ServiceReconciler:
+    def _new_loop(self, loaded: reconciler.Loaded, *, created: bool) -> reconciler.ServiceReconciler:
         deps = reconciler.Deps(
             writer=self._writer,
             reader=self._db,
@@ -153,15 +143,15 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
             traces=self.traces,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)
-        for observer in (*self._hub_observers, self.event_log.observe):
+        for observer in self._hub_observers:
             rec.hub.observe(observer)
         rec.probing_stale = self._probing_stale
         self._services[rec.name] = rec
+        self.versions.attach(rec, created=created)
         return rec
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
-        self.event_log.forget(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
@@ -189,10 +179,8 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
         loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
         if name in self._services:  # created meanwhile by a retry of the same request
             return self._services[name].service()
-        rec = self._new_loop(loaded)
-        self.event_log.open(name, {})
+        rec = self._new_loop(loaded, created=True)
         rec.start()
-        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "ServiceCreated", "created with version 1"))
         return rec.service()
 
     def get_service(self, name: str) -> res.Service:
@@ -210,7 +198,6 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
         """Start deleting a service."""
         rec = self._get(name)
         await actions.delete(rec, purge=purge)
-        self.event_log.record(name, event_log.Draft(event_log.NORMAL, "DeleteRequested", "tearing down every replica"))
         return rec.service()
 
     async def update_service(
@@ -222,10 +209,9 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
         parsed = spec.parse(yaml_text, name=name, replica_cap=self._tuning.max_replicas_per_service)
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
+        pools.check_update(rec, parsed)
         admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
-        plan = await actions.update(rec, parsed, mode=mode, dry_run=dry_run)
-        if not dry_run:
-            self._updated(name, plan, mode=mode)
+        plan = await self.versions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
     # ---- replicas ------------------------------------------------------------------------
@@ -255,7 +241,7 @@ class Controller(versions_api.VersionCalls, replica_api.ReplicaCalls):
     def report_load(self, request: api.ReportLoadRequest) -> api.ReportLoadResponse:
         """Record a load report unless applied before (a bad field: nothing); answer the QPS seen."""
         report = admission.report_of(request)
-        return autoscaling.report_request(self._get(request.service_name), request, report)
+        return self.versions.report(self._get(request.service_name), request, report)
 
     # ---- probe fleet callbacks -----------------------------------------------------------
 

@@ -7,6 +7,7 @@ from typing import Literal
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import pbtime
+from services.common import spec as specs
 from services.controller.domain import autoscaler, lifecycle
 from services.controller.domain import status as st
 
@@ -97,7 +98,7 @@ def windows_of(replica_spec: spec_pb2.ServiceSpec, latest_spec: spec_pb2.Service
     the latest (spec.md section 5)."""
     return lifecycle.Windows(
         initial_delay_s=pbtime.seconds(replica_spec.service.readiness_probe.initial_delay),
-        failure_threshold_s=pbtime.seconds(latest_spec.service.readiness_probe.consecutive_failure_threshold),
+        failure_threshold_s=specs.failure_threshold_s(latest_spec),
     )
 
 
@@ -119,7 +120,16 @@ def view_of(replica: resources_pb2.Replica) -> st.ReplicaView:
 
 
 def policy_of(spec: spec_pb2.ServiceSpec) -> autoscaler.Policy:
-    """The autoscaler policy of a stored spec."""
+    """The autoscaler policy of a stored spec; a pool's sizes and delays for a pool (its target
+    comes from its queue, see `pools.py`)."""
+    if spec.kind == spec_pb2.FLEET_KIND_POOL:
+        pool = spec.service.pool
+        return autoscaler.Policy(
+            min_replicas=pool.min_workers,
+            max_replicas=max(pool.max_workers, pool.min_workers),
+            upscale_delay_s=pbtime.seconds(pool.upscale_delay),
+            downscale_delay_s=pbtime.seconds(pool.downscale_delay),
+        )
     p = spec.service.replica_policy
     return autoscaler.Policy(
         min_replicas=p.min_replicas,

@@ -126,7 +126,7 @@ class Events:
         self._watchers: dict[str, set[hub._Watcher[res.Event]]] = {}
         # What the last published change said, to tell what a new one changes.
         self._replicas: dict[str, dict[int, tuple[str, int]]] = {}
-        self._service: dict[str, tuple[str, int]] = {}
+        self._service: dict[str, tuple[str, int, int]] = {}  # status message, target, status
         self._writer = _Writer(db.path)
 
     def close(self) -> None:
@@ -154,7 +154,7 @@ class Events:
             for rid, r in replicas.items()
         }
         if service is not None:
-            self._service[name] = (service.status_message, service.autoscaler.target_replicas)
+            self._service[name] = (service.status_message, service.autoscaler.target_replicas, service.status)
 
     def forget(self, name: str) -> None:
         """The service is gone: drop its log and end its streams."""
@@ -209,7 +209,10 @@ class Events:
                     self.record(name, draft)
         target = service.autoscaler.target_replicas
         before_service = self._service.get(name)
-        self._service[name] = (service.status_message, target)
+        self._service[name] = (service.status_message, target, service.status)
+        shutting = res.SERVICE_STATUS_SHUTTING_DOWN
+        if service.status == shutting and (before_service is None or before_service[2] != shutting):
+            self.record(name, ev.Draft(NORMAL, "DeleteRequested", "tearing down every replica"))
         for draft in ev.service_change(
             before_message="" if before_service is None else before_service[0],
             after_message=service.status_message,

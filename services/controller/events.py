@@ -16,7 +16,7 @@ from replicaplane.prober.v1 import prober_service_pb2 as prober_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import pbtime
-from services.controller import autoscaling, convert, facts
+from services.controller import autoscaling, convert, facts, pools
 from services.controller.domain import failures, lifecycle
 from services.controller.domain import status as st
 
@@ -157,6 +157,11 @@ def on_launch_event(rec: ServiceReconciler, rid: int, ev: prov_res.LaunchEvent) 
         r.launch_time.CopyFrom(ev.time)
         step(rec, rid, lifecycle.LaunchRunning(), changed=True)
         return True
+    elif ev.type == LE.LAUNCH_EVENT_TYPE_SETUP_DONE and rec.pool is not None:
+        r.zone = ev.replica.zone or r.zone
+        r.launch_time.CopyFrom(ev.time)
+        pools.setup_done(rec, rid, pbtime.from_timestamp(ev.time))
+        return True
     elif ev.type == LE.LAUNCH_EVENT_TYPE_FAILED:
         event = lifecycle.LaunchFailed(ev.message, cause=failures.Cause(ev.cause), capacity=ev.capacity_unavailable)
         step(rec, rid, event)
@@ -176,7 +181,11 @@ def start_teardown(rec: ServiceReconciler, r: res.Replica, *, drain_s: float) ->
     if rec.row.deleting:
         drain_s = 0.0  # a delete never drains (spec.md section 9)
     keep_logs = not (r.facts.is_scale_down or r.facts.purged or rec.row.deleting)
-    if keep_logs:
+    if rec.pool is not None:
+        # A worker's logs hold its jobs' output: kept until the pool goes (pools.forget_logs).
+        keep_logs = not rec.row.deleting
+        rec.logs_kept.discard(rid)
+    elif keep_logs:
         rec.logs_kept.add(rid)
     else:
         rec.logs_kept.discard(rid)
@@ -238,6 +247,8 @@ def on_provisioner_event(rec: ServiceReconciler, rid: int, ev: prov_res.ReplicaE
         step(rec, rid, lifecycle.AppExited(p.exit_code, failures.Cause(ev.cause)))
     elif kind == RE.REPLICA_EVENT_TYPE_VANISHED:
         step(rec, rid, lifecycle.Gone(preempted=False))
+        if rec.pool is not None:
+            pools.worker_gone(rec, rid, time.time())
     elif kind == RE.REPLICA_EVENT_TYPE_PREEMPTED:
         step(rec, rid, lifecycle.Gone(preempted=True))
 

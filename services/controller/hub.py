@@ -84,6 +84,7 @@ class ServiceHub:
         self._subscribers: set[_Watcher[api.WatchServiceResponse]] = set()
         self.endpoints_version = self.sequence
         self.endpoints: list[resources_pb2.Endpoint] = []
+        self.weights: dict[int, int] = {}
         self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
         self._observers: list[Callable[[api.WatchServiceResponse], None]] = []
@@ -123,17 +124,26 @@ class ServiceHub:
         if deleted:
             self.close()
 
-    def set_endpoints(self, endpoints: list[resources_pb2.Endpoint]) -> None:
-        """Push the endpoint set if it changed."""
-        if endpoints == self.endpoints:
+    def set_endpoints(self, endpoints: list[resources_pb2.Endpoint], weights: dict[int, int] | None = None) -> None:
+        """Push the endpoint set (and the traffic split by version, during a canary) if it changed."""
+        weights = weights or {}
+        if endpoints == self.endpoints and weights == self.weights:
             return
         self.endpoints = endpoints
+        self.weights = weights
         self.endpoints_version += 1
-        msg = api.WatchEndpointsResponse(version=self.endpoints_version, endpoints=endpoints)
+        msg = self._endpoints_message()
         for w in list(self._endpoint_subscribers):
             if not w.offer(msg):
                 self._endpoint_subscribers.discard(w)
                 log.warning("dropped a WatchEndpoints stream that fell %d versions behind", QUEUE_LIMIT)
+
+    def _endpoints_message(self) -> api.WatchEndpointsResponse:
+        return api.WatchEndpointsResponse(
+            version=self.endpoints_version,
+            endpoints=self.endpoints,
+            version_weights=[resources_pb2.VersionWeight(version=v, weight=w) for v, w in sorted(self.weights.items())],
+        )
 
     def close(self) -> None:
         """The service is gone: end every stream after what was sent."""
@@ -215,7 +225,7 @@ class ServiceHub:
         last = after_version
         try:
             if after_version != self.endpoints_version:
-                current = api.WatchEndpointsResponse(version=self.endpoints_version, endpoints=self.endpoints)
+                current = self._endpoints_message()
                 yield current
                 last = current.version
             if self.deleted:

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.controller import actions, autoscaling, book, convert, events, facts, planner, retries, view
+from services.controller import actions, autoscaling, book, convert, events, facts, planner, pools, retries, view
 from services.controller.domain import autoscaler
 from services.controller.wiring import Checkpoint, parse
 
@@ -85,6 +85,17 @@ class Passes:
     def _plan(self) -> planner.Plan:
         rec = self.rec
         latest = rec.row.latest_version
+        canary = None
+        if rec.rollout is not None:
+            weights = rec.rollout.weights()
+            canary = rec.rollout.scale(
+                list(rec.views.values()),
+                target=rec.final_target(),
+                latest_version=latest,
+                stopped=rec.state.stopped.get(str(latest), ""),
+            )
+            if rec.rollout.weights() != weights:
+                self.show_pending = True  # the split is published even when no record changes
         return planner.plan(
             list(rec.views.values()),
             policy=rec.policy(),
@@ -99,6 +110,8 @@ class Passes:
                 for rid, r in rec.replicas.items()
                 if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
             },
+            busy=None if rec.pool is None else frozenset(rec.pool.jobs.busy()),
+            rollout=canary,
         )
 
     def _apply(self, plan: planner.Plan) -> None:
@@ -107,8 +120,9 @@ class Passes:
         if plan.launch_wanted != rec.launch_wanted:
             rec.launch_wanted = plan.launch_wanted
             self.show_pending = True
+        drain = 0.0 if rec.pool is not None else rec.tuning.drain_s  # a worker serves no traffic
         for rid in plan.teardown:
-            events.ask_teardown(rec, rid, drain_s=rec.tuning.drain_s, scale_down=True, reason="scale-down")
+            events.ask_teardown(rec, rid, drain_s=drain, scale_down=True, reason="scale-down")
         for _ in range(plan.launch):
             autoscaling.launch_new(rec, spot=rec.policy().use_spot)
         for _ in range(plan.launch_ondemand):
@@ -159,6 +173,7 @@ class Passes:
         for name in batch.logs:
             rec.logs.delete(name)
         self._publish(batch)
+        pools.stored(rec)
         rec.drive(batch.replica_ids)
         if self._rerun or not rec.book.empty():
             self._rerun = False
@@ -170,9 +185,9 @@ class Passes:
         if rec.gone:
             return
         svc = rec.service()
-        changed = sorted(batch.puts, key=lambda r: r.replica_id) if batch else []
+        changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        rec.hub.set_endpoints(list(svc.endpoints))
+        rec.hub.set_endpoints(list(svc.endpoints), rec.rollout.weights() if rec.rollout else None)
 
     async def flush(self) -> None:
         """Store whatever is pending now and wait for it (shutdown)."""

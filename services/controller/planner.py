@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from services.controller.domain import autoscaler, failures, scaling
+from services.controller.domain import autoscaler, failures, pool_scaling, scaling
 from services.controller.domain import status as st
 
 
@@ -45,6 +45,8 @@ def plan(
     backoff: failures.Backoff,
     now: float,
     torn_down: Mapping[int, int],
+    busy: frozenset[int] | None = None,
+    rollout: scaling.ScalePlan | None = None,
 ) -> Plan:
     """The plan of one pass.
 
@@ -58,16 +60,27 @@ def plan(
         backoff: the launch pause after infrastructure failures (monotonic clock).
         now: monotonic now.
         torn_down: replica id -> version of each record whose teardown finished.
+        busy: for a pool, the workers running a job: the pool's own rules size it
+            (`pool_scaling.plan`: no busy worker is ever a victim); None for a service.
+        rollout: a canary rollout's launches and teardowns, which replace the rolling ones.
     """
     target = policy.final(adopted_target)
-    scale = scaling.plan(
-        views,
-        target=target,
-        latest_version=latest_version,
-        stopped=stopped,
-        blue_green=blue_green,
-        fallback=(policy, adopted_target) if policy.kind == autoscaler.FALLBACK else None,
-    )
+    if rollout is not None:
+        scale = rollout
+    elif busy is not None:
+        pool = pool_scaling.plan(
+            views, set(busy), target=adopted_target, latest_version=latest_version, stopped=stopped
+        )
+        scale = scaling.ScalePlan(launch=pool.launch, teardown=pool.teardown)
+    else:
+        scale = scaling.plan(
+            views,
+            target=target,
+            latest_version=latest_version,
+            stopped=stopped,
+            blue_green=blue_green,
+            fallback=(policy, adopted_target) if policy.kind == autoscaler.FALLBACK else None,
+        )
     launches = scaling.launches_now(scale, pause_s=failures.launch_pause(backoff, now))
     active = scaling.active_versions(views, latest_version=latest_version, target=target, blue_green=blue_green)
     remove = scaling.removed_at_switch(torn_down, active=active, latest_version=latest_version, blue_green=blue_green)

@@ -1,16 +1,13 @@
 """The API edge of pool jobs: find the pool a request names, check the request, call its jobs.
 
-The fleet registry is asked through callables, so this module needs no reconciler: `exists`
-answers whether a name is a fleet at all, `pool` the pool side of a pool (None for a service).
-
-Until the controller core runs pools (worker readiness, sizing by the queue, no probes, no load
-balancer), CreateService and UpdateService refuse a pool with FAILED_PRECONDITION
-(`POOLS_NOT_AVAILABLE`), after the spec's own validation, changing nothing (`refuse_pool`).
+The fleets are read through a callable (the controller's loops by name): a fleet's `pool` is its
+pool side (None for a service), and `row.deleting` says it shuts down.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
@@ -18,41 +15,25 @@ from services.common import errors, spec
 from services.controller import pools
 
 
-def refuse_pool(yaml_text: str) -> None:
-    """Refuses a spec that is a pool. A spec that does not parse passes: the call's own
-    validation reports why, as INVALID_ARGUMENT.
+class _Row(Protocol):
+    @property
+    def deleting(self) -> bool: ...
 
-    Raises:
-        errors.FailedPreconditionError: the spec is a pool.
-    """
-    try:
-        # No replica cap here: the controller applies its own when it parses the spec again.
-        parsed = spec.parse(yaml_text, replica_cap=2**31 - 1)
-    except errors.ValidationError:
-        return
-    if spec.is_pool(parsed):
-        raise errors.FailedPreconditionError(
-            "pools are not available yet: the controller cannot run jobs or size a pool by its queue "
-            "until its pool side lands (the spec is valid)",
-            reason="POOLS_NOT_AVAILABLE",
-            subject="pool",
-            type_="NOT_AVAILABLE",
-        )
+
+class Fleet(Protocol):
+    """What this edge reads of a fleet's loop."""
+
+    @property
+    def pool(self) -> pools.PoolSide | None: ...
+    @property
+    def row(self) -> _Row: ...
 
 
 class Jobs:
     """SubmitJob, GetJob, ListJobs, CancelJob and WatchJob over the controller's pools."""
 
-    def __init__(
-        self,
-        *,
-        exists: Callable[[str], bool],
-        pool: Callable[[str], pools.PoolSide | None],
-        deleting: Callable[[str], bool],
-    ) -> None:
-        self._exists = exists
-        self._pool = pool
-        self._deleting = deleting
+    def __init__(self, fleets: Callable[[], Mapping[str, Fleet]]) -> None:
+        self._fleets = fleets
 
     def _find(self, name: str, *, job_id: int | None = None) -> pools.PoolSide:
         """The pool named `name`.
@@ -70,10 +51,10 @@ class Jobs:
         if job_id is not None and job_id < 1:
             violations.append(errors.FieldViolation("job_id", f"must be >= 1, got {job_id}"))
         errors.require(violations, subject="job request")
-        side = self._pool(name)
-        if side is not None:
-            return side
-        if self._exists(name):
+        fleet = self._fleets().get(name)
+        if fleet is not None and fleet.pool is not None:
+            return fleet.pool
+        if fleet is not None:
             raise errors.ValidationError(
                 [errors.FieldViolation("pool", f"{name!r} is a service, not a pool: jobs run only on pools")],
                 subject="job request",
@@ -89,7 +70,8 @@ class Jobs:
             errors.FailedPreconditionError: the pool is shutting down.
         """
         side = self._find(request.pool)
-        if self._deleting(request.pool):
+        fleet = self._fleets().get(request.pool)
+        if fleet is not None and fleet.row.deleting:
             raise errors.FailedPreconditionError(
                 f"pool {request.pool!r} is shutting down: it takes no new jobs",
                 reason="POOL_SHUTTING_DOWN",

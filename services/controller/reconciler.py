@@ -18,7 +18,7 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors
-from services.controller import autoscaling, book, convert, events, facts, hub, passes, retries, view
+from services.controller import autoscaling, book, convert, events, facts, hub, passes, pools, retries, rollouts, view
 from services.controller.domain import autoscaler, failures, lifecycle
 from services.controller.domain import status as st
 from services.controller.drivers import launches, logs, probes, teardowns
@@ -53,11 +53,15 @@ class ServiceReconciler:
         self.decision: asyncio.TimerHandle | None = None
         self.launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
         self.view_cache = view.Cache()
+        # The canary rollout the controller attaches (rollouts.py): while one is active it
+        # scales the canary, splits the traffic and adds its status to the service.
+        self.rollout: rollouts.Rollout | None = None
         self.passes = passes.Passes(self)
         self.finishing = False
         self.api_lock = asyncio.Lock()  # one API change of this service at a time
         self._background: set[asyncio.Task[None]] = set()
         self._set(loaded)
+        self.pool = pools.attach(self)  # the pool side of a pool; None for a service
 
     def _set(self, loaded: Loaded) -> None:
         self.row = loaded.row
@@ -131,6 +135,9 @@ class ServiceReconciler:
             self.state.target = self.policy().min_replicas
             self.save_state()
         self.drive(self.replicas, resumed=True)
+        if self.pool is not None:
+            self.pool.jobs.start()
+            pools.stored(self)
         self.show()
         autoscaling.decide(self)
 
@@ -150,6 +157,7 @@ class ServiceReconciler:
             self.launches.tasks.stop(),
             self.teardowns.tasks.stop(),
             self.logs.stop(),
+            *([self.pool.jobs.stop()] if self.pool is not None else []),
             *self._background,
             return_exceptions=True,
         )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
-from services.controller import actions, admission, replica_logs
+from services.controller import actions, admission, pools, replica_logs
 
 if TYPE_CHECKING:
     from services.controller.reconciler import ServiceReconciler
@@ -29,11 +29,12 @@ class ReplicaCalls:
         ids, token = admission.page(
             sorted(rec.shown), page_size, page_token, kind="replicas", scope=name, position_type=int
         )
-        return [rec.shown[i] for i in ids], token
+        return pools.shown(rec, [rec.shown[i] for i in ids]), token
 
     def get_replica(self, name: str, replica_id: int) -> res.Replica:
-        """One replica."""
-        return self._get(name).replica(replica_id)
+        """One replica (a pool's worker with the job it runs)."""
+        rec = self._get(name)
+        return pools.shown(rec, [rec.replica(replica_id)])[0]
 
     async def terminate_replica(self, name: str, replica_id: int, *, purge: bool) -> res.Replica:
         """Terminate one replica (drained), or purge a failed record."""

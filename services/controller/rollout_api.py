@@ -1,10 +1,5 @@
 """The API edge of rollouts: which mode an update runs in, and the per-version statistics of load
-reports, checked and read as analysis samples.
-
-Canary rollouts need the rollout controller, which is not there yet: until it is, an update that
-asks for one (by its mode, or by the new spec's `service.rollout.strategy` when the request names
-no mode) is refused with FAILED_PRECONDITION and changes nothing.
-"""
+reports, checked and read as analysis samples."""
 
 from __future__ import annotations
 
@@ -31,9 +26,6 @@ def update_mode(requested: res.UpdateMode.ValueType, yaml_text: str) -> res.Upda
     """The mode an update runs in: the request's, else the new spec's `service.rollout.strategy`.
 
     A spec that does not parse keeps the requested mode: the update's own validation reports why.
-
-    Raises:
-        errors.FailedPreconditionError: the mode is canary, which is not available yet.
     """
     mode = requested
     if mode == res.UPDATE_MODE_UNSPECIFIED:
@@ -43,14 +35,6 @@ def update_mode(requested: res.UpdateMode.ValueType, yaml_text: str) -> res.Upda
         except errors.ValidationError:
             strategy = spec_pb2.ROLLOUT_STRATEGY_UNSPECIFIED
         mode = _MODES.get(strategy, res.UPDATE_MODE_UNSPECIFIED)
-    if mode == res.UPDATE_MODE_CANARY:
-        raise errors.FailedPreconditionError(
-            "canary rollouts are not available yet; update with mode rolling or blue_green "
-            "(a spec's `service.rollout.strategy: canary` needs an explicit mode until then)",
-            reason="CANARY_NOT_AVAILABLE",
-            subject="mode",
-            type_="NOT_AVAILABLE",
-        )
     return mode
 
 

@@ -70,6 +70,7 @@ class Rollout:
         log_: event_log.Events,
         kick: Callable[[], None] = lambda: None,
         on_action: Callable[[ro.Action, ro.State], None] = lambda action, state: None,
+        save: Callable[[bytes | None], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
@@ -80,6 +81,8 @@ class Rollout:
         self.on_action = on_action
         """Performs a rollback or notes a completion; called outside the pass, soon after it."""
         self._clock = clock
+        # How the state is kept: through the core's writer; by default straight into the store.
+        self._write = save or (lambda data: db.put_rollout_state(name, data))
         self._timer: asyncio.TimerHandle | None = None
         self._weights: dict[int, int] = {}
         self.latest_version = 0
@@ -118,12 +121,17 @@ class Rollout:
             ),
         )
 
+    def restore(self, state: ro.State | None, config: ro.Config) -> None:
+        """Put back the rollout an update replaced (the update failed)."""
+        self.state, self.config = state, config
+        self._save()
+
     def end(self) -> None:
         """Forget the rollout (an update in another mode replaces it)."""
         if self.state is not None:
             self.state = None
             self._series.clear()
-            self._db.put_rollout_state(self.name, None)
+            self._write(None)
 
     def add_samples(self, samples: dict[int, analysis.Sample], now: float) -> None:
         """A load report's per-version outcomes (already deduplicated); a pass judges them."""
@@ -172,6 +180,20 @@ class Rollout:
         if self.state is None:
             raise ValueError("no rollout")
         return self._apply(ro.abort(self.state, self.config, now, target=target), views, "")
+
+    def abort_now(self, now: float) -> None:
+        """Abort outside a pass: every request to the stable version at once, then the rollback."""
+        if self.state is None or not self.active:
+            raise ValueError("no rollout")
+        decision = ro.abort(self.state, self.config, now, target=1)
+        self.state = decision.state
+        self._save()
+        self._weights = decision.weights
+        self._wake(None)
+        for reason, message in decision.events:
+            self._events.record(self.name, event_log.Draft(event_log.WARNING, reason, message, self._object()))
+        state = decision.state
+        asyncio.get_running_loop().call_soon(self.on_action, ro.Action.ROLLBACK, state)
 
     def _apply(self, decision: ro.Decision, views: Sequence[st.ReplicaView], canary_stopped: str) -> Outcome:
         changed = decision.state != self.state
@@ -238,11 +260,12 @@ class Rollout:
             svc.stable_version = min(svc.active_versions)
 
     def _resting_weights(self) -> dict[int, int]:
-        """Weights while no rollout is active: every request to the stable version from a rollback
-        until the restored spec is the latest version, else no split."""
+        """Weights while no rollout is active: after a rollback every request goes to the stable
+        version, then to the version that restores its spec (until the next update); else no split."""
         s = self.state
-        if s is not None and s.phase is ro.Phase.ROLLED_BACK and self.latest_version == s.canary_version:
-            return {s.stable_version: 1000}
+        if s is not None and s.phase is ro.Phase.ROLLED_BACK:
+            # The restored spec's version alone, so a canary replica still draining gets nothing.
+            return {s.stable_version if self.latest_version == s.canary_version else self.latest_version: 1000}
         return {}
 
     def _wake(self, at: float | None) -> None:
@@ -259,33 +282,35 @@ class Rollout:
 
     def status(self) -> res.RolloutStatus | None:
         """The rollout as the API shows it in `Service.rollout`."""
-        s = self.state
-        if s is None:
-            return None
-        weight = ro.weight_of(s, self.config)
-        out = res.RolloutStatus(
-            stable_version=s.stable_version,
-            canary_version=s.canary_version,
-            state=int(s.phase),  # type: ignore[arg-type]
-            step=s.step,
-            step_count=len(self.config.steps),
-            canary_weight=weight if s.phase in (ro.Phase.PROGRESSING, ro.Phase.FAILED) else 0,
-            start_time=pbtime.timestamp(s.started_at),
-            message=s.message,
-            analysis=s.analysis,
-        )
-        if s.phase is ro.Phase.SUCCEEDED:
-            out.canary_weight = 100
-        if s.step_ready_at is not None:
-            out.step_start_time.CopyFrom(pbtime.timestamp(s.step_ready_at))
-        elif s.phase is ro.Phase.PROGRESSING:
-            out.deadline_time.CopyFrom(pbtime.timestamp(s.progress_at + self.config.progress_deadline_s))
-        if s.ended_at is not None:
-            out.end_time.CopyFrom(pbtime.timestamp(s.ended_at))
-        return out
+        return None if self.state is None else status_of(self.state, self.config)
 
     def _object(self) -> str:
         return f"version/{self.state.canary_version}" if self.state else "service"
 
     def _save(self) -> None:
-        self._db.put_rollout_state(self.name, None if self.state is None else self.state.dump())
+        self._write(None if self.state is None else self.state.dump())
+
+
+def status_of(s: ro.State, config: ro.Config) -> res.RolloutStatus:
+    """A rollout as the API shows it in `Service.rollout`."""
+    weight = ro.weight_of(s, config)
+    out = res.RolloutStatus(
+        stable_version=s.stable_version,
+        canary_version=s.canary_version,
+        state=int(s.phase),  # type: ignore[arg-type]
+        step=s.step,
+        step_count=len(config.steps),
+        canary_weight=weight if s.phase in (ro.Phase.PROGRESSING, ro.Phase.FAILED) else 0,
+        start_time=pbtime.timestamp(s.started_at),
+        message=s.message,
+        analysis=s.analysis,
+    )
+    if s.phase is ro.Phase.SUCCEEDED:
+        out.canary_weight = 100
+    if s.step_ready_at is not None:
+        out.step_start_time.CopyFrom(pbtime.timestamp(s.step_ready_at))
+    elif s.phase is ro.Phase.PROGRESSING:
+        out.deadline_time.CopyFrom(pbtime.timestamp(s.progress_at + config.progress_deadline_s))
+    if s.ended_at is not None:
+        out.end_time.CopyFrom(pbtime.timestamp(s.ended_at))
+    return out

@@ -279,6 +279,8 @@ def _controller(
     holder.append(ctl)
     if own is not None:
         own.watch(_fleet(ctl, fleet))
+        # Whose fault a failure was, as the core decided it: the launch counts' `cause`.
+        ctl.hooks.on_failure.append(lambda service, rid, failure: own.failed(service, rid, failure.cause.name.lower()))
     return ctl, fleet, servicer.ControllerServicer(ctl), db_writer
 
 

@@ -9,7 +9,7 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from services.common import overrides
-from services.controller import controller, pools_api, rollout_api, traces
+from services.controller import controller, rollout_api, traces
 
 
 class ControllerServicer(api_grpc.ControllerServiceServicer):
@@ -22,7 +22,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.CreateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.CreateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
         with self._ctl.traces.origin(lambda: request.service_name or traces.service_name_of(text), lambda: 1):
             svc = await self._ctl.create_service(request.service_name, text, request_id=request.request_id)
         return api.CreateServiceResponse(service=svc)
@@ -42,8 +41,7 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
         self, request: api.UpdateServiceRequest, context: grpc.aio.ServicerContext
     ) -> api.UpdateServiceResponse:
         text = overrides.apply(request.yaml, envs=request.env_overrides, secrets=request.secret_overrides)
-        pools_api.refuse_pool(text)  # until the controller's pool side lands
-        mode = rollout_api.update_mode(request.mode, text)  # refuses canary until rollouts land
+        mode = rollout_api.update_mode(request.mode, text)  # the spec's strategy when the request names none
         with self._ctl.traces.origin(
             lambda: "" if request.dry_run else request.service_name,
             lambda: self._ctl.get_service(request.service_name).latest_version + 1,
@@ -89,7 +87,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     async def ReportLoad(
         self, request: api.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> api.ReportLoadResponse:
-        rollout_api.version_samples(request)  # checked; kept per version once rollouts land
         return self._ctl.report_load(request)
 
     async def WatchEndpoints(
@@ -129,41 +126,6 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
             controller_id=orphans.controller_id,
         )
 
-    async def ListEvents(
-        self, request: api.ListEventsRequest, context: grpc.aio.ServicerContext
-    ) -> api.ListEventsResponse:
-        found, token = self._ctl.list_events(request.service_name, request.page_size, request.page_token)
-        return api.ListEventsResponse(events=found, next_page_token=token)
-
-    async def WatchEvents(
-        self, request: api.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[api.WatchEventsResponse]:
-        async for event in self._ctl.watch_events(request.service_name, request.after_sequence):
-            yield api.WatchEventsResponse(event=event)
-
-    async def ListVersions(
-        self, request: api.ListVersionsRequest, context: grpc.aio.ServicerContext
-    ) -> api.ListVersionsResponse:
-        return api.ListVersionsResponse(versions=self._ctl.list_versions(request.service_name))
-
-    async def RollbackService(
-        self, request: api.RollbackServiceRequest, context: grpc.aio.ServicerContext
-    ) -> api.RollbackServiceResponse:
-        svc, plan, to = await self._ctl.rollback_service(
-            request.service_name, request.to_version, dry_run=request.dry_run
-        )
-        return api.RollbackServiceResponse(service=svc, plan=plan, to_version=to)
-
-    async def PromoteRollout(
-        self, request: api.PromoteRolloutRequest, context: grpc.aio.ServicerContext
-    ) -> api.PromoteRolloutResponse:
-        return api.PromoteRolloutResponse(service=self._ctl.promote_rollout(request.service_name, full=request.full))
-
-    async def AbortRollout(
-        self, request: api.AbortRolloutRequest, context: grpc.aio.ServicerContext
-    ) -> api.AbortRolloutResponse:
-        return api.AbortRolloutResponse(service=self._ctl.abort_rollout(request.service_name))
-
     async def SubmitJob(
         self, request: api.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> api.SubmitJobResponse:
@@ -186,3 +148,38 @@ class ControllerServicer(api_grpc.ControllerServiceServicer):
     ) -> AsyncIterator[api.WatchJobResponse]:
         async for msg in self._ctl.jobs.watch(request):
             yield msg
+
+    async def ListEvents(
+        self, request: api.ListEventsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListEventsResponse:
+        found, token = self._ctl.versions.event_log.list(request.service_name, request.page_size, request.page_token)
+        return api.ListEventsResponse(events=found, next_page_token=token)
+
+    async def WatchEvents(
+        self, request: api.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.WatchEventsResponse]:
+        async for event in self._ctl.versions.event_log.watch(request.service_name, request.after_sequence):
+            yield api.WatchEventsResponse(event=event)
+
+    async def ListVersions(
+        self, request: api.ListVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListVersionsResponse:
+        return api.ListVersionsResponse(versions=self._ctl.versions.list(request.service_name))
+
+    async def RollbackService(
+        self, request: api.RollbackServiceRequest, context: grpc.aio.ServicerContext
+    ) -> api.RollbackServiceResponse:
+        svc, plan, to = await self._ctl.versions.rollback(
+            request.service_name, request.to_version, dry_run=request.dry_run
+        )
+        return api.RollbackServiceResponse(service=svc, plan=plan, to_version=to)
+
+    async def PromoteRollout(
+        self, request: api.PromoteRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> api.PromoteRolloutResponse:
+        return api.PromoteRolloutResponse(service=self._ctl.versions.promote(request.service_name, full=request.full))
+
+    async def AbortRollout(
+        self, request: api.AbortRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> api.AbortRolloutResponse:
+        return api.AbortRolloutResponse(service=self._ctl.versions.abort(request.service_name))

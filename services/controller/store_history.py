@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ EVENTS_KEPT = 500
 """Entries kept in a service's event log; the oldest go first."""
 
 
-def migrate_6(db: sqlite3.Connection) -> None:
+def migrate_6(db: Any) -> None:
     """Version history with outcomes, a bounded event log and canary rollout state."""
     db.execute(
         """CREATE TABLE history (
@@ -109,13 +108,13 @@ class HistoryRow:
 class HistoryTables:
     """Version history, event log and rollout state methods of the store."""
 
-    _db: sqlite3.Connection
+    _db: Any  # the store's connection
 
     def transaction(self) -> contextlib.AbstractContextManager[Any]:
         """The store's transaction (see `store.Store.transaction`)."""
         raise NotImplementedError
 
-    def _read(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+    def _read(self) -> contextlib.AbstractContextManager[Any]:
         raise NotImplementedError
 
     def _history_insert(

@@ -18,9 +18,13 @@ from services.common import errors
 
 
 def migrate_jobs(db: sqlite3.Connection) -> None:
-    """The jobs of pools: one row per job, keyed by pool and job id, with its state indexed."""
+    """The jobs of pools: one row per job, keyed by pool and job id, with its state indexed.
+
+    Idempotent (IF NOT EXISTS): the rollouts migration and this one were written at the same
+    time, so a development database may have met them in either order.
+    """
     db.execute(
-        """CREATE TABLE jobs (
+        """CREATE TABLE IF NOT EXISTS jobs (
             pool TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
             job_id INTEGER NOT NULL,
             state INTEGER NOT NULL,
@@ -28,13 +32,13 @@ def migrate_jobs(db: sqlite3.Connection) -> None:
             PRIMARY KEY (pool, job_id)
         ) STRICT"""
     )
-    db.execute("CREATE INDEX jobs_by_state ON jobs (pool, state)")
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (pool, state)")
 
 
 def migrate_jobs_postgres(db: Any) -> None:
-    """`migrate_jobs` on PostgreSQL."""
+    """`migrate_jobs` on PostgreSQL (idempotent too, as the two stay in step)."""
     db.execute(
-        """CREATE TABLE jobs (
+        """CREATE TABLE IF NOT EXISTS jobs (
             pool TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
             job_id BIGINT NOT NULL,
             state INTEGER NOT NULL,
@@ -42,7 +46,7 @@ def migrate_jobs_postgres(db: Any) -> None:
             PRIMARY KEY (pool, job_id)
         )"""
     )
-    db.execute("CREATE INDEX jobs_by_state ON jobs (pool, state)")
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (pool, state)")
 
 
 class JobTables:

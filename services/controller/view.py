@@ -91,12 +91,21 @@ def service(rec: ServiceReconciler) -> res.Service:
     if row.uptime_start is not None:
         svc.uptime_start_time.CopyFrom(pbtime.timestamp(row.uptime_start))
     svc.autoscaler.CopyFrom(_autoscaler_status(rec))
+    if rec.pool is not None:
+        rec.pool.show_service(svc)
+    else:
+        svc.kind = spec_pb2.FLEET_KIND_SERVICE
+    if rec.rollout is not None:
+        rec.rollout.decorate(svc)
     return svc
 
 
 def snapshot(rec: ServiceReconciler) -> api.WatchServiceResponse:
     """The whole service for a new watcher."""
-    return api.WatchServiceResponse(service=service(rec), replicas=[rec.shown[i] for i in sorted(rec.shown)])
+    from services.controller import pools
+
+    replicas = pools.shown(rec, [rec.shown[i] for i in sorted(rec.shown)])
+    return api.WatchServiceResponse(service=service(rec), replicas=replicas)
 
 
 def store_status(rec: ServiceReconciler) -> None:

@@ -53,7 +53,7 @@ async def test_grpcurl_cookbook_commands_work_in_order(guarded: tuple[cl.Cluster
         elif method == "Check":
             assert json.loads(out)["status"] == "SERVING"
         elif method == "CreateService":
-            assert json.loads(out)["service"]["name"] == "cookbook"
+            assert json.loads(out)["service"]["name"] in ("cookbook", "jobs")
         elif method == "GetService":
             assert json.loads(out)["service"]["ready_replicas"] == 2
         elif method == "ListReplicas":
@@ -72,12 +72,27 @@ async def test_grpcurl_cookbook_commands_work_in_order(guarded: tuple[cl.Cluster
         elif method in ("ListOrphans", "ReapOrphans"):
             answer = json.loads(out)
             assert answer["controller_id"] and not answer.get("orphans") and not answer.get("reaped")
+        elif method == "SubmitJob":
+            assert json.loads(out)["job"]["job_id"] == "1"
+        elif method == "WatchJob":
+            decoder, text, rest, states = json.JSONDecoder(), b"", out.strip(), []
+            while rest:
+                msg, end = decoder.raw_decode(rest)
+                text += base64.b64decode(msg.get("output", ""))
+                states += [msg["job"]["state"]] if "job" in msg else []
+                rest = rest[end:].strip()
+            assert text.startswith(b"hello from jobs-") and states[-1] == "JOB_STATE_SUCCEEDED"
+        elif method in ("GetJob", "CancelJob"):
+            assert json.loads(out)["job"]["state"] == "JOB_STATE_SUCCEEDED"
+        elif method == "ListJobs":
+            assert [j["state"] for j in json.loads(out)["jobs"]] == ["JOB_STATE_SUCCEEDED"]
         elif method == "ListServices":
             assert [s["name"] for s in json.loads(out)["services"]] == ["cookbook"]
         elif method == "DeleteService":
             assert json.loads(out)["service"]["status"] == "SERVICE_STATUS_SHUTTING_DOWN"
     assert "CreateService" in seen and "WatchService" in seen and "Check" in seen and "describe" in seen
     assert "ListOrphans" in seen and "ReapOrphans" in seen
+    assert {"SubmitJob", "WatchJob", "ListJobs", "GetJob", "CancelJob"} <= set(seen)
     # The same report twice: counted once (int64 prints as a string; false and 0 are left out).
     assert [(r.get("counted_requests"), r.get("already_applied", False)) for r in reports] == [
         ("2", False),

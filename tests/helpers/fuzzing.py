@@ -278,6 +278,21 @@ requests = st.one_of(
         st.booleans(),
     ),
     st.builds(
+        lambda p, r, e, n: ("SubmitJob", api.SubmitJobRequest(pool=p, run=r, envs=e, name=n)),
+        names,
+        texts,
+        st.dictionaries(texts, texts, max_size=3),
+        texts,
+    ),
+    st.builds(lambda p, i: ("GetJob", api.GetJobRequest(pool=p, job_id=i)), names, ints),
+    st.builds(
+        lambda p, s, t: ("ListJobs", api.ListJobsRequest(pool=p, page_size=s, page_token=t)), names, int32s, texts
+    ),
+    st.builds(lambda p, i: ("CancelJob", api.CancelJobRequest(pool=p, job_id=i)), names, ints),
+    st.builds(
+        lambda p, i, o: ("WatchJob", api.WatchJobRequest(pool=p, job_id=i, states_only=o)), names, ints, st.booleans()
+    ),
+    st.builds(
         lambda n, s, t: ("ListEvents", api.ListEventsRequest(service_name=n, page_size=s, page_token=t)),
         names,
         int32s,
@@ -302,6 +317,8 @@ MUTATIONS = {
     "TerminateReplica",
     "PurgeReplicas",
     "ReapOrphans",
+    "SubmitJob",
+    "CancelJob",
     "RollbackService",
     "PromoteRollout",
     "AbortRollout",

@@ -1,6 +1,6 @@
-"""The controller's API for canaries before the rollout work lands: a canary update is refused as
-not available yet (changing nothing), the spec's `service.rollout.strategy` is the default update
-mode, and per-version statistics in load reports are validated field by field."""
+"""The controller's API edge for canaries: the spec's `service.rollout.strategy` is the default
+update mode, and per-version statistics in load reports are validated field by field (rollouts
+themselves: test_rollouts_api.py)."""
 
 from __future__ import annotations
 
@@ -29,36 +29,6 @@ def with_rollout(rollout: str, *, replicas: int = 1, run: str = "serve") -> str:
 
 async def service(env: tc.Env) -> res.Service:
     return (await env.stub.GetService(api.GetServiceRequest(service_name="svc"))).service
-
-
-@pytest.mark.parametrize(
-    ("mode", "rollout"),
-    [
-        (res.UPDATE_MODE_CANARY, "{strategy: rolling}"),
-        (res.UPDATE_MODE_CANARY, "{}"),
-        (res.UPDATE_MODE_UNSPECIFIED, "{strategy: canary, steps: [{weight: 10}]}"),
-    ],
-)
-async def test_a_canary_update_is_refused_as_not_available_yet_and_changes_nothing(
-    env: tc.Env, mode: int, rollout: str
-) -> None:
-    w = await tc.create(env, tc.spec())
-    await w.until(lambda w: w.count(READY) == 1)
-    for dry_run in (True, False):
-        err = await tc.rpc_error(
-            env.stub.UpdateService(
-                api.UpdateServiceRequest(
-                    service_name="svc", yaml=with_rollout(rollout, run="serve --v2"), mode=mode, dry_run=dry_run
-                )
-            )
-        )
-        assert err.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert err.reason == "CANARY_NOT_AVAILABLE"
-        assert "canary rollouts are not available yet" in err.message
-    svc = await service(env)
-    assert svc.latest_version == 1
-    assert list(svc.active_versions) == [1]
-    w.cancel()
 
 
 async def test_the_specs_strategy_is_the_default_update_mode_and_a_requested_mode_wins(env: tc.Env) -> None:

@@ -230,3 +230,21 @@ def _quiet_env(monkeypatch) -> None:
     for name in list(os.environ):
         if name.startswith("REPLICAPLANE_CONTROLLER_"):
             monkeypatch.delenv(name)
+
+
+async def test_a_launch_failure_counts_under_the_cause_the_core_decided(tmp_path) -> None:
+    from replicaplane.provisioner.v1 import resources_pb2 as prov_res
+
+    async with started(tmp_path) as env:
+        # An API server's 503: the infrastructure's fault, though no capacity was missing.
+        env.provisioner.failing_launches.append(("HTTP 503 from the API server", prov_res.FAILURE_CAUSE_INFRASTRUCTURE))
+        env.provisioner.failing_launches.append(("setup exited with 1", prov_res.FAILURE_CAUSE_USER))
+        await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(replicas=1)))
+        await metrics.until(
+            env.url,
+            lambda s: (
+                s.value("replicaplane_controller_launches_total", outcome="failed", cause="infrastructure") == 1
+                and s.value("replicaplane_controller_launches_total", outcome="failed", cause="user") == 1
+            ),
+            what="one launch failed by each cause",
+        )

@@ -118,7 +118,8 @@ def test_controller_modules_and_classes_stay_small() -> None:
 
 def test_controller_effects_live_in_drivers_and_the_loop_never_touches_sqlite() -> None:
     # The loop's modules talk to the store only through the writer (a thread with its own
-    # connection): nothing but the store and the writer imports sqlite3.
+    # connection): nothing but the store (with its table modules, store_*.py) and the writer
+    # imports sqlite3.
     for path in python_files("services/controller"):
         name = os.path.basename(path)
         if os.path.basename(os.path.dirname(path)) == "store" or name.startswith("store") or name == "writer.py":

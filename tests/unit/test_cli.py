@@ -253,3 +253,24 @@ def test_update_sends_the_mode_asked_for_and_none_by_default(
     assert main.cmd_update(args, client, io.StringIO()) == main.OK  # type: ignore[arg-type]
     (request,) = client.requests
     assert request.mode == mode  # type: ignore[attr-defined]
+
+
+def test_status_shows_a_canary_rollout_under_the_table() -> None:
+    rollout = res.RolloutStatus(
+        stable_version=1,
+        canary_version=2,
+        state=res.ROLLOUT_STATE_PROGRESSING,
+        step=1,
+        step_count=2,
+        canary_weight=10,
+        message="step 1/2 (10 %): pausing until 42 s from now",
+    )
+    svc = service(rollout=rollout, latest_version=2, active_versions=[1, 2])
+    assert render.rollout_line(svc) == (
+        "hello: canary: version 2 from 1, step 1/2 at 10 %: step 1/2 (10 %): pausing until 42 s from now"
+    )
+    rollout.state, rollout.message = res.ROLLOUT_STATE_ROLLED_BACK, "rolled back: aborted by a user"
+    assert render.rollout_line(service(rollout=rollout)) == (
+        "hello: canary rolled back: version 2 from 1: rolled back: aborted by a user"
+    )
+    assert render.rollout_line(service()) == ""

@@ -55,3 +55,16 @@ def test_jobs_commands_parse() -> None:
     assert (args.pool, args.run, args.env) == ("batch", ["python", "train.py", "-x"], ["A=1"])
     assert main.parser().parse_args(["jobs", "cancel", "batch", "1", "2"]).job_ids == [1, 2]
     assert main.parser().parse_args(["jobs", "status", "batch"]).jobs_command == "status"
+
+
+def test_up_wait_is_done_for_a_pool_once_its_wanted_workers_are_ready() -> None:
+    from services.cli import client
+
+    empty = _svc("batch", pool=True)
+    empty.status, empty.ready_replicas, empty.target_replicas = res.SERVICE_STATUS_NO_REPLICA, 0, 0
+    assert client.all_ready(empty)
+    empty.status = res.SERVICE_STATUS_CONTROLLER_INIT
+    assert not client.all_ready(empty)
+    two = _svc("batch", pool=True)
+    two.status, two.ready_replicas, two.target_replicas = res.SERVICE_STATUS_REPLICA_INIT, 1, 2
+    assert not client.all_ready(two)

@@ -221,3 +221,21 @@ def test_plan(workers: list[R], busy: set[int], target: int, stopped: bool, want
         )
         == want
     )
+
+
+# ---- a pool spec in the core's terms ----------------------------------------------------------
+
+
+def test_a_pool_spec_gives_the_core_its_sizes_delays_and_failure_window() -> None:
+    from services.common import spec
+    from services.controller import convert, facts
+
+    parsed = spec.parse(
+        "name: b\npool: {min_workers: 1, max_workers: 4, upscale_delay_seconds: 7, downscale_delay_seconds: 9}\n"
+        "setup: echo ready\n",
+        replica_cap=100,
+    )
+    policy = convert.policy_of(parsed)
+    assert (policy.min_replicas, policy.max_replicas, policy.upscale_delay_s, policy.downscale_delay_s) == (1, 4, 7, 9)
+    assert a.most_replicas(policy) == 4  # what the replica budget holds for it
+    assert facts.windows_of(parsed, parsed).failure_threshold_s == 10.0

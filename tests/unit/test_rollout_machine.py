@@ -167,3 +167,27 @@ def test_scale_for_a_rollout(
     decision = ro.Decision(ro.State(1, 2), {}, canary_replicas, keep_stable)
     plan = ro.scale(replicas, decision, canary_version=2, stopped=stopped)
     assert (plan.launch, tuple(sorted(plan.teardown))) == (launch, teardown)
+
+
+def test_a_rollouts_scale_plan_replaces_the_rolling_one_in_the_pass_and_still_pauses() -> None:
+    from services.controller import planner
+    from services.controller.domain import autoscaler, failures, scaling
+
+    replicas = [view(1, 1), view(2, 1), view(3, 2)]
+    kwargs = {
+        "policy": autoscaler.Policy(min_replicas=2, max_replicas=2),
+        "adopted_target": 2,
+        "latest_version": 2,
+        "stopped": False,
+        "blue_green": False,
+        "now": 100.5,
+        "torn_down": {},
+    }
+    rolling = planner.plan(replicas, backoff=failures.Backoff(), **kwargs)  # type: ignore[arg-type]
+    assert (rolling.launch, rolling.teardown) == (1, (2,))  # rolling would replace a stable replica
+    canary = scaling.ScalePlan(launch=1, teardown=())
+    p = planner.plan(replicas, backoff=failures.Backoff(), rollout=canary, **kwargs)  # type: ignore[arg-type]
+    assert (p.launch, p.teardown, p.launch_wanted) == (1, (), True)
+    paused = failures.Backoff().failed(100.0, "HTTP 503")
+    p = planner.plan(replicas, backoff=paused, rollout=canary, **kwargs)  # type: ignore[arg-type]
+    assert (p.launch, p.launch_wanted) == (0, True)

@@ -591,9 +591,9 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
                 raise rows.not_found(name)
             version = int(row[0]) + 1
             self._insert_version(name, version, spec)
-            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
             when = time.time() if now is None else now
             self._history_insert(name, version, spec, now=when, mode=mode, rollback_of=rollback_of)
+            self._db.execute("UPDATE services SET latest_version = ? WHERE name = ?", (version, name))
             return version
 
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:

@@ -199,9 +199,8 @@ class ControllerServiceServicer:
 
     def UpdateService(self, request, context):
         """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
-        FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
-        yet; dry runs included.
+        A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
+        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,9 +46,8 @@ class ControllerServiceStub:
     """Lists services in name order."""
     UpdateService: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.UpdateServiceRequest, _controller_service_pb2.UpdateServiceResponse]
     """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
-    FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
-    yet; dry runs included.
+    A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
+    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
     """
     DeleteService: _grpc.UnaryUnaryMultiCallable[_controller_service_pb2.DeleteServiceRequest, _controller_service_pb2.DeleteServiceResponse]
     """Deletes a service: every replica is torn down without drain, then the service is gone.
@@ -175,9 +174,8 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Lists services in name order."""
     UpdateService: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.UpdateServiceRequest, _controller_service_pb2.UpdateServiceResponse]  # type: ignore[assignment]
     """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
-    FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
-    yet; dry runs included.
+    A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
+    Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
     """
     DeleteService: _aio.UnaryUnaryMultiCallable[_controller_service_pb2.DeleteServiceRequest, _controller_service_pb2.DeleteServiceResponse]  # type: ignore[assignment]
     """Deletes a service: every replica is torn down without drain, then the service is gone.
@@ -325,9 +323,8 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_service_pb2.UpdateServiceResponse, _abc.Awaitable[_controller_service_pb2.UpdateServiceResponse]]:
         """Updates a service to a new spec, creating a new version, or returns the plan on a dry run.
-        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down, and
-        FAILED_PRECONDITION (reason CANARY_NOT_AVAILABLE) for a canary update, which is not available
-        yet; dry runs included.
+        A canary update (mode, or the spec's strategy) starts a rollout shown in `Service.rollout`.
+        Returns NOT_FOUND, INVALID_ARGUMENT, or FAILED_PRECONDITION while the service shuts down.
         """
 
     @_abc_1.abstractmethod

@@ -220,8 +220,7 @@ class _UpdateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdateMode
     """Switch traffic at once when the new version has enough ready replicas."""
     UPDATE_MODE_CANARY: _UpdateMode.ValueType  # 3
     """Move traffic to the new version in weighted steps (`service.rollout.steps`), checking its
-    error rate and latency against the stable version's at each step. Not available yet: an
-    update asking for it is refused with FAILED_PRECONDITION.
+    error rate and latency against the stable version's at each step, and roll back on failure.
     """
 
 class UpdateMode(_UpdateMode, metaclass=_UpdateModeEnumTypeWrapper):
@@ -235,8 +234,7 @@ UPDATE_MODE_BLUE_GREEN: UpdateMode.ValueType  # 2
 """Switch traffic at once when the new version has enough ready replicas."""
 UPDATE_MODE_CANARY: UpdateMode.ValueType  # 3
 """Move traffic to the new version in weighted steps (`service.rollout.steps`), checking its
-error rate and latency against the stable version's at each step. Not available yet: an
-update asking for it is refused with FAILED_PRECONDITION.
+error rate and latency against the stable version's at each step, and roll back on failure.
 """
 Global___UpdateMode: _TypeAlias = UpdateMode  # noqa: Y015
 
