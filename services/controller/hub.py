@@ -132,6 +132,8 @@ class ServiceHub:
         self.endpoints = endpoints
         self.weights = weights
         self.endpoints_version += 1
+        if not self._endpoint_subscribers:
+            return
         msg = self._endpoints_message()
         for w in list(self._endpoint_subscribers):
             if not w.offer(msg):

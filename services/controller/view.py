@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from replicaplane.common.v1 import spec_pb2
@@ -27,8 +28,6 @@ log = logging.getLogger(__name__)
 class Cache:
     """What is rebuilt only when it changes."""
 
-    endpoint_key: tuple[tuple[int, str, int], ...] = ()
-    endpoint_list: list[res.Endpoint] = dataclasses.field(default_factory=list)
     redacted: tuple[int, spec_pb2.ServiceSpec] = (0, spec_pb2.ServiceSpec())
     published_version: int = 0
 
@@ -58,13 +57,63 @@ def _service_facts(rec: ServiceReconciler) -> st.ServiceFacts:
     )
 
 
+class Endpoints:
+    """The endpoint of every READY replica as stored, kept in step with each stored batch; the
+    list of the active versions' endpoints is built again only when it changes."""
+
+    def __init__(self, shown: Mapping[int, res.Replica]) -> None:
+        self._by_id: dict[int, res.Endpoint] = {}
+        self._active: tuple[int, ...] = ()
+        self._list: list[res.Endpoint] = []
+        self._message = res.Service()
+        self._changed = True
+        self.stored(shown.values(), [])
+
+    def stored(self, puts: Iterable[res.Replica], deletes: Iterable[int]) -> None:
+        """These records were stored (`puts`) or removed (`deletes`)."""
+        for r in puts:
+            rid = r.replica_id
+            if r.status == res.REPLICA_STATUS_READY:
+                ep = self._by_id.get(rid)
+                accelerator = r.accelerator or "unknown"
+                if ep is None or (ep.url, ep.version, ep.accelerator) != (r.endpoint, r.version, accelerator):
+                    self._by_id[rid] = res.Endpoint(
+                        replica_id=rid, url=r.endpoint, version=r.version, accelerator=accelerator
+                    )
+                    self._changed = True
+            elif self._by_id.pop(rid, None) is not None:
+                self._changed = True
+        for rid in deletes:
+            if self._by_id.pop(rid, None) is not None:
+                self._changed = True
+
+    def of(self, active: Sequence[int]) -> list[res.Endpoint]:
+        """The endpoints of the READY replicas of `active` versions, by replica id; the same list
+        object until they change."""
+        key = tuple(active)
+        if self._changed or key != self._active:
+            self._list = [ep for _, ep in sorted(self._by_id.items()) if ep.version in key]
+            self._message = res.Service(endpoints=self._list)
+            self._active, self._changed = key, False
+        return self._list
+
+    @property
+    def last(self) -> list[res.Endpoint]:
+        """What `of` returned last."""
+        return self._list
+
+    def into(self, svc: res.Service, active: Sequence[int]) -> None:
+        """Add `of(active)` to `svc` (a copy of a message built once per change)."""
+        self.of(active)
+        svc.MergeFrom(self._message)
+
+
 def service(rec: ServiceReconciler) -> res.Service:
-    """The service as the API shows it: from the records as stored."""
-    views = list(rec.shown_views.values())
-    statuses = [v.status for v in views]
+    """The service as the API shows it: from the records as stored (their counts kept in step)."""
+    statuses = rec.shown_views.statuses
     ready, total = st.ready_and_total(statuses)
-    active = scaling.active_versions(
-        views,
+    active = scaling.active_versions_of(
+        rec.shown_views.ready_by_version,
         latest_version=rec.row.latest_version,
         target=rec.final_target(),
         blue_green=rec.row.update_mode == res.UPDATE_MODE_BLUE_GREEN,
@@ -84,10 +133,10 @@ def service(rec: ServiceReconciler) -> res.Service:
         target_replicas=rec.final_target(),
         probing_stale=rec.probing_stale,
         update_mode=row.update_mode,  # type: ignore[arg-type]
-        endpoints=_endpoints(rec, views, active),
         uid=row.uid,
         load_balancer_url=rec.load_balancer_url,
     )
+    rec.endpoints.into(svc, active)
     if row.uptime_start is not None:
         svc.uptime_start_time.CopyFrom(pbtime.timestamp(row.uptime_start))
     svc.autoscaler.CopyFrom(_autoscaler_status(rec))
@@ -112,8 +161,7 @@ def store_status(rec: ServiceReconciler) -> None:
     """Keep the stored status and message equal to the derived ones (written with the batch)."""
     if rec.row.deleting or not rec.started:
         return
-    views = list(rec.views.values())
-    statuses = [v.status for v in views]
+    statuses = rec.views.statuses
     sf = _service_facts(rec)
     status, message = int(st.service_status_of(statuses, sf)), st.status_message(statuses, sf)
     if status != rec.row.status or message != rec.row.status_message:
@@ -127,19 +175,6 @@ def _shown_spec(rec: ServiceReconciler) -> spec_pb2.ServiceSpec:
     if rec.view_cache.redacted[0] != version:
         rec.view_cache.redacted = (version, spec.redacted(rec.spec(version)))
     return rec.view_cache.redacted[1]
-
-
-def _endpoints(rec: ServiceReconciler, views: list[st.ReplicaView], active: list[int]) -> list[res.Endpoint]:
-    ids = sorted(v.replica_id for v in views if v.status is st.ReplicaStatus.READY and v.version in active)
-    key = tuple((i, rec.shown[i].endpoint, rec.shown[i].version) for i in ids)
-    cache = rec.view_cache
-    if key != cache.endpoint_key:  # built once per change of the ready set
-        cache.endpoint_key = key
-        cache.endpoint_list = [
-            res.Endpoint(replica_id=i, url=url, version=version, accelerator=rec.shown[i].accelerator or "unknown")
-            for i, url, version in key
-        ]
-    return cache.endpoint_list
 
 
 def _autoscaler_status(rec: ServiceReconciler) -> res.AutoscalerStatus:
