@@ -186,8 +186,12 @@ class Passes:
         svc = rec.service()
         changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        endpoints = rec.endpoints.last if rec.pool is None else []  # the list `svc` was built from
-        rec.hub.set_endpoints(endpoints, rec.rollout.weights() if rec.rollout else None)
+        weights = rec.rollout.weights() if rec.rollout else None
+        if rec.pool is None:  # the endpoints `svc` was built with
+            ep = rec.endpoints
+            rec.hub.set_endpoints(ep.watch_part.endpoints, weights, key=ep.generation, message=ep.watch_part)
+        else:
+            rec.hub.set_endpoints([], weights)
 
     async def flush(self) -> None:
         """Store whatever is pending now and wait for it (shutdown)."""

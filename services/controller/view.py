@@ -3,6 +3,7 @@ the autoscaler's status, the probe target of a replica."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -58,15 +59,23 @@ def _service_facts(rec: ServiceReconciler) -> st.ServiceFacts:
 
 
 class Endpoints:
-    """The endpoint of every READY replica as stored, kept in step with each stored batch; the
-    list of the active versions' endpoints is built again only when it changes."""
+    """The endpoint of every READY replica as stored, kept in step with each stored batch.
+
+    The endpoints of the active versions are kept, by replica id, in two messages changed in
+    place (an insert or a delete per change), so a service of 10,000 replicas shows them with one
+    C-level copy instead of 10,000 Python calls; they are built again only when the active
+    versions change. `generation` counts the changes.
+    """
 
     def __init__(self, shown: Mapping[int, res.Replica]) -> None:
         self._by_id: dict[int, res.Endpoint] = {}
         self._active: tuple[int, ...] = ()
-        self._list: list[res.Endpoint] = []
-        self._message = res.Service()
-        self._changed = True
+        self._ids: list[int] = []  # replica ids in the messages, in order
+        self.service_part = res.Service()
+        """A `Service` with only the endpoints of the active versions."""
+        self.watch_part = api.WatchEndpointsResponse()
+        """A `WatchEndpointsResponse` with only the same endpoints."""
+        self.generation = 0
         self.stored(shown.values(), [])
 
     def stored(self, puts: Iterable[res.Replica], deletes: Iterable[int]) -> None:
@@ -77,35 +86,46 @@ class Endpoints:
                 ep = self._by_id.get(rid)
                 accelerator = r.accelerator or "unknown"
                 if ep is None or (ep.url, ep.version, ep.accelerator) != (r.endpoint, r.version, accelerator):
-                    self._by_id[rid] = res.Endpoint(
-                        replica_id=rid, url=r.endpoint, version=r.version, accelerator=accelerator
-                    )
-                    self._changed = True
-            elif self._by_id.pop(rid, None) is not None:
-                self._changed = True
+                    self._drop(rid)
+                    ep = res.Endpoint(replica_id=rid, url=r.endpoint, version=r.version, accelerator=accelerator)
+                    self._by_id[rid] = ep
+                    if ep.version in self._active:
+                        at = bisect.bisect_left(self._ids, rid)
+                        self._ids.insert(at, rid)
+                        self.service_part.endpoints.insert(at, ep)
+                        self.watch_part.endpoints.insert(at, ep)
+                    self.generation += 1
+            else:
+                self._drop(rid)
         for rid in deletes:
-            if self._by_id.pop(rid, None) is not None:
-                self._changed = True
+            self._drop(rid)
 
-    def of(self, active: Sequence[int]) -> list[res.Endpoint]:
-        """The endpoints of the READY replicas of `active` versions, by replica id; the same list
-        object until they change."""
+    def _drop(self, rid: int) -> None:
+        if self._by_id.pop(rid, None) is None:
+            return
+        self.generation += 1
+        at = bisect.bisect_left(self._ids, rid)
+        if at < len(self._ids) and self._ids[at] == rid:
+            del self._ids[at]
+            del self.service_part.endpoints[at]
+            del self.watch_part.endpoints[at]
+
+    def activate(self, active: Sequence[int]) -> None:
+        """Keep the endpoints of `active` versions (built again only when they changed)."""
         key = tuple(active)
-        if self._changed or key != self._active:
-            self._list = [ep for _, ep in sorted(self._by_id.items()) if ep.version in key]
-            self._message = res.Service(endpoints=self._list)
-            self._active, self._changed = key, False
-        return self._list
-
-    @property
-    def last(self) -> list[res.Endpoint]:
-        """What `of` returned last."""
-        return self._list
+        if key == self._active:
+            return
+        self._active = key
+        self._ids = sorted(rid for rid, ep in self._by_id.items() if ep.version in key)
+        kept = [self._by_id[rid] for rid in self._ids]
+        self.service_part = res.Service(endpoints=kept)
+        self.watch_part = api.WatchEndpointsResponse(endpoints=kept)
+        self.generation += 1
 
     def into(self, svc: res.Service, active: Sequence[int]) -> None:
-        """Add `of(active)` to `svc` (a copy of a message built once per change)."""
-        self.of(active)
-        svc.MergeFrom(self._message)
+        """Add the endpoints of the `active` versions to `svc`."""
+        self.activate(active)
+        svc.MergeFrom(self.service_part)
 
 
 def service(rec: ServiceReconciler) -> res.Service:
