@@ -76,6 +76,10 @@ test: setup  ## Run every test (unit, service, end to end).
 e2e: setup  ## Run only the end-to-end tests.
 	$(PY) -m pytest -m e2e
 
+.PHONY: drill
+drill: setup  ## Run the fault drills (failover: kill -9 and SIGSTOP a leading controller; needs PostgreSQL).
+	$(PY) -m pytest -m drill
+
 demo: setup  ## Start a local stack, deploy the 2-replica example, show status and one request, stop it all.
 	$(PY) -m services.cli.demo
 

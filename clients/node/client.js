@@ -2,10 +2,12 @@
 // A small Node client of Replicaplane's controller, built from the repository's protos at run
 // time with @grpc/proto-loader (no generated code).
 //
-//   node client.js [--controller host:port] list
-//   node client.js [--controller host:port] watch NAME [--until-ready N] [--timeout S]
+//   node client.js [--controller host:port[,host:port...]] list
+//   node client.js [--controller host:port[,host:port...]] watch NAME [--until-ready N] [--timeout S]
 //
-// The address defaults to $REPLICAPLANE_CONTROLLER, else 127.0.0.1:50051. `list` prints one
+// The address defaults to $REPLICAPLANE_CONTROLLER, else 127.0.0.1:50051. With several (controllers
+// sharing a store, one leading), a call that finds one unavailable goes to the next, for up to
+// FAILOVER_MS; a standby forwards calls to the leader. `list` prints one
 // JSON line per service; `watch` prints one JSON line per WatchService message (a snapshot, then
 // every change) and, with --until-ready N, exits 0 once N replicas are READY.
 "use strict";
@@ -15,6 +17,7 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
 const PROTOS = path.resolve(__dirname, "..", "..", "protos");
+const FAILOVER_MS = 20000; // how long a call is retried while controllers hand over the lead
 
 function loadController() {
   const definition = protoLoader.loadSync("replicaplane/controller/v1/controller_service.proto", {
@@ -57,9 +60,36 @@ function metadata() {
   return md;
 }
 
-function list(client, opts) {
+// One client per address, used in turn: `next()` moves on after an UNAVAILABLE answer.
+class Controllers {
+  constructor(Service, addrs) {
+    this.clients = addrs.split(",").map((a) => new Service(a.trim(), grpc.credentials.createInsecure()));
+    this.index = 0;
+  }
+  get current() {
+    return this.clients[this.index];
+  }
+  next() {
+    this.index = (this.index + 1) % this.clients.length;
+    return this.current;
+  }
+}
+
+// UNAVAILABLE with more than one controller (the next may lead), or an answer that no
+// controller leads right now: worth another try.
+function failover(err, controllers) {
+  if (err.code !== grpc.status.UNAVAILABLE) return false;
+  return controllers.clients.length > 1 || /no (controller leads|longer leads)/.test(err.details || "");
+}
+
+function list(controllers, opts, started = Date.now()) {
   const deadline = new Date(Date.now() + 10000);
-  client.ListServices({ page_size: 1000 }, metadata(), { deadline }, (err, resp) => {
+  controllers.current.ListServices({ page_size: 1000 }, metadata(), { deadline }, (err, resp) => {
+    if (err && failover(err, controllers) && Date.now() - started < FAILOVER_MS) {
+      controllers.next();
+      setTimeout(() => list(controllers, opts, started), 300);
+      return;
+    }
     if (err) fail(`${grpc.status[err.code]}: ${err.details}`, 1);
     for (const svc of resp.services) {
       const line = {
@@ -75,15 +105,37 @@ function list(client, opts) {
   });
 }
 
-function watch(client, opts, name) {
+function watch(controllers, opts, name) {
   if (!name) fail("watch needs a service name", 2);
   const ready = new Map(); // replica id -> status, kept up to date from snapshots and changes
-  const call = client.WatchService({ service_name: name, after_sequence: 0 }, metadata());
+  let call = null;
+  let lostSince = null; // when the stream broke with no controller answering since
   const timer = setTimeout(() => {
-    call.cancel();
+    if (call) call.cancel();
     fail(`gave up after ${opts.timeout} s`, 5);
   }, opts.timeout * 1000);
-  call.on("data", (msg) => {
+  // A new leader starts its own sequence: follow it from a fresh snapshot.
+  const follow = () => {
+    call = controllers.current.WatchService({ service_name: name, after_sequence: 0 }, metadata());
+    call.on("data", (msg) => onData(msg));
+    call.on("error", (err) => {
+      if (err.code === grpc.status.CANCELLED) return;
+      lostSince = lostSince || Date.now();
+      if (failover(err, controllers) && Date.now() - lostSince < FAILOVER_MS) {
+        controllers.next();
+        setTimeout(follow, 300);
+        return;
+      }
+      clearTimeout(timer);
+      fail(`${grpc.status[err.code]}: ${err.details}`, err.code === grpc.status.NOT_FOUND ? 3 : 1);
+    });
+    call.on("end", () => {
+      clearTimeout(timer);
+      process.exit(0);
+    });
+  };
+  const onData = (msg) => {
+    lostSince = null;
     if (msg.snapshot) ready.clear();
     for (const r of msg.replicas) ready.set(r.replica_id, r.status);
     for (const id of msg.removed_replica_ids) ready.delete(id);
@@ -94,26 +146,17 @@ function watch(client, opts, name) {
       call.cancel();
       process.exit(0);
     }
-  });
-  call.on("error", (err) => {
-    if (err.code === grpc.status.CANCELLED) return;
-    clearTimeout(timer);
-    fail(`${grpc.status[err.code]}: ${err.details}`, err.code === grpc.status.NOT_FOUND ? 3 : 1);
-  });
-  call.on("end", () => {
-    clearTimeout(timer);
-    process.exit(0);
-  });
+  };
+  follow();
 }
 
 function main() {
   const opts = parseArgs(process.argv.slice(2));
-  const Service = loadController();
-  const client = new Service(opts.controller, grpc.credentials.createInsecure());
+  const controllers = new Controllers(loadController(), opts.controller);
   const [command, name] = opts.positional;
-  if (command === "list") list(client, opts);
-  else if (command === "watch") watch(client, opts, name);
-  else fail("usage: client.js [--controller host:port] list | watch NAME [--until-ready N]", 2);
+  if (command === "list") list(controllers, opts);
+  else if (command === "watch") watch(controllers, opts, name);
+  else fail("usage: client.js [--controller host:port[,host:port]] list | watch NAME [--until-ready N]", 2);
 }
 
 main();

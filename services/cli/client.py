@@ -8,13 +8,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import grpc
+import tenacity
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import controller_service_pb2_grpc as pb_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import exits, render
-from services.common import grpc_errors, security, watchlines
+from services.common import clients, grpc_errors, security, watchlines
 
 _CODE_EXIT = {
     grpc.StatusCode.INVALID_ARGUMENT: exits.BAD_INPUT,
@@ -59,27 +60,66 @@ def rpc_error(err: grpc.RpcError, *, controller: str) -> exits.CliError:
     return exits.CliError(line, code, status)
 
 
+# Calls safe to send again after UNAVAILABLE from a lost connection (with several controllers
+# given, the next one may answer): reads, and the mutations replicactl sends with a request id
+# (the controller recognises a repeat). Any call is safe to repeat when the answer says it was
+# not carried out: no controller leads (NO_LEADER), or the one that got it no longer leads and
+# wrote nothing (NOT_LEADER). One controller that cannot be reached is reported at once.
+_REPEATABLE = ("Get", "List", "Watch", "Stream", "CreateService", "UpdateService")
+_NOT_DONE = ("NO_LEADER", "NOT_LEADER")
+FAILOVER_S = 20.0
+"""How long replicactl keeps retrying a call while controllers hand over the lead."""
+
+
+def _failover(err: grpc.RpcError, *, method: str, several: bool) -> bool:
+    """True if `err` says a failover is under way and `method` may be sent again."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    if grpc_errors.RpcError(err).reason in _NOT_DONE:
+        return True
+    return several and method.startswith(_REPEATABLE)
+
+
 class Client:
-    """One channel to the controller and the calls replicactl makes."""
+    """One channel to the controller (or to whichever of several answers) and the calls
+    replicactl makes. A call that finds no controller leading (a failover under way) is tried
+    again for up to FAILOVER_S, so a user sees a pause, not an error."""
 
     def __init__(self, addr: str, rpc_timeout: float, token: str = "") -> None:
         self.addr = addr
         self.timeout = rpc_timeout
         # The bearer token of a controller that requires one (never printed).
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(addr)
+        try:
+            target = clients.controller_target(addr)
+        except ValueError as exc:
+            raise exits.CliError(f"error: --controller: {exc}", exits.BAD_INPUT) from None
+        self._channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.ControllerServiceStub(self._channel)
+        self.failover_s = FAILOVER_S
+        self._several = "," in addr
 
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()
 
     def call(self, method: str, request: Any) -> Any:
-        """A unary call with the timeout; errors become exits.CliError."""
+        """A unary call with the timeout, retried through a failover; errors become exits.CliError."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, grpc.RpcError) and _failover(exc, method=method, several=self._several)
+            ),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=2.0, jitter=0.2),
+            stop=tenacity.stop_after_delay(self.failover_s),
+            reraise=True,
+        )
         try:
-            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+            for attempt in retrying:
+                with attempt:
+                    return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as err:
             raise rpc_error(err, controller=self.addr) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def stream(self, method: str, request: Any) -> Iterator[Any]:
         """A server stream; errors become exits.CliError."""
@@ -99,6 +139,7 @@ class Client:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         after = 0
+        lost_since: float | None = None  # when the stream was cut with no controller answering
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             request = pb.WatchServiceRequest(service_name=name, after_sequence=after)
@@ -111,11 +152,18 @@ class Client:
                 return
             except grpc.RpcError as err:
                 decoded = grpc_errors.RpcError(err)
-                if not got or (decoded.code, decoded.reason) != (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "WATCH_FELL_BEHIND",
-                ):
+                if got and (decoded.code, decoded.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "WATCH_FELL_BEHIND"):
+                    continue
+                if not _failover(err, method="WatchService", several=self._several):
                     raise
+                # The controller went away (a failover): follow whichever leads next, from a
+                # fresh snapshot (sequences are the old leader's), for up to failover_s.
+                now = time.monotonic()
+                lost_since = now if got or lost_since is None else lost_since
+                if now - lost_since > self.failover_s:
+                    raise
+                after = 0
+                time.sleep(0.3)
 
     def replicas(self, name: str) -> list[res.Replica]:
         """Every replica of a service (all pages)."""

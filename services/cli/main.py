@@ -121,7 +121,8 @@ def parser() -> argparse.ArgumentParser:
         "--controller",
         default=os.environ.get(ENV_CONTROLLER) or config.CONTROLLER_ADDR,
         metavar="HOST:PORT",
-        help=f"controller address (env {ENV_CONTROLLER}; default {config.CONTROLLER_ADDR})",
+        help=f"controller address, or several (HOST:PORT,HOST:PORT) where controllers share a store "
+        f"(env {ENV_CONTROLLER}; default {config.CONTROLLER_ADDR})",
     )
     p.add_argument(
         "--rpc-timeout", type=float, default=30.0, metavar="S", help="seconds each call may take (default 30)"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 
 import grpc
 
@@ -76,3 +78,45 @@ def channel(
     if server_name:
         options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+
+
+def controller_target(addrs: str) -> str:
+    """The gRPC target for a controller given as one address or several (`a:50051,b:50051`).
+
+    With several (controllers sharing a store, one leading), one channel uses whichever answers:
+    it connects to the first it can reach (pick_first, in the order given) and moves on when that
+    one stops answering; a standby forwards the calls it gets to the leader. Host names are
+    resolved here, once (the target lists addresses).
+
+    Args:
+        addrs: `host:port`, `unix:PATH`, `dns:///name:port`, or a comma-separated `host:port` list.
+
+    Returns:
+        A target for `channel()` or `grpc.insecure_channel()`.
+
+    Raises:
+        ValueError: a list with something other than host:port in it, or a name that does not
+            resolve.
+    """
+    parts = [a.strip() for a in addrs.split(",") if a.strip()]
+    if len(parts) <= 1:
+        return addrs.strip()
+    found: list[tuple[str, str]] = []  # (ip, port)
+    for part in parts:
+        host, _, port = part.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.isdigit() or part.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+            raise ValueError(f"{part!r} in a list of controller addresses must be host:port")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"cannot resolve {host!r}: {exc.strerror}") from None
+        v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        found.append((str(v4[0] if v4 else infos[0][4][0]), port))
+    if all(ipaddress.ip_address(ip).version == 4 for ip, _ in found):
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in found)
+    return "ipv6:" + ",".join(f"[{_as_v6(ip)}]:{port}" for ip, port in found)
+
+
+def _as_v6(ip: str) -> str:
+    return ip if ipaddress.ip_address(ip).version == 6 else f"::ffff:{ip}"

@@ -199,8 +199,9 @@ async def serve_until_signal(
     on_stop: Sequence[object] = (),
     metrics_addr: str = "",
     metrics_port_file: str = "",
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Start `built`, wait for SIGTERM or SIGINT, then shut down gracefully.
+    """Start `built`, wait for SIGTERM or SIGINT (or `stop`), then shut down gracefully.
 
     Args:
         built: the server.
@@ -209,6 +210,7 @@ async def serve_until_signal(
         on_stop: async callables run after the server stopped (close stores, stop backends).
         metrics_addr: where `/metrics` is served (port 0 picks one); empty serves none.
         metrics_port_file: if set, the bound metrics port is written there.
+        stop: an event that also stops the server when set (the signals set it too).
     """
     # Metrics first: its port file is written before the gRPC one, so a reader that waits for
     # the gRPC port (the local stack, tests) finds both.
@@ -217,7 +219,7 @@ async def serve_until_signal(
     if port_file:
         write_port_file(port_file, built.port)
     log.info("serving %s on port %d", ", ".join(built.service_names), built.port)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

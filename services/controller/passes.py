@@ -87,14 +87,14 @@ class Passes:
         latest = rec.row.latest_version
         canary = None
         if rec.rollout is not None:
-            weights = rec.rollout.weights()
+            weights = rec.rollout.weights(latest)
             canary = rec.rollout.scale(
                 list(rec.views.values()),
                 target=rec.final_target(),
                 latest_version=latest,
                 stopped=rec.state.stopped.get(str(latest), ""),
             )
-            if rec.rollout.weights() != weights:
+            if rec.rollout.weights(latest) != weights:
                 self.show_pending = True  # the split is published even when no record changes
         return planner.plan(
             list(rec.views.values()),
@@ -186,7 +186,7 @@ class Passes:
         svc = rec.service()
         changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        weights = rec.rollout.weights() if rec.rollout else None
+        weights = rec.rollout.weights(rec.row.latest_version) if rec.rollout else None
         if rec.pool is None:  # the endpoints `svc` was built with
             ep = rec.endpoints
             rec.hub.set_endpoints(ep.watch_part.endpoints, weights, key=ep.generation, message=ep.watch_part)

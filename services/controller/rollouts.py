@@ -223,11 +223,11 @@ class Rollout:
         s = self.state
         if s is not None and s.phase is ro.Phase.ROLLED_BACK and s.canary_version == latest_version:
             # Until the restored spec is the latest version: nothing of the canary is launched.
-            self._weights = self._resting_weights()
+            self._weights = self._resting_weights(latest_version)
             hold = ro.Decision(s, self._weights, 0, keep_stable=True)
             return ro.scale(views, hold, canary_version=s.canary_version, stopped=True)
         if not self.active or s is None or s.canary_version != latest_version:
-            self._weights = self._resting_weights()
+            self._weights = self._resting_weights(latest_version)
             return None
         outcome = self.decide(views, target=target, canary_stopped=stopped, now=self._clock())
         if outcome is None:
@@ -240,8 +240,17 @@ class Rollout:
             asyncio.get_running_loop().call_soon(self.on_action, decision.action, state)
         return outcome.plan
 
-    def weights(self) -> dict[int, int]:
-        """Per-mille weights by version for the endpoint set; empty: no split."""
+    def weights(self, latest_version: int) -> dict[int, int]:
+        """Per-mille weights by version for the endpoint set of a service whose newest version is
+        `latest_version`; empty: no split.
+
+        After a rollback they follow `latest_version` at the moment of publishing, not at the
+        last pass: the restore relabels the stable replicas as the new version between passes,
+        and endpoints published then with the old weights would leave no replica routable.
+        """
+        s = self.state
+        if s is not None and s.phase is ro.Phase.ROLLED_BACK:
+            return self._resting_weights(latest_version)
         return dict(self._weights)
 
     def decorate(self, svc: res.Service) -> None:
@@ -259,13 +268,13 @@ class Rollout:
         elif svc.active_versions:
             svc.stable_version = min(svc.active_versions)
 
-    def _resting_weights(self) -> dict[int, int]:
+    def _resting_weights(self, latest_version: int) -> dict[int, int]:
         """Weights while no rollout is active: after a rollback every request goes to the stable
         version, then to the version that restores its spec (until the next update); else no split."""
         s = self.state
         if s is not None and s.phase is ro.Phase.ROLLED_BACK:
             # The restored spec's version alone, so a canary replica still draining gets nothing.
-            return {s.stable_version if self.latest_version == s.canary_version else self.latest_version: 1000}
+            return {s.stable_version if latest_version == s.canary_version else latest_version: 1000}
         return {}
 
     def _wake(self, at: float | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,11 +13,24 @@ import grpc
 from replicaplane.controller.v1 import controller_service_pb2, controller_service_pb2_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc
-from services.common import audit, clients, config, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
-from services.controller import controller, identity, reconciler, servicer, store, writer
+from services.common import audit, clients, errors, grpc_server, logs, metrics, probe_fleet, security, tracing
+from services.controller import controller, forward, identity, leader, reconciler, servicer, store, writer
 from services.controller import metrics as controller_metrics
+from services.controller import settings as settings_mod
 
-SERVICE_NAME = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"].full_name
+# The settings live in settings.py; these names stay here for callers of the composition root.
+Settings = settings_mod.Settings
+load_settings = settings_mod.load_settings
+check = settings_mod.check
+advertised = settings_mod.advertised
+
+log = logging.getLogger(__name__)
+
+SERVICE = controller_service_pb2.DESCRIPTOR.services_by_name["ControllerService"]
+SERVICE_NAME = SERVICE.full_name
+
+DEPOSED_EXIT_CODE = 3
+"""The controller's exit code when it stopped because another controller took the lease."""
 
 # Calls that change state, recorded in the audit log. ReportLoad is telemetry, not recorded.
 MUTATIONS = tuple(
@@ -39,99 +53,24 @@ MUTATIONS = tuple(
 TRACE_ROOTS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("CreateService", "UpdateService"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Controller settings; env REPLICAPLANE_CONTROLLER_<FIELD> overrides each."""
-
-    listen_addr: str = config.CONTROLLER_ADDR
-    """host:port to serve on; port 0 picks a free port."""
-    shutdown_grace_s: float = 3.0
-    """Seconds in-flight RPCs get on SIGTERM."""
-    port_file: str = ""
-    """If set, the bound port is written here once serving (tests and scripts use port 0)."""
-    metrics_addr: str = config.CONTROLLER_METRICS_ADDR
-    """host:port of the Prometheus `/metrics` endpoint; port 0 picks a free port; empty turns metrics off."""
-    metrics_port_file: str = ""
-    """If set, the bound metrics port is written here once serving."""
-    state_dir: str = "~/.replicaplane/controller"
-    """Directory of the SQLite store."""
-    provisioner_addr: str = config.PROVISIONER_ADDR
-    """Where the provisioner listens."""
-    prober_addrs: str = config.PROBER_ADDR
-    """Probers: a comma-separated address list, or `dns:///name:port` resolving to every prober."""
-    drain_s: float = 120.0
-    """Drain before a scale-down or manual termination (SkyPilot: 120 s)."""
-    probe_fast_interval_s: float = 0.1
-    """Probe interval of a replica that has not passed a probe yet."""
-    sweep_interval_s: float = 5.0
-    """How often the level-triggered pass runs: it restarts any launch, teardown or probe that
-    should be in motion and is not, and checks that the store takes writes."""
-    store_busy_timeout_s: float = 5.0
-    """How long a store write waits for another process's lock before it counts as failed."""
-    store_synchronous: str = "FULL"
-    """SQLite `synchronous` of the store: FULL fsyncs every commit, so an acknowledged change
-    survives power loss and a failing disk; NORMAL survives process crashes only (faster)."""
-    controller_id: str = ""
-    """This controller's id (the owner of the replicas it launches), at most 128 printable
-    characters. Empty: the id kept in the state directory (created on first start)."""
-    max_replicas_per_service: int = 1000
-    """The most replicas a spec may ask for (replicas, min/max_replicas): more is refused."""
-    max_replicas_total: int = 5000
-    """The most replicas every service together may run. Each service holds the most its spec
-    can run (replicas, or max_replicas plus overprovision and on-demand fallback); a create or
-    update that would go over is refused with RESOURCE_EXHAUSTED."""
-    max_launches_in_flight: int = 128
-    """Launch streams to the provisioner followed at once, over every service; more launches
-    wait their turn, so a large scale-up never floods the controller or the provisioner."""
-    autoscaler_interval_s: float = 20.0
-    """Autoscaler decisions are made at least this often (SkyPilot: 20 s); a load report, an
-    update and an elapsed up/downscale delay also decide at once."""
-    autoscaler_zero_interval_s: float = 5.0
-    """Decision cadence while the target is 0 (SkyPilot: 5 s)."""
-    qps_window_s: float = 60.0
-    """Load reports count toward QPS over this window (SkyPilot: 60 s)."""
-    prober_liveness_timeout_s: float = probe_fleet.DEFAULT_LIVENESS_TIMEOUT_S
-    """A prober stream silent this long counts as lost; with every prober lost, probing is
-    reported stale (and nothing is torn down for want of probes)."""
-    auth_token: str = dataclasses.field(default="", repr=False)
-    """If set, the public API requires `authorization: Bearer <token>` (health and reflection
-    stay open). Prefer the environment variable or auth_token_file to a config file."""
-    auth_token_file: str = ""
-    """File of accepted tokens, one a line as TOKEN or NAME:TOKEN; the name goes to the audit log."""
-    audit_log_file: str = ""
-    """If set, audit records of API mutations are appended here as JSON lines (they are always
-    logged on the replicaplane.audit logger too)."""
-    tls_cert_file: str = ""
-    """The controller's certificate (PEM), shown to the provisioner and probers when mTLS is on."""
-    tls_key_file: str = ""
-    """Private key of tls_cert_file (PEM)."""
-    tls_ca_file: str = ""
-    """CA (PEM) that signed the provisioner's and probers' certificates. Setting the three
-    tls_* files turns mTLS on toward the provisioner and probers."""
-    tls_server_name: str = ""
-    """Name the provisioner's and probers' certificates must carry, when not their address host."""
-    allow_open_internal: bool = False
-    """With a token on the API, the controller refuses to start while it would reach the
-    provisioner or probers over plaintext TCP (any local user could call them and run commands
-    as their user): use unix: sockets or mTLS. Set this only where no one else can reach their
-    ports."""
-
-
-def load_settings(**overrides: Any) -> Settings:
-    """Settings from defaults, the config file and the environment."""
-    return config.load(Settings, "controller", **overrides)
-
-
 @dataclasses.dataclass
 class Running:
     """A started controller and what must be closed with it."""
 
     built: grpc_server.Built
-    controller: controller.Controller
-    fleet: probe_fleet.ProbeFleet
+    controller: controller.Controller | None
+    """None while this controller stands by (leader_election)."""
+    fleet: probe_fleet.ProbeFleet | None
     db: store.Store
-    db_writer: writer.Writer
+    db_writer: writer.Writer | None = None
+    """The controller's store writer (None while standing by)."""
     audit_file: audit.FileSink | None = None
+    leadership: leader.Leadership | None = None
+    """With leader_election: this controller's side of the election."""
+    switch: forward.Switch | None = None
+    lead_task: asyncio.Task[None] | None = None
+    leading: bool = True
+    """The API is served by this process's controller (always, without leader_election)."""
 
     @property
     def port(self) -> int:
@@ -141,12 +80,36 @@ class Running:
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving, then stop following replicas (they keep running)."""
         await self.built.stop(grace)
-        await self.controller.stop()
-        await self.fleet.stop()
-        await self.db_writer.close()
+        await self.stop_leading()
         self.db.close()
         if self.audit_file is not None:
             self.audit_file.close()
+
+    async def stop_leading(self) -> None:
+        """Stop the controller and probe fleet (if leading) and the election (releasing the
+        lease unless deposed, so a standby takes over at once)."""
+        # Each part is taken before it is stopped: a second call (shutdown after a step-down)
+        # finds nothing left to stop.
+        self.leading = False
+        lead_task, self.lead_task = self.lead_task, None
+        if lead_task is not None:
+            lead_task.cancel()
+            await asyncio.gather(lead_task, return_exceptions=True)
+        ctl, self.controller = self.controller, None
+        if ctl is not None:
+            await ctl.stop()
+        fleet, self.fleet = self.fleet, None
+        if fleet is not None:
+            await fleet.stop()
+        db_writer, self.db_writer = self.db_writer, None
+        if db_writer is not None:
+            await db_writer.close()
+        switch, self.switch = self.switch, None
+        if switch is not None:
+            await switch.close()
+        leadership = self.leadership
+        if leadership is not None and not leadership.closed:
+            await asyncio.to_thread(leadership.close, release=True)
 
 
 def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor], audit.FileSink | None]:
@@ -159,49 +122,12 @@ def _interceptors(settings: Settings) -> tuple[list[grpc.aio.ServerInterceptor],
     return chain, sink
 
 
-def check(settings: Settings) -> None:
-    """Refuse settings the controller cannot start with.
-
-    Raises:
-        errors.ValidationError: each bad setting, named.
-    """
-    violations = [
-        errors.FieldViolation(f"controller.{name}", f"must be at least 1, got {getattr(settings, name)}")
-        for name in ("max_replicas_per_service", "max_replicas_total", "max_launches_in_flight")
-        if getattr(settings, name) < 1
-    ]
-    if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
-        violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
-    if settings.controller_id and (problem := identity.problem(settings.controller_id)):
-        violations.append(errors.FieldViolation("controller.controller_id", problem))
-    violations += _open_internal(settings)
-    errors.require(violations, subject="controller settings")
-
-
-def _open_internal(settings: Settings) -> list[errors.FieldViolation]:
-    """With auth on the API, the provisioner and probers must not be open: a token on the API
-    protects nothing while Launch is one plaintext TCP call away for every local user."""
-    guarded = bool(settings.auth_token or settings.auth_token_file)
-    tls = bool(settings.tls_cert_file or settings.tls_key_file or settings.tls_ca_file)
-    if not guarded or tls or settings.allow_open_internal:
-        return []
-    why = (
-        "is plaintext TCP while the API requires a token: every local user could call it; use unix:PATH "
-        "sockets in a private directory or mTLS (tls_* settings), or set allow_open_internal"
-    )
-    violations = []
-    if not settings.provisioner_addr.startswith("unix:"):
-        violations.append(errors.FieldViolation("controller.provisioner_addr", why))
-    probers = [a.strip() for a in settings.prober_addrs.split(",") if a.strip()]
-    if any(not a.startswith("unix:") for a in probers):
-        violations.append(errors.FieldViolation("controller.prober_addrs", why))
-    return violations
-
-
 def _identity(settings: Settings, db: store.Store) -> str:
-    """The controller id (see identity.py), kept in the store too."""
+    """The controller id (see identity.py), kept in the store too. Controllers sharing a store
+    (leader_election) share the store's id: each leader owns the replicas the last one launched."""
     stored = db.stored_controller_id()
-    chosen = identity.resolve(settings.state_dir, setting=settings.controller_id, stored=stored)
+    setting = settings.controller_id or (stored if settings.leader_election else "")
+    chosen = identity.resolve(settings.state_dir, setting=setting, stored=stored)
     if stored != chosen:
         try:
             db.set_controller_id(chosen)
@@ -241,7 +167,11 @@ def _replicas(ctl: controller.Controller, name: str) -> list[res.Replica]:
 
 
 async def start(settings: Settings) -> Running:
-    """Open the store, connect to the provisioner and probers, recover, and serve."""
+    """Open the store, connect to the provisioner and probers, recover, and serve.
+
+    With leader_election the server answers at once (forwarding to the leader) and the
+    controller itself starts once this process holds the lease (`Running.lead_task`).
+    """
     check(settings)
     interceptors, audit_file = _interceptors(settings)
     tls = security.Tls(settings.tls_cert_file, settings.tls_key_file, settings.tls_ca_file)
@@ -250,14 +180,67 @@ async def start(settings: Settings) -> Running:
     def make_channel(addr: str) -> grpc.aio.Channel:
         return clients.channel(addr, credentials=credentials, server_name=settings.tls_server_name)
 
-    db = store.Store.in_state_dir(
-        settings.state_dir, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
+    db = store.open_store(
+        settings.store_url,
+        state_dir=settings.state_dir,
+        synchronous=settings.store_synchronous,
+        busy_timeout_s=settings.store_busy_timeout_s,
     )
+    registry = metrics.for_address("controller", settings.metrics_addr)
+    own = controller_metrics.ControllerMetrics(registry.registry) if registry is not None else None
+    if own is not None:
+        db.on_write(own.store_write)
+    server = grpc_server.new_server(
+        domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
+    )
+    switch: forward.Switch | None = None
+    if settings.leader_election:
+        holder: list[leader.Leadership] = []
+        switch = forward.Switch(
+            SERVICE,
+            leader_address=lambda: holder[0].leader_address() if holder else "",
+            make_channel=lambda addr: clients.channel(addr, retries=False),
+        )
+        server.add_generic_rpc_handlers((switch,))
+        built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
+        holder.append(
+            leader.Leadership(db, address=advertised(settings, built.port), duration_s=settings.lease_duration_s)
+        )
+        running = Running(
+            built=built,
+            controller=None,
+            fleet=None,
+            db=db,
+            audit_file=audit_file,
+            leadership=holder[0],
+            switch=switch,
+            leading=False,
+        )
+        if await holder[0].try_lead():  # a free lease: lead before serving, as without election
+            await _lead(running, settings, make_channel, own)
+        else:
+            running.lead_task = asyncio.get_running_loop().create_task(
+                _lead(running, settings, make_channel, own), name="leader election"
+            )
+            running.lead_task.add_done_callback(_failed_to_lead(holder[0]))
+        await built.start()
+        return running
+    ctl, fleet, api, db_writer = _controller(settings, db, make_channel, own)
+    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(api, server)
+    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
+    running = Running(built=built, controller=ctl, fleet=fleet, db=db, db_writer=db_writer, audit_file=audit_file)
+    _follow_store_health(running)
+    await ctl.start()
+    await fleet.start()
+    await built.start()
+    return running
+
+
+def _controller(
+    settings: Settings, db: store.Store, make_channel: Any, own: controller_metrics.ControllerMetrics | None
+) -> tuple[controller.Controller, probe_fleet.ProbeFleet, servicer.ControllerServicer, writer.Writer]:
+    """The controller, its probe fleet, its servicer and its store writer (nothing started)."""
     controller_id = _identity(settings, db)
-    # Every write after this point goes through the writer thread and its own connection.
-    db_writer = writer.Writer(
-        db.path, synchronous=settings.store_synchronous, busy_timeout_s=settings.store_busy_timeout_s
-    )
     channel = make_channel(settings.provisioner_addr)
     tuning = reconciler.Tuning(
         drain_s=settings.drain_s,
@@ -270,10 +253,10 @@ async def start(settings: Settings) -> Running:
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
     )
-    registry = metrics.for_address("controller", settings.metrics_addr)
-    own = controller_metrics.ControllerMetrics(registry.registry) if registry is not None else None
+    # Every write of the controller goes through the writer thread and its own connection,
+    # which checks the same lease epoch as `db` (reopen shares the fence).
+    db_writer = writer.Writer(db.path, db=db.reopen())
     if own is not None:
-        db.on_write(own.store_write)
         db_writer.db.on_write(own.store_write)  # called on the writer thread
     holder: list[controller.Controller] = []
     fleet = probe_fleet.ProbeFleet(
@@ -298,39 +281,83 @@ async def start(settings: Settings) -> Running:
         own.watch(_fleet(ctl, fleet))
         # Whose fault a failure was, as the core decided it: the launch counts' `cause`.
         ctl.hooks.on_failure.append(lambda service, rid, failure: own.failed(service, rid, failure.cause.name.lower()))
-    server = grpc_server.new_server(
-        domain="controller.replicaplane", interceptors=interceptors, metrics=registry, trace_roots=TRACE_ROOTS
-    )
-    controller_service_pb2_grpc.add_ControllerServiceServicer_to_server(servicer.ControllerServicer(ctl), server)
-    built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
-    # NOT_SERVING while the store refuses writes: nothing the controller decides would stick.
+    return ctl, fleet, servicer.ControllerServicer(ctl), db_writer
+
+
+def _follow_store_health(running: Running) -> None:
+    """NOT_SERVING while the store refuses writes: nothing the controller decides would stick."""
     background: set[asyncio.Task[None]] = set()
 
     def store_health(writable: bool) -> None:
-        task = asyncio.get_running_loop().create_task(built.set_serving(writable))
+        task = asyncio.get_running_loop().create_task(running.built.set_serving(writable))
         background.add(task)
         task.add_done_callback(background.discard)
 
-    db.on_writable_change(store_health)
-    db_writer.on_writable_change(store_health)
+    running.db.on_writable_change(store_health)
+    if running.db_writer is not None:
+        running.db_writer.on_writable_change(store_health)
+
+
+def _failed_to_lead(leadership: leader.Leadership) -> Any:
+    """A controller that won the lease but could not start must not sit on the lease: it steps down."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("the controller could not start as the leader", exc_info=task.exception())
+        leadership.step_down("the controller could not start")
+
+    return done
+
+
+async def _lead(
+    running: Running, settings: Settings, make_channel: Any, own: controller_metrics.ControllerMetrics | None
+) -> None:
+    """Wait for the lease, then start the controller here and serve the API from it."""
+    assert running.leadership is not None and running.switch is not None
+    await running.leadership.wait_to_lead()
+    ctl, fleet, api, db_writer = _controller(settings, running.db, make_channel, own)
+    running.controller, running.fleet, running.db_writer = ctl, fleet, db_writer
+    _follow_store_health(running)
     await ctl.start()
     await fleet.start()
-    await built.start()
-    return Running(built=built, controller=ctl, fleet=fleet, db=db, db_writer=db_writer, audit_file=audit_file)
+    running.switch.lead(
+        forward.method_handlers(controller_service_pb2_grpc.add_ControllerServiceServicer_to_server, api)
+    )
+    running.leading = True
+    log.info("the controller runs here now (epoch %d)", running.leadership.epoch)
 
 
-async def serve(settings: Settings) -> None:
-    """Run until SIGTERM."""
+async def serve(settings: Settings) -> int:
+    """Run until SIGTERM (exit code 0), or until another controller takes the lease (3)."""
     running = await start(settings)
+    stop = asyncio.Event()
+    watcher: asyncio.Task[None] | None = None
+    if running.leadership is not None:
+        leadership = running.leadership
+
+        async def step_down() -> None:
+            await leadership.deposed.wait()
+            await running.stop_leading()  # first: a deposed controller must stop acting at once
+            stop.set()
+
+        watcher = asyncio.get_running_loop().create_task(step_down(), name="step down")
     await grpc_server.serve_until_signal(
         running.built,
         grace=settings.shutdown_grace_s,
         port_file=settings.port_file,
-        on_stop=[running.controller.stop, running.fleet.stop, running.db_writer.close],
+        on_stop=[running.stop_leading],
         metrics_addr=settings.metrics_addr,
         metrics_port_file=settings.metrics_port_file,
+        stop=stop,
     )
+    if watcher is not None and not watcher.done():
+        watcher.cancel()
     running.db.close()
+    if running.leadership is not None and running.leadership.deposed.is_set():
+        log.error("exiting with code %d: %s", DEPOSED_EXIT_CODE, running.leadership.reason)
+        return DEPOSED_EXIT_CODE
+    return 0
 
 
 def main() -> None:
@@ -338,6 +365,7 @@ def main() -> None:
     logs.setup("controller")
     traces = tracing.setup("controller")  # off unless OTEL_TRACES_EXPORTER=otlp
     try:
-        asyncio.run(serve(load_settings()))
+        code = asyncio.run(serve(load_settings()))
     finally:
         traces.shutdown()
+    raise SystemExit(code)

@@ -1,7 +1,8 @@
 """The store's jobs table: every job of every pool, as protobuf rows.
 
-A schema migration adds it (`migrate_jobs`). `JobTables` is mixed into `store.Store`: its methods
-join the store's transactions like every other store call. A pool's jobs go with the pool (the
+Schema migration 5 adds it (`migrate_jobs` on SQLite, `migrate_jobs_postgres`; store/schema.py).
+`JobTables` is mixed into `store.Store`: its methods join the store's transactions like every
+other store call, on either backend (the SQL is portable). A pool's jobs go with the pool (the
 rows reference the service row, ON DELETE CASCADE).
 """
 
@@ -34,16 +35,31 @@ def migrate_jobs(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (pool, state)")
 
 
+def migrate_jobs_postgres(db: Any) -> None:
+    """`migrate_jobs` on PostgreSQL (idempotent too, as the two stay in step)."""
+    db.execute(
+        """CREATE TABLE IF NOT EXISTS jobs (
+            pool TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
+            job_id BIGINT NOT NULL,
+            state INTEGER NOT NULL,
+            data BYTEA NOT NULL,
+            PRIMARY KEY (pool, job_id)
+        )"""
+    )
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (pool, state)")
+
+
 class JobTables:
     """Job methods of the store."""
 
-    _db: sqlite3.Connection
+    _db: Any
+    integrity_errors: tuple[type[BaseException], ...]
 
     def transaction(self) -> contextlib.AbstractContextManager[Any]:
         """The store's transaction (see `store.Store.transaction`)."""
         raise NotImplementedError
 
-    def _read(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+    def _read(self) -> contextlib.AbstractContextManager[Any]:
         raise NotImplementedError
 
     def add_job(self, job: res.Job) -> res.Job:
@@ -63,7 +79,9 @@ class JobTables:
         with self.transaction():
             if self._db.execute("SELECT 1 FROM services WHERE name = ?", (job.pool,)).fetchone() is None:
                 raise errors.NotFoundError(f"pool {job.pool!r} not found", reason="POOL_NOT_FOUND", pool=job.pool)
-            row = self._db.execute("SELECT IFNULL(MAX(job_id), 0) + 1 FROM jobs WHERE pool = ?", (job.pool,)).fetchone()
+            row = self._db.execute(
+                "SELECT COALESCE(MAX(job_id), 0) + 1 FROM jobs WHERE pool = ?", (job.pool,)
+            ).fetchone()
             stored = res.Job()
             stored.CopyFrom(job)
             stored.job_id = int(row[0])
@@ -87,7 +105,7 @@ class JobTables:
         out = []
         for (data,) in rows:
             job = res.Job()
-            job.ParseFromString(data)
+            job.ParseFromString(bytes(data))
             out.append(job)
         return out
 
@@ -96,8 +114,9 @@ class JobTables:
             raise ValueError(f"job_id must be >= 1, got {job.job_id}")
         try:
             self._db.execute(
-                "INSERT OR REPLACE INTO jobs (pool, job_id, state, data) VALUES (?, ?, ?, ?)",
+                "INSERT INTO jobs (pool, job_id, state, data) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (pool, job_id) DO UPDATE SET state = excluded.state, data = excluded.data",
                 (job.pool, job.job_id, int(job.state), job.SerializeToString()),
             )
-        except sqlite3.IntegrityError:
+        except self.integrity_errors:
             raise errors.NotFoundError(f"pool {job.pool!r} not found", reason="POOL_NOT_FOUND", pool=job.pool) from None

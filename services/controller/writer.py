@@ -32,8 +32,12 @@ _Item = tuple[Callable[[store.Store], Any], "asyncio.Future[Any]", asyncio.Abstr
 class Writer:
     """A thread that owns a store connection and runs units of work in order."""
 
-    def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
-        self.db = store.Store(path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
+    def __init__(
+        self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0, db: store.Store | None = None
+    ) -> None:
+        # `db`: a connection made by the caller (store.reopen(): it checks the leader's lease
+        # epoch like the store it came from); else one is opened on `path`.
+        self.db = db if db is not None else store.Store(path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="store writer", daemon=True)
         self._thread.start()

@@ -41,7 +41,8 @@ class Settings:
     shutdown_grace_s: float = 3.0
     """Seconds in-flight RPCs and proxied requests get on SIGTERM."""
     controller_addr: str = config.CONTROLLER_ADDR
-    """Where the controller listens."""
+    """Where the controller listens; several `host:port,host:port` where controllers share a
+    store (the balancer follows whichever answers; a standby forwards to the leader)."""
     api_token: str = dataclasses.field(default="", repr=False)
     """Bearer token for the controller's API, when it requires one. Empty falls back to
     api_token_file, then to $REPLICAPLANE_API_TOKEN(_FILE) and the controller's own token settings
@@ -129,6 +130,10 @@ def load_settings(**overrides: Any) -> Settings:
             violations.append(errors.FieldViolation(f"loadbalancer.{name}", "must be > 0"))
     if settings.tls_keyfile and not settings.tls_certfile:
         violations.append(errors.FieldViolation("loadbalancer.tls_certfile", "required with tls_keyfile"))
+    try:
+        clients.controller_target(settings.controller_addr)
+    except ValueError as exc:
+        violations.append(errors.FieldViolation("loadbalancer.controller_addr", str(exc)))
     errors.require(violations, subject="loadbalancer settings")
     return settings
 
@@ -247,7 +252,11 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
     token = api_token(settings)
     # The link retries every call itself (a load report must know whether it was sent before), so
     # gRPC must not retry underneath it.
-    channel = clients.channel(settings.controller_addr, interceptors=security.token_interceptors(token), retries=False)
+    channel = clients.channel(
+        clients.controller_target(settings.controller_addr),
+        interceptors=security.token_interceptors(token),
+        retries=False,
+    )
     link = ctl_link.ControllerLink(
         controller_service_pb2_grpc.ControllerServiceStub(channel),
         balancer,

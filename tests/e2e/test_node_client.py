@@ -13,7 +13,7 @@ import pytest
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from tests.helpers import cluster as cl
-from tests.helpers import procs
+from tests.helpers import ports, procs
 
 pytestmark = pytest.mark.e2e
 
@@ -95,6 +95,12 @@ async def test_node_client_lists_services_and_follows_a_watch(node: str, cluster
     missing = await asyncio.to_thread(run_node, node, "--controller", addr, "watch", "nope")
     assert missing.returncode == 3
     assert missing.stderr.startswith("error: NOT_FOUND")
+
+    # Several controllers (one store, one leading): a call goes on to the next address when one
+    # does not answer.
+    with ports.Reserved() as dead:
+        listed = await asyncio.to_thread(run_node, node, "--controller", f"{dead.addr},{addr}", "list")
+    assert (listed.returncode, listed.stdout) == (0, ""), listed.stderr
 
 
 async def test_node_client_sends_the_api_token(node: str, tmp_path) -> None:

@@ -86,8 +86,9 @@ async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
 
 
 @pytest.fixture
-async def env(tmp_path) -> AsyncIterator[Env]:
-    async with started(tmp_path) as e:
+async def env(tmp_path, store_url: str) -> AsyncIterator[Env]:
+    # Every test on `env` runs on both store backends (tests/conftest.py).
+    async with started(tmp_path, store_url=store_url) as e:
         yield e
 
 

@@ -126,6 +126,35 @@ async def test_a_failed_analysis_rolls_back_to_the_stable_spec(env: tc.Env) -> N
     assert rolled and rolled[0].type == res.EVENT_TYPE_WARNING and rolled[0].object == "version/2"
 
 
+async def test_every_endpoint_push_through_a_rollback_leaves_a_routable_version(env: tc.Env) -> None:
+    # The restore relabels the stable replicas as version 3 between passes: the weights pushed
+    # with those endpoints must already name version 3, or the balancer routes nothing (503s).
+    await started(env)
+    await until(env, lambda s: s.ready_replicas == 3)
+    stream = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
+    pushes: list[api.WatchEndpointsResponse] = []
+
+    async def collect() -> None:
+        async for msg in stream:
+            pushes.append(msg)
+
+    task = asyncio.create_task(collect())
+    try:
+        await report(env, 1, (100, 0), (20, 10))
+        await until(env, lambda s: s.rollout.state == ROLLED_BACK)
+        await until(env, lambda s: s.latest_version == 3 and s.ready_replicas == 2 and s.total_replicas == 2)
+        await asyncio.sleep(0.2)  # the last pushes
+    finally:
+        stream.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert any(any(e.version == 3 for e in m.endpoints) for m in pushes)
+    for m in pushes:
+        weighted = {w.version for w in m.version_weights if w.weight > 0}
+        if weighted and m.endpoints:
+            versions = sorted({e.version for e in m.endpoints})
+            assert weighted & set(versions), f"push {m.version}: weights {weighted}, endpoints of {versions}"
+
+
 async def test_a_canary_that_never_gets_ready_is_rolled_back_at_the_deadline(env: tc.Env) -> None:
     w = await tc.create(env, tc.spec(replicas=2))
     await w.until(lambda w: w.count(READY) == 2)

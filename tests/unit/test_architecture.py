@@ -95,7 +95,9 @@ def _sizes(path: str) -> tuple[int, list[tuple[str, int]]]:
 
 # Modules still over the limits, each with the issue that splits it.
 _CONTROLLER_SIZE_EXCEPTIONS = {
-    "store.py",  # the store becomes a package (services/controller/store/), part of issue 19
+    # The store is a package now (issue 25); its base still holds every table's queries and the
+    # lease: to split into per-table mixins as store_jobs.py and store_history.py are.
+    "store/base.py",
     "domain/lifecycle.py",  # one step function over every event; its events move to their own module next
     "jobs.py",  # a pool's job runtime (issue 21), landed before these limits: to split
 }

@@ -42,13 +42,6 @@ COMPONENTS = {
     "prober": (prober_server, 50053),
     "loadbalancer": (loadbalancer_server, 50054),
 }
-# Settings the manifests set ahead of the controller's HA work (docs/kubernetes.md says so).
-HA_SETTINGS = {
-    "REPLICAPLANE_CONTROLLER_STORE_URL",
-    "REPLICAPLANE_CONTROLLER_LEADER_ELECTION",
-    "REPLICAPLANE_CONTROLLER_LEASE_DURATION_S",
-    "REPLICAPLANE_CONTROLLER_ADVERTISE_ADDR",
-}
 SHARED_SETTINGS = {"REPLICAPLANE_LOG_LEVEL"}
 
 
@@ -201,7 +194,7 @@ def test_configmaps_hold_only_settings_the_service_has_and_values_it_accepts(com
     module, _ = COMPONENTS[component]
     env = settings_env(objs, component)
     known = {config.env_name(component, f.name) for f in dataclasses.fields(module.Settings)}
-    unknown = set(env) - known - HA_SETTINGS - SHARED_SETTINGS
+    unknown = set(env) - known - SHARED_SETTINGS
     assert not unknown, f"{component}: no such settings: {sorted(unknown)}"
     config.load(module.Settings, component, environ=env)  # every value converts
 

@@ -1,4 +1,6 @@
-"""Unit tests of the controller's SQLite store."""
+"""Unit tests of the controller's store, on SQLite and on PostgreSQL (the `store_url` fixture).
+
+Tests that take `db_path` are about the SQLite file itself; the others run on both backends."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
 from services.controller import store as store_mod
+from services.controller.store import schema
 
 NOW = 1_700_000_000.0
 
@@ -50,8 +53,8 @@ def db_path(tmp_path: object) -> str:
 
 
 @pytest.fixture
-def store(db_path: str):
-    s = store_mod.Store(db_path)
+def store(store_url: str, db_path: str):
+    s = store_mod.Store(store_url or db_path)
     yield s
     s.close()
 
@@ -213,9 +216,9 @@ def test_add_version_to_missing_service_is_not_found(store: store_mod.Store) -> 
         store.add_version("nope", make_spec())
 
 
-def test_add_version_is_atomic_across_connections(db_path: str, svc: str) -> None:
+def test_add_version_is_atomic_across_connections(store: store_mod.Store, svc: str) -> None:
     # Two stores (as two processes would) adding versions at once never get the same number.
-    other = store_mod.Store(db_path)
+    other = store_mod.Store(store.path)
     results: list[int] = []
     lock = threading.Lock()
 
@@ -225,7 +228,7 @@ def test_add_version_is_atomic_across_connections(db_path: str, svc: str) -> Non
             with lock:
                 results.append(v)
 
-    threads = [threading.Thread(target=add, args=(s,)) for s in (store_mod.Store(db_path), other)]
+    threads = [threading.Thread(target=add, args=(s,)) for s in (store.reopen(), other)]
     for t in threads:
         t.start()
     for t in threads:
@@ -279,15 +282,15 @@ def test_allocate_replica_id_of_missing_service_is_not_found(store: store_mod.St
         store.allocate_replica_id("nope")
 
 
-def test_replica_ids_never_reused_after_delete_and_reopen(db_path: str) -> None:
-    with store_mod.Store(db_path) as s:
+def test_replica_ids_never_reused_after_delete_and_reopen(store_url: str, db_path: str) -> None:
+    with store_mod.Store(store_url or db_path) as s:
         s.create_service("svc", make_spec(), now=NOW)
         for _ in range(3):
             s.put_replica(make_replica("svc", s.allocate_replica_id("svc")))
         for rid in (1, 2, 3):
             s.delete_replica("svc", rid)
         assert s.allocate_replica_id("svc") == 4
-    with store_mod.Store(db_path) as s:
+    with store_mod.Store(store_url or db_path) as s:
         assert s.list_replicas("svc") == []
         assert s.allocate_replica_id("svc") == 5
 
@@ -427,7 +430,7 @@ def test_reads_inside_transaction_see_its_writes(store: store_mod.Store, svc: st
         assert len(store.list_replicas(svc)) == 1
 
 
-def test_read_modify_write_is_atomic_across_threads(db_path: str, svc: str) -> None:
+def test_read_modify_write_is_atomic_across_threads(store: store_mod.Store, svc: str) -> None:
     # Each thread has its own store (connection); counters incremented inside a transaction
     # never lose an update.
     def bump(s: store_mod.Store) -> None:
@@ -436,7 +439,7 @@ def test_read_modify_write_is_atomic_across_threads(db_path: str, svc: str) -> N
                 n = int(s.get_autoscaler_state(svc) or b"0")
                 s.put_autoscaler_state(svc, str(n + 1).encode())
 
-    stores = [store_mod.Store(db_path) for _ in range(3)]
+    stores = [store.reopen() for _ in range(3)]
     threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
     for t in threads:
         t.start()
@@ -463,8 +466,8 @@ def test_shared_store_serialises_threads(store: store_mod.Store, svc: str) -> No
     assert store.get_autoscaler_state(svc) == b"90"
 
 
-def test_writer_waits_for_another_process_lock(db_path: str, svc: str) -> None:
-    other = store_mod.Store(db_path, busy_timeout_s=10)
+def test_writer_waits_for_another_process_lock(store: store_mod.Store, svc: str) -> None:
+    other = store_mod.Store(store.path, busy_timeout_s=10)
     holding = threading.Event()
     release = threading.Event()
 
@@ -477,7 +480,7 @@ def test_writer_waits_for_another_process_lock(db_path: str, svc: str) -> None:
     t = threading.Thread(target=hold)
     t.start()
     assert holding.wait(10)
-    waiter = store_mod.Store(db_path, busy_timeout_s=10)
+    waiter = store_mod.Store(store.path, busy_timeout_s=10)
     timer = threading.Timer(0.2, release.set)
     timer.start()
     waiter.put_autoscaler_state(svc, b"after")  # blocks until the holder commits, then succeeds
@@ -488,8 +491,8 @@ def test_writer_waits_for_another_process_lock(db_path: str, svc: str) -> None:
     other.close()
 
 
-def test_busy_past_timeout_is_unavailable(db_path: str, store: store_mod.Store, svc: str) -> None:
-    other = store_mod.Store(db_path, busy_timeout_s=0.05)
+def test_busy_past_timeout_is_unavailable(store: store_mod.Store, svc: str) -> None:
+    other = store_mod.Store(store.path, busy_timeout_s=0.05)
     changes: list[bool] = []
     other.on_writable_change(changes.append)
     with store.transaction():
@@ -614,7 +617,7 @@ def test_failed_migration_leaves_old_schema(db_path: str, monkeypatch: pytest.Mo
         db.execute("ALTER TABLE services ADD COLUMN request_id TEXT NOT NULL DEFAULT ''")
         raise sqlite3.OperationalError("disk on fire")
 
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (store_mod.MIGRATIONS[0], broken, *store_mod.MIGRATIONS[2:]))
+    monkeypatch.setattr(schema, "SQLITE", (schema.SQLITE[0], broken, *schema.SQLITE[2:]))
     with pytest.raises(sqlite3.OperationalError):
         store_mod.Store(db_path)
     conn = sqlite3.connect(db_path)

@@ -20,8 +20,9 @@ ACTIVE, SUPERSEDED, ROLLED_BACK = (
 
 
 @pytest.fixture
-def store(tmp_path):
-    with store_mod.Store(os.path.join(str(tmp_path), "state.db")) as s:
+def store(tmp_path, store_url: str):
+    # On both backends (tests/conftest.py).
+    with store_mod.Store(store_url or os.path.join(str(tmp_path), "state.db")) as s:
         s.create_service("svc", make_spec(), now=NOW)
         yield s
 

@@ -14,8 +14,9 @@ from tests.unit.test_store import NOW, make_spec
 
 
 @pytest.fixture
-def store(tmp_path: object):
-    s = store_mod.Store(os.path.join(str(tmp_path), "state", "state.db"))
+def store(tmp_path: object, store_url: str):
+    # On both backends (tests/conftest.py).
+    s = store_mod.Store(store_url or os.path.join(str(tmp_path), "state", "state.db"))
     s.create_service("batch", make_spec(), now=NOW)
     s.create_service("other", make_spec(), now=NOW)
     yield s

@@ -1,4 +1,10 @@
-"""The controller's SQLite store: services, versions, replicas and autoscaler state."""
+"""The controller store's API and everything both backends share: transactions, errors, queries.
+
+A backend (sqlite.py, postgres.py) supplies the connection: how a statement runs, how a write
+transaction starts (one writer at a time on either backend), and how its errors read. The
+queries below are written once, in SQL both SQLite and PostgreSQL accept; `?` placeholders
+(the PostgreSQL backend turns them into its own) and `{greatest}` for the two-argument max.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,245 +23,92 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import errors
 from services.controller import store_history, store_jobs
+from services.controller.store import rows
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("services.controller.store")
 
 DB_FILE = "state.db"
 
-# Columns update_service may change. latest_version and next_replica_id are owned by
-# add_version and allocate_replica_id, so ids and versions only ever move forward.
-_UPDATABLE = frozenset({"status", "status_message", "uptime_start", "update_mode", "deleting", "request_id"})
+LEASE = "controller"
+"""The name of the lease the controllers sharing a store compete for."""
 
-_SERVICE_COLUMNS = (
-    "name, create_time, status, status_message, uptime_start, update_mode, latest_version, "
-    "next_replica_id, deleting, request_id, uid"
-)
+
+class FencedError(errors.UnavailableError):
+    """A write of a controller that no longer leads: another took the lease (a newer epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this controller no longer leads (another controller took over); nothing was changed, try again",
+            reason="NOT_LEADER",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceRow:
-    """One row of the services table.
+class Lease:
+    """The lease row: who leads, since which epoch, where it is reached, until when.
 
     Attributes:
-        name: the service name (primary key).
-        create_time: seconds since the epoch when the service was created.
-        status: a `resources_pb2.ServiceStatus` value.
-        status_message: one line saying why the service is in its status.
-        uptime_start: when the first replica became ready, or None.
-        update_mode: a `resources_pb2.UpdateMode` value, of the last update.
-        latest_version: the newest version.
-        next_replica_id: the id the next `allocate_replica_id` returns.
-        deleting: the service is being torn down.
-        request_id: the request id of the create call, for retries.
-        uid: unique to this incarnation of the name; part of every replica name.
+        holder: the leading process's unique name (not the controller id, which they share).
+        epoch: bumped each time the lease changes hands; every write of the leader checks it.
+        address: host:port where the leader serves the API (standbys forward to it).
+        expires: the database's clock, seconds since the epoch, when the lease lapses unless
+            renewed.
+        now: the database's clock when the row was read.
     """
 
-    name: str
-    create_time: float
-    status: int
-    status_message: str
-    uptime_start: float | None
-    update_mode: int
-    latest_version: int
-    next_replica_id: int
-    deleting: bool
-    request_id: str
-    uid: str
+    holder: str
+    epoch: int
+    address: str
+    expires: float
+    now: float
+
+    @property
+    def lapsed(self) -> bool:
+        """True once nobody renewed it in time."""
+        return self.now >= self.expires
 
 
-def _service_row(row: tuple[Any, ...]) -> ServiceRow:
-    (name, create_time, status, message, uptime, mode, latest, next_id, deleting, request_id, uid) = row
-    return ServiceRow(
-        name=name,
-        create_time=float(create_time),
-        status=int(status),
-        status_message=message,
-        uptime_start=None if uptime is None else float(uptime),
-        update_mode=int(mode),
-        latest_version=int(latest),
-        next_replica_id=int(next_id),
-        deleting=bool(deleting),
-        request_id=request_id,
-        uid=uid,
-    )
+@dataclasses.dataclass
+class Fence:
+    """What the leader's writes must find in the lease row; shared by a store and its reopen()s."""
 
-
-# ---- schema ------------------------------------------------------------------------------
-# Each migration moves the schema from version i to i+1 (its index + 1) and runs in one
-# transaction together with the PRAGMA user_version bump, so a crash leaves either the old or
-# the new schema. Never edit a shipped migration; append a new one.
-
-
-def _migrate_1(db: sqlite3.Connection) -> None:
-    """Initial schema."""
-    db.execute(
-        """CREATE TABLE services (
-            name TEXT PRIMARY KEY,
-            create_time REAL NOT NULL,
-            status INTEGER NOT NULL DEFAULT 0,
-            status_message TEXT NOT NULL DEFAULT '',
-            uptime_start REAL,
-            update_mode INTEGER NOT NULL DEFAULT 0,
-            latest_version INTEGER NOT NULL DEFAULT 0,
-            next_replica_id INTEGER NOT NULL DEFAULT 1,
-            deleting INTEGER NOT NULL DEFAULT 0
-        ) STRICT"""
-    )
-    db.execute(
-        """CREATE TABLE versions (
-            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
-            version INTEGER NOT NULL,
-            spec BLOB NOT NULL,
-            yaml TEXT NOT NULL DEFAULT '',
-            PRIMARY KEY (service, version)
-        ) STRICT"""
-    )
-    db.execute(
-        """CREATE TABLE replicas (
-            service TEXT NOT NULL REFERENCES services(name) ON DELETE CASCADE,
-            replica_id INTEGER NOT NULL,
-            status INTEGER NOT NULL,
-            version INTEGER NOT NULL,
-            data BLOB NOT NULL,
-            PRIMARY KEY (service, replica_id)
-        ) STRICT"""
-    )
-    db.execute("CREATE INDEX replicas_by_version ON replicas (service, version)")
-    db.execute(
-        """CREATE TABLE autoscaler_state (
-            service TEXT PRIMARY KEY REFERENCES services(name) ON DELETE CASCADE,
-            state BLOB NOT NULL
-        ) STRICT"""
-    )
-
-
-def _migrate_2(db: sqlite3.Connection) -> None:
-    """Create-request idempotency key and a status index for replica queries."""
-    db.execute("ALTER TABLE services ADD COLUMN request_id TEXT NOT NULL DEFAULT ''")
-    db.execute("CREATE INDEX replicas_by_status ON replicas (service, status)")
-
-
-def _migrate_3(db: sqlite3.Connection) -> None:
-    """A uid per service incarnation, so replica names of a re-created service never repeat."""
-    db.execute("ALTER TABLE services ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
-    db.execute("UPDATE services SET uid = lower(hex(randomblob(4))) WHERE uid = ''")
-
-
-def _migrate_4(db: sqlite3.Connection) -> None:
-    """A small key-value table; `heartbeat` proves the store takes writes."""
-    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT")
-
-
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
-    _migrate_1,
-    _migrate_2,
-    _migrate_3,
-    _migrate_4,
-    store_jobs.migrate_jobs,
-    store_history.migrate_6,
-)
-"""Ordered forward migrations; the schema version is the number applied (PRAGMA user_version)."""
-
-SCHEMA_VERSION = len(MIGRATIONS)
-
-
-class SchemaError(Exception):
-    """The database file has a newer schema than this code knows; refuse to touch it."""
-
-
-def migrate(db: sqlite3.Connection, *, target: int = SCHEMA_VERSION) -> int:
-    """Apply the pending migrations up to `target`, each in its own transaction.
-
-    Args:
-        db: a connection in autocommit mode (isolation_level=None).
-        target: schema version to reach; tests pass a lower one to build an old database.
-
-    Returns:
-        The schema version after migrating.
-
-    Raises:
-        SchemaError: the file's schema is newer than `SCHEMA_VERSION`.
-    """
-    current = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if current > SCHEMA_VERSION:
-        raise SchemaError(f"store schema version {current} is newer than this controller ({SCHEMA_VERSION})")
-    while current < target:
-        # BEGIN IMMEDIATE, then re-read: another process may have migrated meanwhile.
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            current = int(db.execute("PRAGMA user_version").fetchone()[0])
-            if current < target:
-                MIGRATIONS[current](db)
-                current += 1
-                db.execute(f"PRAGMA user_version = {current:d}")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-    return current
-
-
-# ---- the store -----------------------------------------------------------------------------
+    holder: str
+    epoch: int
+    on_lost: Callable[[], None] | None = None
+    lost: bool = False
 
 
 class Store(store_history.HistoryTables, store_jobs.JobTables):
-    """SQLite store of services, versions, replicas and autoscaler state.
+    """Store of services, versions, replicas and autoscaler state, on SQLite or PostgreSQL.
 
-    Synchronous and fast: each call is one short transaction. Calls made inside a
-    `with store.transaction():` block join that transaction. Do not `await` inside such a
-    block: another task using the store meanwhile is refused with RuntimeError rather than
-    silently joining someone else's transaction.
+    `Store(path_or_url, ...)` opens the backend the argument names (see `open_store`); the
+    annotations elsewhere use this class for either. Synchronous and fast: each call is one
+    short transaction. Calls made inside a `with store.transaction():` block join that
+    transaction. Do not `await` inside such a block: another task using the store meanwhile is
+    refused with RuntimeError rather than silently joining someone else's transaction.
     """
 
-    def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
-        """Open (creating if needed) the database at `path` and migrate it.
+    path: str
+    """What opens this database again: a file path (SQLite) or the URL (PostgreSQL; it may hold
+    a password, so never log it: `location` is the printable form)."""
+    location: str
+    """The database as logs name it (a path, or the URL without its password)."""
+    greatest = "MAX"
+    """The SQL function that returns the larger of two values."""
+    leases_ddl = ""
+    """The statement that creates the lease table (schema.py)."""
 
-        Args:
-            path: the database file; its directory is created (mode 0700).
-            synchronous: SQLite `synchronous` setting: FULL (the default) fsyncs every commit,
-                so an acknowledged write survives power loss and a failing disk is reported
-                before the write is acknowledged; NORMAL survives process crashes only, and
-                is several times faster (docs/store.md has the figures).
-            busy_timeout_s: how long a write waits for another process's lock.
+    def __new__(cls, path: str, **kwargs: Any) -> Store:
+        """Open a PostgreSQL store for a postgresql:// URL, else a SQLite file."""
+        if cls is Store:
+            from services.controller.store import postgres, sqlite  # the backends build on this module
 
-        Raises:
-            SchemaError: the file was written by a newer controller.
-            ValueError: `synchronous` is not NORMAL or FULL.
-        """
-        if synchronous.upper() not in ("NORMAL", "FULL"):
-            raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
-        self.path = os.path.abspath(path)
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        # Specs carry probe headers and secrets: create the file private. SQLite gives the
-        # -wal and -shm files the same permissions as the database.
-        # Only when the file is new: closing any descriptor of an open SQLite file drops every
-        # POSIX lock this process holds on it, so a second connection (the writer's) opening an
-        # existing store would silently break the first one's locking.
-        if not os.path.exists(self.path):
-            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
-        self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000):d}")
-        mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise RuntimeError(f"could not put {self.path} in WAL mode (got {mode})")
-        self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
-        self._db.execute("PRAGMA foreign_keys = ON")
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._owner: object = None
-        self.writable = True
-        self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
-        self._on_writable: Callable[[bool], None] | None = None
-        self._on_write: Callable[[float, bool], None] | None = None
-        try:
-            migrate(self._db)
-        except BaseException:
-            self._db.close()
-            raise
+            return object.__new__(postgres.PostgresStore if postgres.is_url(path) else sqlite.SqliteStore)
+        return object.__new__(cls)
 
     @classmethod
     def in_state_dir(cls, state_dir: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> Store:
-        """Open `state.db` under `state_dir` (`~` expanded).
+        """Open the SQLite file `state.db` under `state_dir` (`~` expanded).
 
         Args:
             state_dir: the controller's state directory.
@@ -269,10 +121,70 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         path = os.path.join(os.path.expanduser(state_dir), DB_FILE)
         return cls(path, synchronous=synchronous, busy_timeout_s=busy_timeout_s)
 
+    def _setup(self) -> None:
+        """State every backend keeps; called by each backend's constructor first."""
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._owner: object = None
+        self.writable = True
+        self._last_failure = ""  # the detail last logged, so a failing heartbeat logs it once
+        self._on_writable: Callable[[bool], None] | None = None
+        self._on_write: Callable[[float, bool], None] | None = None
+        self._fence: Fence | None = None
+        self._leases_ready = False
+
+    # ---- what a backend provides -----------------------------------------------------------
+
+    db_errors: tuple[type[BaseException], ...] = ()
+    """The backend's database exceptions (each becomes UnavailableError)."""
+    integrity_errors: tuple[type[BaseException], ...] = ()
+    """The backend's constraint violations (a row referring to a missing one)."""
+
+    _db: Any
+    """The connection: `execute(sql, params)` with `?` placeholders returns a cursor (fetchone,
+    fetchall, rowcount). SQLite's own connection, or PostgreSQL's through a small adapter, so
+    code written for one runs on the other where its SQL is portable."""
+
+    def _begin(self) -> None:
+        """Start a write transaction, waiting for any other writer first."""
+        raise NotImplementedError
+
+    def _cause(self, exc: BaseException) -> tuple[str, str]:
+        """(cause, words) for a failed call: a short code, and what failed in a user's words."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def schema_version(self) -> int:
+        """The schema version of the open database."""
+        raise NotImplementedError
+
+    def _open_again(self) -> Store:
+        """Another connection to the same database, with the same settings."""
+        raise NotImplementedError
+
+    def _db_now(self) -> float:
+        """The clock leases are measured on (the database server's, where it has one)."""
+        return time.time()
+
+    def reopen(self, *, fenced: bool = True) -> Store:
+        """Another connection to the same database, with the same settings (a thread wants its own).
+
+        Args:
+            fenced: the new connection's writes check the same lease epoch as this one's.
+        """
+        other = self._open_again()
+        if fenced:
+            other._fence = self._fence
+        return other
+
+    # ---- opening and closing ---------------------------------------------------------------
+
     def close(self) -> None:
         """Close the database; the store is unusable afterwards."""
         with self._lock:
-            self._db.close()
+            self._close()
 
     def __enter__(self) -> Store:
         return self
@@ -302,17 +214,16 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             self._last_failure = ""
             log.info("the store takes writes again")
         else:
-            log.error("the store does not take writes: %s", self.path)
+            log.error("the store does not take writes: %s", self.location)
         if self._on_writable is not None:
             self._on_writable(ok)
 
     def check_writable(self) -> bool:
         """Make one small write (a heartbeat); True if the store took it."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             with self.transaction():
-                self._db.execute(
-                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('heartbeat', strftime('%Y-%m-%dT%H:%M:%fZ'))"
-                )
+                self._put_meta("heartbeat", stamp)
         except errors.UnavailableError:
             return False
         return True
@@ -324,36 +235,39 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         two controllers sharing a provisioner never tear down each other's replicas.
         """
         query = "SELECT value FROM meta WHERE key = 'controller_id'"
-        with self._read() as db:
-            row = db.execute(query).fetchone()
+        with self._read():
+            row = self._db.execute(query).fetchone()
         if row is None:  # first start: the only write, so a store that takes none still opens later
             with self.transaction():
                 self._db.execute(
-                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('controller_id', ?)", (secrets.token_hex(16),)
+                    "INSERT INTO meta (key, value) VALUES ('controller_id', ?) ON CONFLICT (key) DO NOTHING",
+                    (secrets.token_hex(16),),
                 )
                 row = self._db.execute(query).fetchone()
         return str(row[0])
 
     def stored_controller_id(self) -> str:
         """The controller id kept in `meta`, or "" when there is none (nothing is written)."""
-        with self._read() as db:
-            row = db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
+        with self._read():
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'controller_id'").fetchone()
         return "" if row is None else str(row[0])
 
     def set_controller_id(self, controller_id: str) -> None:
         """Keep `controller_id` in `meta` (a second copy: identity.py's file is the first)."""
         with self.transaction():
-            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('controller_id', ?)", (controller_id,))
+            self._put_meta("controller_id", controller_id)
 
-    def schema_version(self) -> int:
-        """The schema version of the open database."""
-        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+    def _put_meta(self, key: str, value: str) -> None:
+        self._db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
 
     # ---- transactions --------------------------------------------------------------------
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Store]:
-        """Atomic read-modify-write: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on exception.
+        """Atomic read-modify-write: one writer at a time, COMMIT, or ROLLBACK on exception.
 
         Nested blocks (and every store call inside the block) join the outer transaction; a
         nested block that raises rolls back only its own changes (a savepoint).
@@ -362,8 +276,8 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             This store.
 
         Raises:
-            errors.UnavailableError: the store did not take the write: another process held
-                the write lock past the busy timeout, or the disk failed (reason
+            errors.UnavailableError: the store did not take the write: another writer held
+                the lock past the busy timeout, the disk or the database server failed (reason
                 STORE_UNAVAILABLE). `writable` turns false until a write succeeds again.
             RuntimeError: another asyncio task tried to use the store while a transaction
                 was open (an `await` inside the block).
@@ -373,18 +287,27 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             if self._depth and owner is not self._owner:
                 raise RuntimeError("store transaction held across an await by another task")
             if self._depth == 0:
+                fence = self._fence
+                if fence is not None and fence.lost:
+                    raise FencedError()
                 started = time.perf_counter()
                 try:
-                    self._db.execute("BEGIN IMMEDIATE")
-                except sqlite3.Error as exc:
+                    self._begin()
+                    if fence is not None:
+                        self._check_fence(fence)
+                except self.db_errors as exc:
+                    self._rollback()
                     self._wrote(started, False)
                     raise self._unavailable(exc) from exc
+                except BaseException:
+                    self._rollback()
+                    raise
                 self._owner = owner
                 self._depth = 1
                 try:
                     yield self
                     self._db.execute("COMMIT")
-                except sqlite3.Error as exc:
+                except self.db_errors as exc:
                     self._rollback()
                     self._wrote(started, False)
                     raise self._unavailable(exc) from exc
@@ -405,33 +328,126 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
                 except BaseException:
                     # An I/O error can end the whole transaction (and its savepoints) at once;
                     # the original error is the one to report, not "no such savepoint".
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute(f"ROLLBACK TO {name}")
-                        self._db.execute(f"RELEASE {name}")
+                    with contextlib.suppress(*self.db_errors):
+                        self._db.execute(f"ROLLBACK TO SAVEPOINT {name}")
+                        self._db.execute(f"RELEASE SAVEPOINT {name}")
                     raise
                 else:
-                    self._db.execute(f"RELEASE {name}")
+                    self._db.execute(f"RELEASE SAVEPOINT {name}")
                 finally:
                     self._depth -= 1
 
+    # ---- leases and fencing ----------------------------------------------------------------
+
+    def fence(self, holder: str, epoch: int, *, on_lost: Callable[[], None] | None = None) -> None:
+        """From now on every write first checks that `holder` still holds the lease at `epoch`.
+
+        A write that finds another holder or epoch raises FencedError and changes nothing; so
+        does every write after it, and `on_lost` is called once (from the writing thread).
+        """
+        self._ensure_leases()
+        self._fence = Fence(holder, epoch, on_lost)
+
+    @property
+    def fenced_out(self) -> bool:
+        """True once a write found that this store's leader was deposed."""
+        return self._fence is not None and self._fence.lost
+
+    def _check_fence(self, fence: Fence) -> None:
+        # Inside the write transaction, after the writer lock: a takeover (a write itself) is
+        # either wholly before this check or wholly after this transaction.
+        row = self._db.execute("SELECT holder, epoch FROM leases WHERE name = ?", (LEASE,)).fetchone()
+        if row is not None and (str(row[0]), int(row[1])) == (fence.holder, fence.epoch):
+            return
+        first = not fence.lost
+        fence.lost = True
+        if first:
+            log.error(
+                "deposed: the lease is no longer %s's at epoch %d; nothing more is written", fence.holder, fence.epoch
+            )
+            if fence.on_lost is not None:
+                fence.on_lost()
+        raise FencedError()
+
+    def _ensure_leases(self) -> None:
+        if self._leases_ready:
+            return
+        with self.transaction():  # the writer lock keeps two controllers from creating it at once
+            self._db.execute(self.leases_ddl)
+        self._leases_ready = True
+
+    def read_lease(self) -> Lease | None:
+        """The lease row, or None before anyone took it."""
+        self._ensure_leases()
+        with self._read():
+            now = self._db_now()
+            row = self._db.execute(
+                "SELECT holder, epoch, address, expires FROM leases WHERE name = ?", (LEASE,)
+            ).fetchone()
+        return None if row is None else Lease(str(row[0]), int(row[1]), str(row[2]), float(row[3]), now)
+
+    def acquire_lease(self, holder: str, address: str, duration_s: float) -> Lease:
+        """Take the lease if it is free, lapsed or already `holder`'s; renew it if it is ours.
+
+        Returns:
+            The lease after the attempt: `holder` leads if `lease.holder == holder`. Taking it
+            from someone else (or for the first time) bumps the epoch.
+        """
+        self._ensure_leases()
+        with self.transaction():
+            now = self._db_now()
+            row = self._db.execute("SELECT holder, epoch, expires FROM leases WHERE name = ?", (LEASE,)).fetchone()
+            if row is None:
+                self._db.execute(
+                    "INSERT INTO leases (name, holder, epoch, address, expires) VALUES (?, ?, 1, ?, ?)",
+                    (LEASE, holder, address, now + duration_s),
+                )
+            elif str(row[0]) == holder or float(row[2]) <= now:
+                epoch = int(row[1]) + (str(row[0]) != holder)
+                self._db.execute(
+                    "UPDATE leases SET holder = ?, epoch = ?, address = ?, expires = ? WHERE name = ?",
+                    (holder, epoch, address, now + duration_s, LEASE),
+                )
+            found = self._db.execute(
+                "SELECT holder, epoch, address, expires FROM leases WHERE name = ?", (LEASE,)
+            ).fetchone()
+        return Lease(str(found[0]), int(found[1]), str(found[2]), float(found[3]), now)
+
+    def renew_lease(self, holder: str, epoch: int, duration_s: float) -> bool:
+        """Extend `holder`'s lease at `epoch`; False if it is no longer theirs (deposed)."""
+        with self.transaction():
+            cur = self._db.execute(
+                "UPDATE leases SET expires = ? WHERE name = ? AND holder = ? AND epoch = ?",
+                (self._db_now() + duration_s, LEASE, holder, epoch),
+            )
+            return bool(cur.rowcount)
+
+    def release_lease(self, holder: str, epoch: int) -> None:
+        """Let the lease lapse now, if it is still `holder`'s at `epoch` (a clean shutdown)."""
+        with self.transaction():
+            self._db.execute(
+                "UPDATE leases SET expires = 0 WHERE name = ? AND holder = ? AND epoch = ?", (LEASE, holder, epoch)
+            )
+
     def _rollback(self) -> None:
-        with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have ended it already
+        with contextlib.suppress(*self.db_errors):  # a failed COMMIT may have ended it already
             self._db.execute("ROLLBACK")
 
-    def _unavailable(self, exc: sqlite3.Error, *, writing: bool = True) -> errors.UnavailableError:
+    def _unavailable(self, exc: BaseException, *, writing: bool = True) -> errors.UnavailableError:
         """The API's error for a failed store call: what failed, in the user's words.
 
-        SQLite's own text names internals and can quote statements or paths, so it goes to
-        the log (once per distinct failure, not every heartbeat) and never into the message.
+        The database's own text names internals and can quote statements, paths or addresses,
+        so it goes to the log (once per distinct failure, not every heartbeat) and never into
+        the message.
         """
-        cause, words = _cause(exc)
+        cause, words = self._cause(exc)
         detail = f"{type(exc).__name__}: {exc}"
         operation = "write" if writing else "read"
         if detail != self._last_failure:
             self._last_failure = detail
-            log.error("the store could not %s %s: %s", operation, self.path, detail)
+            log.error("the store could not %s %s: %s", operation, self.location, detail)
         else:
-            log.debug("the store could not %s %s again: %s", operation, self.path, detail)
+            log.debug("the store could not %s %s again: %s", operation, self.location, detail)
         if writing:
             self._set_writable(False)
             message = f"the controller could not save the change: {words}; nothing was changed, try again later"
@@ -440,7 +456,7 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         return errors.UnavailableError(message, reason="STORE_UNAVAILABLE", cause=cause, operation=operation)
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
+    def _read(self) -> Iterator[Any]:
         # A single SELECT is atomic on its own; the lock keeps threads off a half-open
         # transaction and the owner check keeps other tasks out of one.
         with self._lock:
@@ -448,12 +464,14 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
                 raise RuntimeError("store transaction held across an await by another task")
             try:
                 yield self._db
-            except sqlite3.Error as exc:
+            except self.db_errors as exc:
                 raise self._unavailable(exc, writing=False) from exc
 
     # ---- services ------------------------------------------------------------------------
 
-    def create_service(self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = "") -> ServiceRow:
+    def create_service(
+        self, name: str, spec: spec_pb2.ServiceSpec, *, now: float, request_id: str = ""
+    ) -> rows.ServiceRow:
         """Create a service with `spec` as version 1.
 
         Args:
@@ -482,18 +500,18 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             self._history_insert(name, 1, spec, now=now, mode=0, rollback_of=0)
             return self._get_service(name)  # type: ignore[return-value]
 
-    def get_service(self, name: str) -> ServiceRow | None:
+    def get_service(self, name: str) -> rows.ServiceRow | None:
         """The service row, or None if there is no such service."""
         with self._read():
             return self._get_service(name)
 
-    def list_services(self) -> list[ServiceRow]:
+    def list_services(self) -> list[rows.ServiceRow]:
         """Every service row, in name order."""
-        with self._read() as db:
-            rows = db.execute(f"SELECT {_SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
-        return [_service_row(r) for r in rows]
+        with self._read():
+            found = self._db.execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services ORDER BY name").fetchall()
+        return [rows.service_row(r) for r in found]
 
-    def update_service(self, name: str, /, **fields: object) -> ServiceRow:
+    def update_service(self, name: str, /, **fields: object) -> rows.ServiceRow:
         """Set some columns of a service row.
 
         Args:
@@ -509,20 +527,20 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             ValueError: a field that is unknown or not updatable (latest_version and
                 next_replica_id only move through add_version and allocate_replica_id).
         """
-        bad = sorted(set(fields) - _UPDATABLE)
+        bad = sorted(set(fields) - rows.UPDATABLE)
         if bad:
             raise ValueError(f"update_service cannot set {', '.join(bad)}")
         with self.transaction():
             if fields:
                 columns = sorted(fields)
-                values = [_column_value(c, fields[c]) for c in columns]
+                values = [rows.column_value(c, fields[c]) for c in columns]
                 sets = ", ".join(f"{c} = ?" for c in columns)
                 cur = self._db.execute(f"UPDATE services SET {sets} WHERE name = ?", (*values, name))
                 if cur.rowcount == 0:
-                    raise _not_found(name)
+                    raise rows.not_found(name)
             row = self._get_service(name)
             if row is None:
-                raise _not_found(name)
+                raise rows.not_found(name)
             return row
 
     def delete_service(self, name: str) -> None:
@@ -565,12 +583,12 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         """
         with self.transaction():
             row = self._db.execute(
-                "SELECT MAX(latest_version, IFNULL((SELECT MAX(version) FROM versions "
-                "WHERE service = ?1), 0)) FROM services WHERE name = ?1",
-                (name,),
+                f"SELECT {self.greatest}(latest_version, COALESCE((SELECT MAX(version) FROM versions "
+                "WHERE service = ?), 0)) FROM services WHERE name = ?",
+                (name, name),
             ).fetchone()
             if row is None:
-                raise _not_found(name)
+                raise rows.not_found(name)
             version = int(row[0]) + 1
             self._insert_version(name, version, spec)
             when = time.time() if now is None else now
@@ -580,19 +598,21 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
 
     def get_version(self, name: str, version: int) -> spec_pb2.ServiceSpec | None:
         """The spec of one version, or None if it is not stored (or deleted)."""
-        with self._read() as db:
-            row = db.execute("SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)).fetchone()
+        with self._read():
+            row = self._db.execute(
+                "SELECT spec FROM versions WHERE service = ? AND version = ?", (name, version)
+            ).fetchone()
         if row is None:
             return None
         spec = spec_pb2.ServiceSpec()
-        spec.ParseFromString(row[0])
+        spec.ParseFromString(bytes(row[0]))
         return spec
 
     def list_versions(self, name: str) -> list[int]:
         """The stored versions of a service, ascending."""
         with self._read() as db:
-            rows = db.execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
-        return [int(r[0]) for r in rows]
+            found = db.execute("SELECT version FROM versions WHERE service = ? ORDER BY version", (name,)).fetchall()
+        return [int(r[0]) for r in found]
 
     def delete_unreferenced_versions(self, name: str) -> list[int]:
         """Delete every version but the newest that no replica record references (spec §7.3).
@@ -601,15 +621,15 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             The deleted versions, ascending.
         """
         with self.transaction():
-            rows = self._db.execute(
+            found = self._db.execute(
                 """DELETE FROM versions
-                   WHERE service = ?1
-                     AND version < (SELECT latest_version FROM services WHERE name = ?1)
-                     AND version NOT IN (SELECT version FROM replicas WHERE service = ?1)
+                   WHERE service = ?
+                     AND version < (SELECT latest_version FROM services WHERE name = ?)
+                     AND version NOT IN (SELECT version FROM replicas WHERE service = ?)
                    RETURNING version""",
-                (name,),
+                (name, name, name),
             ).fetchall()
-        return sorted(int(r[0]) for r in rows)
+        return sorted(int(r[0]) for r in found)
 
     # ---- replica ids ---------------------------------------------------------------------
 
@@ -626,7 +646,7 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
                 (name,),
             ).fetchone()
             if row is None:
-                raise _not_found(name)
+                raise rows.not_found(name)
             return int(row[0])
 
     # ---- replicas ------------------------------------------------------------------------
@@ -655,14 +675,15 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
                 if replica.replica_id < 1:
                     raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
                 cur = self._db.execute(
-                    "UPDATE services SET next_replica_id = MAX(next_replica_id, ?) WHERE name = ?",
+                    f"UPDATE services SET next_replica_id = {self.greatest}(next_replica_id, ?) WHERE name = ?",
                     (replica.replica_id + 1, replica.service),
                 )
                 if cur.rowcount == 0:
-                    raise _not_found(replica.service)
+                    raise rows.not_found(replica.service)
                 self._db.execute(
-                    "INSERT OR REPLACE INTO replicas (service, replica_id, status, version, data) "
-                    "VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO replicas (service, replica_id, status, version, data) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (service, replica_id) DO UPDATE SET "
+                    "status = excluded.status, version = excluded.version, data = excluded.data",
                     (
                         replica.service,
                         replica.replica_id,
@@ -674,11 +695,11 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
 
     def get_replica(self, name: str, replica_id: int) -> resources_pb2.Replica | None:
         """One replica record, or None."""
-        with self._read() as db:
-            row = db.execute(
+        with self._read():
+            row = self._db.execute(
                 "SELECT data FROM replicas WHERE service = ? AND replica_id = ?", (name, replica_id)
             ).fetchone()
-        return None if row is None else _replica(row[0])
+        return None if row is None else rows.replica(row[0])
 
     def list_replicas(self, name: str, *, statuses: Iterable[int] | None = None) -> list[resources_pb2.Replica]:
         """The replica records of a service in id order, optionally only those in `statuses`."""
@@ -686,11 +707,13 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         params: list[object] = [name]
         if statuses is not None:
             wanted = [int(s) for s in statuses]
+            if not wanted:
+                return []
             sql += f" AND status IN ({', '.join('?' * len(wanted))})"
             params += wanted
-        with self._read() as db:
-            rows = db.execute(sql + " ORDER BY replica_id", params).fetchall()
-        return [_replica(r[0]) for r in rows]
+        with self._read():
+            found = self._db.execute(sql + " ORDER BY replica_id", params).fetchall()
+        return [rows.replica(r[0]) for r in found]
 
     def delete_replica(self, name: str, replica_id: int) -> None:
         """Remove a replica record; a no-op if it is not there. Its id is not reused."""
@@ -707,15 +730,17 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         """
         with self.transaction():
             if not self._exists(name):
-                raise _not_found(name)
+                raise rows.not_found(name)
             self._db.execute(
-                "INSERT OR REPLACE INTO autoscaler_state (service, state) VALUES (?, ?)", (name, bytes(state))
+                "INSERT INTO autoscaler_state (service, state) VALUES (?, ?) "
+                "ON CONFLICT (service) DO UPDATE SET state = excluded.state",
+                (name, bytes(state)),
             )
 
     def get_autoscaler_state(self, name: str) -> bytes | None:
         """A service's autoscaler state, or None if none was stored."""
-        with self._read() as db:
-            row = db.execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
+        with self._read():
+            row = self._db.execute("SELECT state FROM autoscaler_state WHERE service = ?", (name,)).fetchone()
         return None if row is None else bytes(row[0])
 
     # ---- helpers -------------------------------------------------------------------------
@@ -723,35 +748,15 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
     def _exists(self, name: str) -> bool:
         return self._db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is not None
 
-    def _get_service(self, name: str) -> ServiceRow | None:
-        row = self._db.execute(f"SELECT {_SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
-        return None if row is None else _service_row(row)
+    def _get_service(self, name: str) -> rows.ServiceRow | None:
+        row = self._db.execute(f"SELECT {rows.SERVICE_COLUMNS} FROM services WHERE name = ?", (name,)).fetchone()
+        return None if row is None else rows.service_row(row)
 
     def _insert_version(self, name: str, version: int, spec: spec_pb2.ServiceSpec) -> None:
         self._db.execute(
             "INSERT INTO versions (service, version, spec, yaml) VALUES (?, ?, ?, ?)",
             (name, version, spec.SerializeToString(), spec.yaml),
         )
-
-
-# What a failed call tells the caller, by SQLite's primary result code: (cause, words).
-_CAUSES = {
-    "SQLITE_BUSY": ("busy", "its state store is busy (another process holds its lock)"),
-    "SQLITE_LOCKED": ("busy", "its state store is busy (another process holds its lock)"),
-    "SQLITE_FULL": ("disk_full", "its disk is full"),
-    "SQLITE_READONLY": ("read_only", "its state store is read-only"),
-    "SQLITE_IOERR": ("disk_error", "its disk reported an error"),
-    "SQLITE_CANTOPEN": ("disk_error", "its disk reported an error"),
-    "SQLITE_CORRUPT": ("damaged", "its state store is damaged"),
-    "SQLITE_NOTADB": ("damaged", "its state store is damaged"),
-}
-
-
-def _cause(exc: sqlite3.Error) -> tuple[str, str]:
-    """(cause, words) for a SQLite error; extended codes (SQLITE_IOERR_WRITE) by their primary."""
-    name = str(getattr(exc, "sqlite_errorname", "") or "")
-    primary = "_".join(name.split("_")[:2])
-    return _CAUSES.get(primary, ("error", "its state store failed"))
 
 
 def _current_owner() -> object:
@@ -761,24 +766,3 @@ def _current_owner() -> object:
     except RuntimeError:
         task = None
     return task if task is not None else threading.current_thread()
-
-
-def _column_value(column: str, value: Any) -> Any:
-    """Normalise a value for its column (enums to int, bools to 0/1)."""
-    if column == "deleting":
-        return int(bool(value))
-    if column in ("status", "update_mode"):
-        return int(value)
-    if column == "uptime_start":
-        return None if value is None else float(value)
-    return str(value)
-
-
-def _replica(data: bytes) -> resources_pb2.Replica:
-    replica = resources_pb2.Replica()
-    replica.ParseFromString(data)
-    return replica
-
-
-def _not_found(name: str) -> errors.NotFoundError:
-    return errors.NotFoundError(f"service {name!r} not found", reason="SERVICE_NOT_FOUND", service=name)

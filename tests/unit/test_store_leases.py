@@ -1,0 +1,87 @@
+"""The lease row and epoch fencing, on both store backends: who leads, and what a deposed
+leader's writes do (nothing)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from replicaplane.common.v1 import spec_pb2
+from services.common import errors
+from services.controller import store as store_mod
+
+
+@pytest.fixture
+def store(store_url: str, tmp_path):
+    s = store_mod.Store(store_url or os.path.join(str(tmp_path), "state.db"))
+    yield s
+    s.close()
+
+
+def spec() -> spec_pb2.ServiceSpec:
+    return spec_pb2.ServiceSpec(run="serve", yaml="run: serve\n")
+
+
+def test_the_first_to_ask_leads_at_epoch_1_and_others_see_it(store: store_mod.Store) -> None:
+    assert store.read_lease() is None
+    lease = store.acquire_lease("a", "10.0.0.1:50051", 3.0)
+    assert (lease.holder, lease.epoch, lease.address, lease.lapsed) == ("a", 1, "10.0.0.1:50051", False)
+    other = store.acquire_lease("b", "10.0.0.2:50051", 3.0)
+    assert (other.holder, other.epoch, other.address) == ("a", 1, "10.0.0.1:50051")  # b stands by
+    again = store.acquire_lease("a", "10.0.0.1:50051", 3.0)
+    assert again.epoch == 1 and again.expires >= lease.expires  # asking again renews, same epoch
+
+
+def test_a_lapsed_lease_goes_to_the_next_one_with_a_new_epoch(store: store_mod.Store) -> None:
+    store.acquire_lease("a", "addr-a", 0.2)
+    time.sleep(0.3)
+    assert store.read_lease().lapsed  # type: ignore[union-attr]
+    lease = store.acquire_lease("b", "addr-b", 3.0)
+    assert (lease.holder, lease.epoch, lease.address) == ("b", 2, "addr-b")
+    assert not store.renew_lease("a", 1, 3.0)  # the old leader learns it was deposed
+    assert store.renew_lease("b", 2, 3.0)
+
+
+def test_a_released_lease_is_taken_at_once(store: store_mod.Store) -> None:
+    store.acquire_lease("a", "addr-a", 30.0)
+    store.release_lease("a", 1)
+    assert store.acquire_lease("b", "addr-b", 30.0).holder == "b"
+    store.release_lease("a", 1)  # no longer a's: nothing happens
+    assert not store.read_lease().lapsed  # type: ignore[union-attr]
+
+
+def test_writes_of_a_deposed_leader_change_nothing(store: store_mod.Store) -> None:
+    store.acquire_lease("a", "addr-a", 0.2)
+    lost: list[bool] = []
+    store.fence("a", 1, on_lost=lambda: lost.append(True))
+    store.create_service("svc", spec(), now=1.0)  # leading: writes go through
+    copy = store.reopen()  # a writer thread's own connection checks the same epoch
+    copy.update_service("svc", status_message="from the copy")
+    time.sleep(0.3)
+    taker = store.reopen(fenced=False)
+    assert taker.acquire_lease("b", "addr-b", 30.0).epoch == 2
+
+    with pytest.raises(store_mod.FencedError) as info:
+        store.update_service("svc", status_message="from the deposed leader")
+    assert info.value.reason == "NOT_LEADER" and isinstance(info.value, errors.UnavailableError)
+    assert lost == [True] and store.fenced_out and copy.fenced_out
+    with pytest.raises(store_mod.FencedError):  # the copy too, without asking the database
+        copy.add_version("svc", spec())
+    with pytest.raises(store_mod.FencedError):
+        store.put_autoscaler_state("svc", b"x")
+    assert not store.check_writable()
+    assert lost == [True]  # told once
+    row = taker.get_service("svc")
+    assert row is not None and row.status_message == "from the copy" and row.latest_version == 1
+    assert taker.get_autoscaler_state("svc") is None
+    copy.close()
+    taker.close()
+
+
+def test_a_store_fenced_before_anyone_leads_writes_nothing(store: store_mod.Store) -> None:
+    store.fence("a", 1)
+    with pytest.raises(store_mod.FencedError):
+        store.create_service("svc", spec(), now=1.0)
+    assert store.get_service("svc") is None
