@@ -25,7 +25,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     names in `fail_teardown` fail every teardown. While `hold_launches` is set, new launches
     stay PROVISIONING until cancelled; while `dead_endpoint` is set, new replicas run at an
     endpoint nothing answers. Each entry of `failing_launches` ((message, cause), oldest first)
-    fails one new launch, not for capacity."""
+    fails one new launch, not for capacity. A teardown takes `teardown_s` seconds."""
 
     def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False) -> None:
         self.endpoint = endpoint
@@ -36,6 +36,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.capacity_refused = False
         self.hold_launches = False
         self.dead_endpoint = False
+        self.teardown_s = 0.0
         self.failing_launches: list[tuple[str, int]] = []
         self.launches: collections.Counter[str] = collections.Counter()
         self.traceparents: list[str] = []  # the trace context each Launch call carried ("" for none)
@@ -122,6 +123,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 )
             )
             return
+        await asyncio.sleep(self.teardown_s)
         self.running.pop(request.name, None)
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
