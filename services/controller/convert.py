@@ -8,7 +8,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2
 from services.common import pbtime
 from services.common import spec as specs
-from services.controller.domain import autoscaler, lifecycle
+from services.controller.domain import autoscaler, lifecycle, tally
 from services.controller.domain import status as st
 
 
@@ -117,6 +117,12 @@ def view_of(replica: resources_pb2.Replica) -> st.ReplicaView:
         is_spot=replica.is_spot,
         accelerator=replica.accelerator,
     )
+
+
+def tally_of(replicas: dict[int, resources_pb2.Replica]) -> tally.Views:
+    """The views of these records, with their counts."""
+    succeeded = resources_pb2.TEARDOWN_PHASE_SUCCEEDED
+    return tally.Views((rid, view_of(r), r.facts.teardown_phase == succeeded) for rid, r in replicas.items())
 
 
 def policy_of(spec: spec_pb2.ServiceSpec) -> autoscaler.Policy:

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Generic, TypeVar
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
@@ -83,7 +83,9 @@ class ServiceHub:
         self._history: collections.deque[api.WatchServiceResponse] = collections.deque(maxlen=_HISTORY)
         self._subscribers: set[_Watcher[api.WatchServiceResponse]] = set()
         self.endpoints_version = self.sequence
-        self.endpoints: list[resources_pb2.Endpoint] = []
+        self.endpoints: Sequence[resources_pb2.Endpoint] = []
+        self._endpoints_key: int | None = None
+        self._endpoints_template: api.WatchEndpointsResponse | None = None
         self.weights: dict[int, int] = {}
         self._endpoint_subscribers: set[_Watcher[api.WatchEndpointsResponse]] = set()
         self.deleted = False
@@ -124,14 +126,34 @@ class ServiceHub:
         if deleted:
             self.close()
 
-    def set_endpoints(self, endpoints: list[resources_pb2.Endpoint], weights: dict[int, int] | None = None) -> None:
-        """Push the endpoint set (and the traffic split by version, during a canary) if it changed."""
+    def set_endpoints(
+        self,
+        endpoints: Sequence[resources_pb2.Endpoint],
+        weights: dict[int, int] | None = None,
+        *,
+        key: int | None = None,
+        message: api.WatchEndpointsResponse | None = None,
+    ) -> None:
+        """Push the endpoint set (and the traffic split by version, during a canary) if it changed.
+
+        Args:
+            endpoints: the endpoints.
+            weights: version -> weight during a canary.
+            key: a number that changes whenever the endpoints do (then they are not compared).
+            message: a `WatchEndpointsResponse` holding `endpoints` alone, copied into each
+                message sent (one C-level copy, instead of one call per endpoint).
+        """
         weights = weights or {}
-        if endpoints == self.endpoints and weights == self.weights:
+        same = key == self._endpoints_key if key is not None else endpoints == self.endpoints
+        if same and weights == self.weights:
             return
         self.endpoints = endpoints
+        self._endpoints_key = key
+        self._endpoints_template = message
         self.weights = weights
         self.endpoints_version += 1
+        if not self._endpoint_subscribers:
+            return
         msg = self._endpoints_message()
         for w in list(self._endpoint_subscribers):
             if not w.offer(msg):
@@ -139,11 +161,16 @@ class ServiceHub:
                 log.warning("dropped a WatchEndpoints stream that fell %d versions behind", QUEUE_LIMIT)
 
     def _endpoints_message(self) -> api.WatchEndpointsResponse:
-        return api.WatchEndpointsResponse(
-            version=self.endpoints_version,
-            endpoints=self.endpoints,
-            version_weights=[resources_pb2.VersionWeight(version=v, weight=w) for v, w in sorted(self.weights.items())],
+        msg = api.WatchEndpointsResponse()
+        if self._endpoints_template is not None:
+            msg.MergeFrom(self._endpoints_template)
+        else:
+            msg.endpoints.extend(self.endpoints)
+        msg.version = self.endpoints_version
+        msg.version_weights.extend(
+            resources_pb2.VersionWeight(version=v, weight=w) for v, w in sorted(self.weights.items())
         )
+        return msg
 
     def close(self) -> None:
         """The service is gone: end every stream after what was sent."""

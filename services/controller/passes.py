@@ -105,11 +105,8 @@ class Passes:
             blue_green=rec.row.update_mode == res.UPDATE_MODE_BLUE_GREEN,
             backoff=rec.backoff,
             now=time.monotonic(),
-            torn_down={
-                rid: r.version
-                for rid, r in rec.replicas.items()
-                if r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
-            },
+            torn_down=rec.views.torn_down,
+            ready_by_version=rec.views.ready_by_version,
             busy=None if rec.pool is None else frozenset(rec.pool.jobs.busy()),
             rollout=canary,
         )
@@ -159,10 +156,12 @@ class Passes:
         self._write_failures = 0
         for r in batch.puts:
             rec.shown[r.replica_id] = r
-            rec.shown_views[r.replica_id] = convert.view_of(r)
+            torn_down = r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED
+            rec.shown_views.set(r.replica_id, convert.view_of(r), torn_down=torn_down)
         for rid in batch.deletes:
             rec.shown.pop(rid, None)
-            rec.shown_views.pop(rid, None)
+            rec.shown_views.pop(rid)
+        rec.endpoints.stored(batch.puts, batch.deletes)
         if rec.stopping:
             return  # shutting down: stored, nothing more starts
         for version in fut.result():
@@ -187,7 +186,12 @@ class Passes:
         svc = rec.service()
         changed = pools.busy_changes(rec, sorted(batch.puts, key=lambda r: r.replica_id) if batch else [])
         rec.hub.publish(rec.view_cache.without_unchanged_spec(svc), changed, batch.deletes if batch else [])
-        rec.hub.set_endpoints(list(svc.endpoints), rec.rollout.weights(rec.row.latest_version) if rec.rollout else None)
+        weights = rec.rollout.weights(rec.row.latest_version) if rec.rollout else None
+        if rec.pool is None:  # the endpoints `svc` was built with
+            ep = rec.endpoints
+            rec.hub.set_endpoints(ep.watch_part.endpoints, weights, key=ep.generation, message=ep.watch_part)
+        else:
+            rec.hub.set_endpoints([], weights)
 
     async def flush(self) -> None:
         """Store whatever is pending now and wait for it (shutdown)."""
@@ -236,7 +240,7 @@ class Passes:
         rec.row, rec.specs, rec.next_id = undo.row, undo.specs, undo.next_id
         rec.state = facts.ScalerState.load_from(undo.state)
         rec.replicas = {rid: parse(data) for rid, data in undo.replicas.items()}
-        rec.views = {rid: convert.view_of(r) for rid, r in rec.replicas.items()}
+        rec.views = convert.tally_of(rec.replicas)
         rec.book = undo.book
         rec.logs_kept = undo.logs_kept
         rec.policy_cache = (0, autoscaler.Policy())

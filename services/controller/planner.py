@@ -47,6 +47,7 @@ def plan(
     torn_down: Mapping[int, int],
     busy: frozenset[int] | None = None,
     rollout: scaling.ScalePlan | None = None,
+    ready_by_version: Mapping[int, int] | None = None,
 ) -> Plan:
     """The plan of one pass.
 
@@ -63,6 +64,8 @@ def plan(
         busy: for a pool, the workers running a job: the pool's own rules size it
             (`pool_scaling.plan`: no busy worker is ever a victim); None for a service.
         rollout: a canary rollout's launches and teardowns, which replace the rolling ones.
+        ready_by_version: how many READY replicas each version has, when the caller keeps the
+            count (`tally.Views`); else counted from `views`.
     """
     target = policy.final(adopted_target)
     if rollout is not None:
@@ -82,7 +85,12 @@ def plan(
             fallback=(policy, adopted_target) if policy.kind == autoscaler.FALLBACK else None,
         )
     launches = scaling.launches_now(scale, pause_s=failures.launch_pause(backoff, now))
-    active = scaling.active_versions(views, latest_version=latest_version, target=target, blue_green=blue_green)
+    if ready_by_version is None:
+        active = scaling.active_versions(views, latest_version=latest_version, target=target, blue_green=blue_green)
+    else:
+        active = scaling.active_versions_of(
+            ready_by_version, latest_version=latest_version, target=target, blue_green=blue_green
+        )
     remove = scaling.removed_at_switch(torn_down, active=active, latest_version=latest_version, blue_green=blue_green)
     return Plan(
         launch=launches.regular,

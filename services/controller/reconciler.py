@@ -69,10 +69,12 @@ class ServiceReconciler:
         self.state = facts.ScalerState.load_from(loaded.state)
         # Two copies of each record: `replicas` is what the controller knows now (decisions use
         # it), `shown` what the store holds (the API shows it: memory never runs ahead).
+        # Each copy has its views (status, version) with their counts kept in step (`tally`).
         self.shown = {r.replica_id: r for r in loaded.replicas}
-        self.shown_views = {rid: convert.view_of(r) for rid, r in self.shown.items()}
+        self.shown_views = convert.tally_of(self.shown)
         self.replicas = {rid: copy(r) for rid, r in self.shown.items()}
-        self.views = dict(self.shown_views)
+        self.views = convert.tally_of(self.replicas)
+        self.endpoints = view.Endpoints(self.shown)
         self.extra: dict[int, facts.Extra] = {}
         self.next_id = loaded.row.next_replica_id
         self.policy_cache: tuple[int, autoscaler.Policy] = (0, autoscaler.Policy())
@@ -122,8 +124,7 @@ class ServiceReconciler:
     def reserved_replicas(self) -> int:
         """What the service holds of the replica budget: most_replicas(), or the replicas it
         still has if more (an update in flight, teardowns not done or failed)."""
-        live = sum(1 for r in self.replicas.values() if r.facts.teardown_phase != TP.TEARDOWN_PHASE_SUCCEEDED)
-        return max(self.most_replicas(), live)
+        return max(self.most_replicas(), self.views.held)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -186,7 +187,7 @@ class ServiceReconciler:
         rid = r.replica_id
         r.status = convert.status_of(r)  # type: ignore[assignment]
         self.replicas[rid] = r
-        self.views[rid] = convert.view_of(r)
+        self.views.set(rid, convert.view_of(r), torn_down=r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED)
         self.book.put(rid)
         if r.status == res.REPLICA_STATUS_READY and r.version not in self.state.ever_ready_versions:
             # The stop rule's "ever ready": any READY replica of a version.
@@ -201,7 +202,8 @@ class ServiceReconciler:
         logs_name = r.replica_name if rid in self.logs_kept else ""
         self.logs_kept.discard(rid)
         self.book.delete(rid, logs=logs_name)
-        for table in (self.views, self.extra, self.launched_in):
+        self.views.pop(rid)
+        for table in (self.extra, self.launched_in):
             table.pop(rid, None)
         self.probes.set(rid, None)
         self.kick()

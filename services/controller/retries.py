@@ -30,7 +30,7 @@ class Policy:
 
     def wait(self) -> tenacity.wait.wait_base:
         """The tenacity wait strategy."""
-        return tenacity.wait_exponential_jitter(initial=self.initial_s, max=self.max_s, jitter=self.jitter_s)
+        return tenacity.wait_exponential_jitter(multiplier=self.initial_s, max=self.max_s, jitter=self.jitter_s)
 
     def stop(self) -> tenacity.stop.stop_base:
         """The tenacity stop strategy."""

@@ -3,9 +3,11 @@ the autoscaler's status, the probe target of a replica."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from replicaplane.common.v1 import spec_pb2
@@ -27,8 +29,6 @@ log = logging.getLogger(__name__)
 class Cache:
     """What is rebuilt only when it changes."""
 
-    endpoint_key: tuple[tuple[int, str, int], ...] = ()
-    endpoint_list: list[res.Endpoint] = dataclasses.field(default_factory=list)
     redacted: tuple[int, spec_pb2.ServiceSpec] = (0, spec_pb2.ServiceSpec())
     published_version: int = 0
 
@@ -58,13 +58,82 @@ def _service_facts(rec: ServiceReconciler) -> st.ServiceFacts:
     )
 
 
+class Endpoints:
+    """The endpoint of every READY replica as stored, kept in step with each stored batch.
+
+    The endpoints of the active versions are kept, by replica id, in two messages changed in
+    place (an insert or a delete per change), so a service of 10,000 replicas shows them with one
+    C-level copy instead of 10,000 Python calls; they are built again only when the active
+    versions change. `generation` counts the changes.
+    """
+
+    def __init__(self, shown: Mapping[int, res.Replica]) -> None:
+        self._by_id: dict[int, res.Endpoint] = {}
+        self._active: tuple[int, ...] = ()
+        self._ids: list[int] = []  # replica ids in the messages, in order
+        self.service_part = res.Service()
+        """A `Service` with only the endpoints of the active versions."""
+        self.watch_part = api.WatchEndpointsResponse()
+        """A `WatchEndpointsResponse` with only the same endpoints."""
+        self.generation = 0
+        self.stored(shown.values(), [])
+
+    def stored(self, puts: Iterable[res.Replica], deletes: Iterable[int]) -> None:
+        """These records were stored (`puts`) or removed (`deletes`)."""
+        for r in puts:
+            rid = r.replica_id
+            if r.status == res.REPLICA_STATUS_READY:
+                ep = self._by_id.get(rid)
+                accelerator = r.accelerator or "unknown"
+                if ep is None or (ep.url, ep.version, ep.accelerator) != (r.endpoint, r.version, accelerator):
+                    self._drop(rid)
+                    ep = res.Endpoint(replica_id=rid, url=r.endpoint, version=r.version, accelerator=accelerator)
+                    self._by_id[rid] = ep
+                    if ep.version in self._active:
+                        at = bisect.bisect_left(self._ids, rid)
+                        self._ids.insert(at, rid)
+                        self.service_part.endpoints.insert(at, ep)
+                        self.watch_part.endpoints.insert(at, ep)
+                    self.generation += 1
+            else:
+                self._drop(rid)
+        for rid in deletes:
+            self._drop(rid)
+
+    def _drop(self, rid: int) -> None:
+        if self._by_id.pop(rid, None) is None:
+            return
+        self.generation += 1
+        at = bisect.bisect_left(self._ids, rid)
+        if at < len(self._ids) and self._ids[at] == rid:
+            del self._ids[at]
+            del self.service_part.endpoints[at]
+            del self.watch_part.endpoints[at]
+
+    def activate(self, active: Sequence[int]) -> None:
+        """Keep the endpoints of `active` versions (built again only when they changed)."""
+        key = tuple(active)
+        if key == self._active:
+            return
+        self._active = key
+        self._ids = sorted(rid for rid, ep in self._by_id.items() if ep.version in key)
+        kept = [self._by_id[rid] for rid in self._ids]
+        self.service_part = res.Service(endpoints=kept)
+        self.watch_part = api.WatchEndpointsResponse(endpoints=kept)
+        self.generation += 1
+
+    def into(self, svc: res.Service, active: Sequence[int]) -> None:
+        """Add the endpoints of the `active` versions to `svc`."""
+        self.activate(active)
+        svc.MergeFrom(self.service_part)
+
+
 def service(rec: ServiceReconciler) -> res.Service:
-    """The service as the API shows it: from the records as stored."""
-    views = list(rec.shown_views.values())
-    statuses = [v.status for v in views]
+    """The service as the API shows it: from the records as stored (their counts kept in step)."""
+    statuses = rec.shown_views.statuses
     ready, total = st.ready_and_total(statuses)
-    active = scaling.active_versions(
-        views,
+    active = scaling.active_versions_of(
+        rec.shown_views.ready_by_version,
         latest_version=rec.row.latest_version,
         target=rec.final_target(),
         blue_green=rec.row.update_mode == res.UPDATE_MODE_BLUE_GREEN,
@@ -84,10 +153,10 @@ def service(rec: ServiceReconciler) -> res.Service:
         target_replicas=rec.final_target(),
         probing_stale=rec.probing_stale,
         update_mode=row.update_mode,  # type: ignore[arg-type]
-        endpoints=_endpoints(rec, views, active),
         uid=row.uid,
         load_balancer_url=rec.load_balancer_url,
     )
+    rec.endpoints.into(svc, active)
     if row.uptime_start is not None:
         svc.uptime_start_time.CopyFrom(pbtime.timestamp(row.uptime_start))
     svc.autoscaler.CopyFrom(_autoscaler_status(rec))
@@ -112,8 +181,7 @@ def store_status(rec: ServiceReconciler) -> None:
     """Keep the stored status and message equal to the derived ones (written with the batch)."""
     if rec.row.deleting or not rec.started:
         return
-    views = list(rec.views.values())
-    statuses = [v.status for v in views]
+    statuses = rec.views.statuses
     sf = _service_facts(rec)
     status, message = int(st.service_status_of(statuses, sf)), st.status_message(statuses, sf)
     if status != rec.row.status or message != rec.row.status_message:
@@ -127,19 +195,6 @@ def _shown_spec(rec: ServiceReconciler) -> spec_pb2.ServiceSpec:
     if rec.view_cache.redacted[0] != version:
         rec.view_cache.redacted = (version, spec.redacted(rec.spec(version)))
     return rec.view_cache.redacted[1]
-
-
-def _endpoints(rec: ServiceReconciler, views: list[st.ReplicaView], active: list[int]) -> list[res.Endpoint]:
-    ids = sorted(v.replica_id for v in views if v.status is st.ReplicaStatus.READY and v.version in active)
-    key = tuple((i, rec.shown[i].endpoint, rec.shown[i].version) for i in ids)
-    cache = rec.view_cache
-    if key != cache.endpoint_key:  # built once per change of the ready set
-        cache.endpoint_key = key
-        cache.endpoint_list = [
-            res.Endpoint(replica_id=i, url=url, version=version, accelerator=rec.shown[i].accelerator or "unknown")
-            for i, url, version in key
-        ]
-    return cache.endpoint_list
 
 
 def _autoscaler_status(rec: ServiceReconciler) -> res.AutoscalerStatus:

@@ -2,7 +2,9 @@
 connection, so the event loop never waits for the store's lock or an fsync.
 
 A unit of work is a function of the store run inside one transaction; its result (or error)
-comes back to the loop as a future. Units run one at a time in the order submitted.
+comes back to the loop as a future. Units run one at a time in the order submitted; units queued
+together share one transaction (group commit: one fsync for all), each in a savepoint of its own,
+and their futures resolve once that transaction committed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from services.common import errors
 from services.controller import store
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+GROUP_MAX = 256
+"""Units of work committed together at most (their writes share one transaction and one fsync)."""
 
 _Item = tuple[Callable[[store.Store], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
 
@@ -64,21 +70,68 @@ class Writer:
         self.db.on_writable_change(changed)
 
     def _run(self) -> None:
+        held: list[_Item | None] = []  # taken from the queue but not in the last group: next
         while True:
-            item = self._queue.get()
+            item = held.pop() if held else self._queue.get()
             if item is None:
                 return
-            fn, fut, loop, transaction = item
-            try:
-                if transaction:
-                    with self.db.transaction():
-                        result = fn(self.db)
-                else:
+            if not item[3]:
+                self._alone(item)
+                continue
+            group = [item]
+            # Group commit: units queued meanwhile join this transaction (one fsync for all), each
+            # in a savepoint of its own, so one unit's error undoes only that unit. Order is kept.
+            while len(group) < GROUP_MAX:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None or not item[3]:
+                    held.append(item)
+                    break
+                group.append(item)
+            self._together(group)
+
+    def _alone(self, item: _Item, *, transaction: bool = False) -> None:
+        fn, fut, loop, _ = item
+        try:
+            if transaction:
+                with self.db.transaction():
                     result = fn(self.db)
-            except BaseException as exc:
-                _deliver(loop, fut, None, exc)
             else:
-                _deliver(loop, fut, result, None)
+                result = fn(self.db)
+        except BaseException as exc:
+            _deliver(loop, fut, None, exc)
+        else:
+            _deliver(loop, fut, result, None)
+
+    def _together(self, group: list[_Item]) -> None:
+        if len(group) == 1:
+            self._alone(group[0], transaction=True)
+            return
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        try:
+            with self.db.transaction():
+                for fn, _, _, _ in group:
+                    try:
+                        with self.db.transaction():  # a savepoint
+                            outcomes.append((fn(self.db), None))
+                    except errors.UnavailableError:
+                        raise
+                    except errors.ReplicaplaneError as exc:  # the unit's answer (NOT_FOUND...): its own
+                        outcomes.append((None, exc))
+        except errors.UnavailableError as exc:
+            for _, fut, loop, _ in group:  # the store failed: nothing of the group was stored
+                _deliver(loop, fut, None, exc)
+            return
+        except Exception:
+            # A unit failed in a way that is not an answer: the group is undone, and each unit
+            # runs again on its own, so only the failing one fails.
+            for item in group:
+                self._alone(item, transaction=True)
+            return
+        for (_, fut, loop, _), (result, error) in zip(group, outcomes, strict=True):
+            _deliver(loop, fut, result, error)
 
     async def close(self) -> None:
         """Finish the units already submitted, then stop the thread and close the connection."""

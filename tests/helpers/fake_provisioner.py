@@ -25,14 +25,18 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     names in `fail_teardown` fail every teardown. While `hold_launches` is set, new launches
     stay PROVISIONING until cancelled; while `dead_endpoint` is set, new replicas run at an
     endpoint nothing answers. Each entry of `failing_launches` ((message, cause), oldest first)
-    fails one new launch, not for capacity."""
+    fails one new launch, not for capacity. A teardown takes `teardown_s` seconds."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False) -> None:
         self.endpoint = endpoint
+        # Each replica at `endpoint/r/<name>`, so the requests seen tell which replica was probed.
+        self.endpoint_per_replica = endpoint_per_replica
+        self.requests: dict[str, float] = {}  # request path -> time.monotonic() of its last request
         self.fail_teardown: set[str] = set()
         self.capacity_refused = False
         self.hold_launches = False
         self.dead_endpoint = False
+        self.teardown_s = 0.0
         self.failing_launches: list[tuple[str, int]] = []
         self.launches: collections.Counter[str] = collections.Counter()
         self.traceparents: list[str] = []  # the trace context each Launch call carried ("" for none)
@@ -87,7 +91,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 version=request.version,
                 state=res.REPLICA_STATE_RUNNING,
                 app_state=res.APP_STATE_RUNNING,
-                endpoint="http://127.0.0.1:9" if self.dead_endpoint else self.endpoint,
+                endpoint="http://127.0.0.1:9" if self.dead_endpoint else self._endpoint_of(request.name),
                 zone="zone-a",
                 create_time=pbtime.timestamp(time.time()),
                 owner=request.owner,
@@ -100,6 +104,9 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         yield pb.LaunchResponse(
             event=self._event(res.LAUNCH_EVENT_TYPE_RUNNING, replica, attempt=1, endpoint=replica.endpoint)
         )
+
+    def _endpoint_of(self, name: str) -> str:
+        return f"{self.endpoint}/r/{name}" if self.endpoint_per_replica else self.endpoint
 
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
@@ -116,6 +123,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
                 )
             )
             return
+        await asyncio.sleep(self.teardown_s)
         self.running.pop(request.name, None)
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
@@ -162,22 +170,26 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             q.put_nowait(res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_APP_EXITED, replica=replica))
 
 
-async def _ok(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 @contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[tuple[FakeProvisioner, str]]:
+async def serving(*, endpoint_per_replica: bool = False) -> AsyncIterator[tuple[FakeProvisioner, str]]:
     """A FakeProvisioner on a real gRPC server (port 0) whose replicas all answer 200 at one
-    local endpoint; yields it and the provisioner's address."""
+    local server (each at a path of its own with `endpoint_per_replica`, recorded in
+    `requests`); yields it and the provisioner's address."""
+    requests: dict[str, float] = {}
+
+    async def ok(request: web.Request) -> web.Response:
+        requests[request.path] = time.monotonic()
+        return web.Response(text="ok")
+
     app = web.Application()
-    app.router.add_get("/{path:.*}", _ok)
+    app.router.add_get("/{path:.*}", ok)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fake = FakeProvisioner(f"http://127.0.0.1:{port}")
+    fake = FakeProvisioner(f"http://127.0.0.1:{port}", endpoint_per_replica=endpoint_per_replica)
+    fake.requests = requests
     server = grpc_server.new_server(domain="provisioner.test")
     pb_grpc.add_ProvisionerServiceServicer_to_server(fake, server)
     built = grpc_server.finish(server, "127.0.0.1:0", ["replicaplane.provisioner.v1.ProvisionerService"])

@@ -140,6 +140,20 @@ async def test_delete_with_a_failed_teardown_leaves_failed_cleanup_until_purged(
     assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "SERVICE_NOT_FOUND")
 
 
+async def test_a_deleted_service_goes_when_its_last_teardown_ends_not_at_the_next_sweep(tmp_path) -> None:
+    # The last teardown's end kicks a pass; that pass must not still see the teardown in motion.
+    async with started(tmp_path, sweep_interval_s=600.0) as env:
+        w = await create(env, spec(replicas=1))
+        await w.until(lambda w: w.count(READY) == 1)
+        env.provisioner.teardown_s = 0.1  # as a real one: the last pass ran well before it ends
+        await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await env.stub.ListServices(api.ListServicesRequest())).services:
+            assert asyncio.get_running_loop().time() < deadline, "the service waits for the sweep"
+            await asyncio.sleep(0.05)
+        w.cancel()
+
+
 async def test_api_errors_follow_the_aip_model(env: Env) -> None:
     err = await rpc_error(env.stub.GetService(api.GetServiceRequest(service_name="nope")))
     assert err.code == grpc.StatusCode.NOT_FOUND

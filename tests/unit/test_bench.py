@@ -35,11 +35,17 @@ def violations(yaml_text: str, cap: int) -> list[str]:
     return []
 
 
-def test_controller_scale_bench_sizes_fit_its_controller_settings() -> None:
+def test_controller_scale_bench_sizes_fit_its_controller_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     scale = load_bench("controller_scale")
-    settings = scale.controller_settings("127.0.0.1:1", "127.0.0.1:2", "/nonexistent")
+    for key in [k for k in os.environ if k.startswith("REPLICAPLANE_")]:
+        monkeypatch.delenv(key)
+    for key, value in scale.controller_env("/nonexistent", "127.0.0.1:1", "127.0.0.1:2").items():
+        monkeypatch.setenv(key, value)
+    settings = controller_server.load_settings()
     for size in scale.SIZES:
-        assert violations(scale.spec_yaml(size), settings.max_replicas_per_service) == [], size
+        assert violations(scale.spec_yaml("big", size), settings.max_replicas_per_service) == [], size
+        assert size <= settings.max_replicas_total, size
+    assert settings.max_replicas_total >= scale.SERVICES * scale.PER_SERVICE
 
 
 def test_autoscaler_bench_spec_fits_its_controller_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,8 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -77,6 +79,44 @@ async def test_the_writer_runs_units_in_order_off_the_loop_and_reports_errors(tm
         with pytest.raises(RuntimeError):
             await w.submit(half_then_fail)
         assert reader.get_replica("svc", 30) is None  # a unit is one transaction: all or nothing
+    finally:
+        await w.close()
+        reader.close()
+
+
+async def test_units_queued_together_share_one_commit_and_fail_alone(tmp_path) -> None:
+    # Group commit: units queued while the writer is busy are written in one transaction (one
+    # fsync); a unit answering NOT_FOUND fails alone, a unit that breaks is undone alone.
+    path = str(tmp_path / "state.db")
+    reader = store_mod.Store(path)
+    w = writer.Writer(path)
+    commits: list[bool] = []
+    w.db.on_write(lambda _seconds, ok: commits.append(ok))
+
+    async def queued(*units: Callable[[store_mod.Store], object]) -> list[object]:
+        gate = threading.Event()
+        held = w.submit(lambda _db: gate.wait(10), transaction=False)  # the writer is busy: units queue
+        futures = [w.submit(unit) for unit in units]
+        gate.set()
+        await held
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
+    def broken(db: store_mod.Store) -> None:
+        db.put_replica(make_replica("svc", 500))
+        raise RuntimeError("boom")
+
+    try:
+        await w.submit(lambda db: db.create_service("svc", make_spec(), now=NOW))
+        commits.clear()
+        puts = [lambda db, i=i: db.put_replica(make_replica("svc", i)) for i in range(1, 101)]
+        got = await queued(*puts[:50], lambda db: db.put_replica(make_replica("nope", 1)), *puts[50:])
+        assert isinstance(got[50], errors.NotFoundError)
+        assert [r.replica_id for r in reader.list_replicas("svc")] == list(range(1, 101))
+        assert commits == [True], commits  # 101 units, one transaction
+        got = await queued(lambda db: db.put_replica(make_replica("svc", 101)), broken)
+        assert got[0] is None and isinstance(got[1], RuntimeError)
+        assert [r.replica_id for r in reader.list_replicas("svc")][-1] == 101
+        assert reader.get_replica("svc", 500) is None
     finally:
         await w.close()
         reader.close()

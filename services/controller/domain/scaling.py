@@ -78,11 +78,21 @@ def active_versions(
     Rolling: every version with a READY replica. Blue-green: the old versions until the latest
     has `target` READY replicas, then the latest alone.
     """
-    ready = [r for r in replicas if r.status is st.ReplicaStatus.READY]
-    versions = sorted({r.version for r in ready})
+    ready: dict[int, int] = {}
+    for r in replicas:
+        if r.status is st.ReplicaStatus.READY:
+            ready[r.version] = ready.get(r.version, 0) + 1
+    return active_versions_of(ready, latest_version=latest_version, target=target, blue_green=blue_green)
+
+
+def active_versions_of(
+    ready_by_version: Mapping[int, int], *, latest_version: int, target: int, blue_green: bool
+) -> list[int]:
+    """`active_versions` from how many READY replicas each version has."""
+    versions = sorted(v for v, n in ready_by_version.items() if n > 0)
     if not blue_green:
         return versions
-    latest_ready = sum(1 for r in ready if r.version == latest_version)
+    latest_ready = ready_by_version.get(latest_version, 0)
     old = [v for v in versions if v != latest_version]
     if latest_ready >= max(target, 1) or not old:
         return [latest_version] if latest_ready else []

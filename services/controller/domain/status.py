@@ -193,20 +193,35 @@ def scale_down_victims(replicas: Iterable[ReplicaView], count: int) -> list[Repl
     return candidates[: max(count, 0)]
 
 
-def service_status(statuses: Sequence[ReplicaStatus], *, launching: bool = False) -> ServiceStatus:
+Statuses = Sequence[ReplicaStatus] | Mapping[ReplicaStatus, int]
+"""Replica statuses: one per replica, or how many replicas are in each (`tally.Views.statuses`)."""
+
+
+def _counts(statuses: Statuses) -> Mapping[ReplicaStatus, int]:
+    if isinstance(statuses, Mapping):
+        return statuses
+    counts: dict[ReplicaStatus, int] = {}
+    for s in statuses:
+        counts[s] = counts.get(s, 0) + 1
+    return counts
+
+
+def service_status(statuses: Statuses, *, launching: bool = False) -> ServiceStatus:
     """READY with any READY replica; REPLICA_INIT while some are on their way (or about to be
     launched: `launching`); else NO_REPLICA."""
-    if ReplicaStatus.READY in statuses:
+    counts = _counts(statuses)
+    if counts.get(ReplicaStatus.READY, 0) > 0:
         return ServiceStatus.READY
-    if launching or any(not is_terminal(s) for s in statuses):
+    if launching or any(n > 0 and not is_terminal(s) for s, n in counts.items()):
         return ServiceStatus.REPLICA_INIT
     return ServiceStatus.NO_REPLICA
 
 
-def ready_and_total(statuses: Sequence[ReplicaStatus]) -> tuple[int, int]:
+def ready_and_total(statuses: Statuses) -> tuple[int, int]:
     """`ready/total` where total counts replicas not in a failed status."""
-    ready = sum(1 for s in statuses if s is ReplicaStatus.READY)
-    total = sum(1 for s in statuses if s not in FAILED_STATUSES)
+    counts = _counts(statuses)
+    ready = counts.get(ReplicaStatus.READY, 0)
+    total = sum(n for s, n in counts.items() if s not in FAILED_STATUSES)
     return ready, total
 
 
@@ -241,7 +256,7 @@ class ServiceFacts:
     probing_stale: bool = False
 
 
-def service_status_of(statuses: Sequence[ReplicaStatus], svc: ServiceFacts) -> ServiceStatus:
+def service_status_of(statuses: Statuses, svc: ServiceFacts) -> ServiceStatus:
     """The service's status (spec.md section 9): the delete's, CONTROLLER_INIT until resumed,
     else derived from the replicas. A stopped version launches nothing: NO_REPLICA once its
     replicas are gone, as SkyPilot. Paused launches still count as launching: REPLICA_INIT."""
@@ -252,7 +267,7 @@ def service_status_of(statuses: Sequence[ReplicaStatus], svc: ServiceFacts) -> S
     return service_status(statuses, launching=svc.target > 0 and not svc.stopped_message)
 
 
-def status_message(statuses: Sequence[ReplicaStatus], svc: ServiceFacts) -> str:
+def status_message(statuses: Statuses, svc: ServiceFacts) -> str:
     """The one line that says why the service is where it is: the failed cleanup, the delete's
     progress, the stop rule, stale probing, else the counts (with the launch pause, if any)."""
     if svc.deleting:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 
@@ -22,10 +22,21 @@ class Tasks:
     def keys(self) -> list[int]:
         return list(self._tasks)
 
-    def start(self, key: int, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def start(
+        self, key: int, coro: Coroutine[Any, Any, None], name: str, on_done: Callable[[], None] | None = None
+    ) -> None:
+        """Run `coro` as the task of `key`; `on_done` runs once it has left the map, however it
+        ended (a pass it kicks must not still see it in motion)."""
         task = asyncio.create_task(coro, name=name)
         self._tasks[key] = task
-        task.add_done_callback(lambda t: self._tasks.pop(key, None) if self._tasks.get(key) is t else None)
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._tasks.get(key) is t:
+                del self._tasks[key]
+            if on_done is not None:
+                on_done()
+
+        task.add_done_callback(done)
 
     def cancel(self, key: int) -> None:
         task = self._tasks.pop(key, None)

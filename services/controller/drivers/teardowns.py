@@ -42,37 +42,35 @@ class Teardowns:
         on_end: Callable[[int], None],
     ) -> None:
         """Tear `name` down unless already under way; `on_event` applies one event (True when
-        the teardown is over), `on_end(rid)` runs when the task ends, whatever the reason."""
+        the teardown is over), `on_end(rid)` runs once the task has ended, whatever the reason, and left
+        `tasks`."""
         if rid not in self.tasks:
-            self.tasks.start(rid, self._follow(rid, name, drain_s, keep_logs, on_event, on_end), f"teardown {name}")
+            self.tasks.start(
+                rid, self._follow(name, drain_s, keep_logs, on_event), f"teardown {name}", on_done=lambda: on_end(rid)
+            )
 
     async def _follow(
         self,
-        rid: int,
         name: str,
         drain_s: float,
         keep_logs: bool,
         on_event: Callable[[prov_res.TerminateEvent], bool],
-        on_end: Callable[[int], None],
     ) -> None:
-        try:
-            async for attempt in self._policy.retrying(Broke):
-                with attempt:
-                    request = prov_pb.TerminateRequest(name=name, drain=pbtime.duration(drain_s), keep_logs=keep_logs)
-                    drain_s = 0.0  # the replica already left the ready set; never drain twice
-                    try:
-                        async for response in self._prov.Terminate(request):
-                            if on_event(response.event):
-                                return
-                    except grpc.aio.AioRpcError as exc:
-                        log.info("teardown of %s broke (%s); retrying", name, exc.code().name)
-                        raise Broke from exc
-                    except Exception as exc:
-                        log.exception("following the teardown of %s failed; retrying", name)
-                        raise Broke from exc
-                    raise Broke
-        finally:
-            on_end(rid)
+        async for attempt in self._policy.retrying(Broke):
+            with attempt:
+                request = prov_pb.TerminateRequest(name=name, drain=pbtime.duration(drain_s), keep_logs=keep_logs)
+                drain_s = 0.0  # the replica already left the ready set; never drain twice
+                try:
+                    async for response in self._prov.Terminate(request):
+                        if on_event(response.event):
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    log.info("teardown of %s broke (%s); retrying", name, exc.code().name)
+                    raise Broke from exc
+                except Exception as exc:
+                    log.exception("following the teardown of %s failed; retrying", name)
+                    raise Broke from exc
+                raise Broke
 
     async def end_drain(self, name: str) -> None:
         """Ask again without drain: the provisioner cuts the drain in progress short; the
