@@ -42,7 +42,7 @@ class ServiceReconciler:
         self.book = book.Book(self.name)
         slots = deps.launch_slots or asyncio.Semaphore(deps.tuning.max_launches_in_flight)
         policy = retries.STREAM.with_times(deps.tuning.reconnect_initial_s, deps.tuning.reconnect_max_s)
-        self.launches = launches.Launches(deps.provisioner, slots, policy=policy)
+        self.launches = launches.Launches(deps.provisioner, slots, policy=policy, mux=deps.launch_mux)
         self.teardowns = teardowns.Teardowns(deps.provisioner, policy=policy)
         self.logs = logs.Logs(deps.provisioner)
         self.probes = probes.Probes(self.name, deps.probes)
