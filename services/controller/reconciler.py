@@ -255,5 +255,7 @@ class ServiceReconciler:
                 events.ask_teardown(self, rid, drain_s=0.0, keep_logs=True, reason="a failure whose teardown was lost")
             target = None
             if st.should_probe(life.facts()) and r.endpoint and not self.gone:
+                if resumed and rid in self.probes:
+                    continue  # a resync: probed already (changes rebuild the target when stored)
                 target = view.probe_target(self, r)
             self.probes.set(rid, target)
