@@ -33,7 +33,7 @@ from services.controller import (
     wiring,
     writer,
 )
-from services.controller.drivers import probes
+from services.controller.drivers import launches, probes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Controller(replica_api.ReplicaCalls):
         # Kept outside the store (identity.py), so a lost store still knows its replicas.
         self.controller_id = controller_id or db.controller_id()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
+        self._launch_mux = launches.Mux(provisioner)  # every service's launches on one stream
         policy = retries.STREAM.with_times(tuning.reconnect_initial_s, tuning.reconnect_max_s)
         self.watch = provisioner_watch.ProvisionerWatch(
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
@@ -119,6 +120,7 @@ class Controller(replica_api.ReplicaCalls):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
+        await self._launch_mux.close()
         await self.watch.stop()
         await self.orphans.close()
         await asyncio.to_thread(self.versions.close)
@@ -140,6 +142,7 @@ class Controller(replica_api.ReplicaCalls):
             zones=lambda: self.watch.zones,
             owner=self.controller_id,
             launch_slots=self._launch_slots,
+            launch_mux=self._launch_mux,
             traces=self.traces,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)

@@ -64,8 +64,8 @@ def from_proto(event: res.Event) -> ev.Entry:
 class _Writer:
     """A thread that writes event batches through its own store connection."""
 
-    def __init__(self, path: str) -> None:
-        self._path = path
+    def __init__(self, connect: Callable[[], store.Store]) -> None:
+        self._connect = connect  # called on the writer thread, at its first batch
         self._queue: queue.Queue[tuple[str, res.Event, int | None] | None] = queue.Queue(_WRITE_BACKLOG)
         self._thread = threading.Thread(target=self._run, name="event writer", daemon=True)
         self._thread.start()
@@ -101,7 +101,7 @@ class _Writer:
                         replaced.append(entry[2])
                 if by_service:
                     if db is None:
-                        db = store.Store(self._path, synchronous="NORMAL")
+                        db = self._connect()
                     for service, (events, replaced) in by_service.items():
                         try:
                             db.put_events(service, events, replaced=replaced)
@@ -127,7 +127,9 @@ class Events:
         # What the last published change said, to tell what a new one changes.
         self._replicas: dict[str, dict[int, tuple[str, int]]] = {}
         self._service: dict[str, tuple[str, int, int]] = {}  # status message, target, status
-        self._writer = _Writer(db.path)
+        # Events need no fsync each; the connection checks the leader's lease epoch like every
+        # other write, so a deposed leader's last events are not kept.
+        self._writer = _Writer(lambda: db.reopen(synchronous="NORMAL"))
 
     def close(self) -> None:
         """Finish writing; end every stream."""

@@ -55,7 +55,7 @@ class ServiceReconciler:
         self.book = book.Book(self.name)
         slots = deps.launch_slots or asyncio.Semaphore(deps.tuning.max_launches_in_flight)
         policy = retries.STREAM.with_times(deps.tuning.reconnect_initial_s, deps.tuning.reconnect_max_s)
-        self.launches = launches.Launches(deps.provisioner, slots, policy=policy)
+        self.launches = launches.Launches(deps.provisioner, slots, policy=policy, mux=deps.launch_mux)
         self.teardowns = teardowns.Teardowns(deps.provisioner, policy=policy)
         self.logs = logs.Logs(deps.provisioner)
         self.probes = probes.Probes(self.name, deps.probes)
@@ -277,5 +277,7 @@ class ServiceReconciler:
                 events.ask_teardown(self, rid, drain_s=0.0, keep_logs=True, reason="a failure whose teardown was lost")
             target = None
             if st.should_probe(life.facts()) and r.endpoint and not self.gone:
+                if resumed and rid in self.probes:
+                    continue  # a resync: probed already (changes rebuild the target when stored)
                 target = view.probe_target(self, r)
             self.probes.set(rid, target)

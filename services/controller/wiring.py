@@ -15,7 +15,7 @@ from services.common import errors
 from services.controller import book, convert, facts, hooks, store, writer
 from services.controller import traces as replica_traces
 from services.controller.domain import autoscaler
-from services.controller.drivers import probes
+from services.controller.drivers import launches, probes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ class Deps:
     zones: Callable[[], list[tuple[str, float]]] = list
     owner: str = ""
     launch_slots: asyncio.Semaphore | None = None
+    launch_mux: launches.Mux | None = None
     traces: replica_traces.ReplicaTraces = dataclasses.field(default_factory=lambda: replica_traces.ReplicaTraces())
 
 

@@ -9,7 +9,11 @@ import grpc
 
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
+from replicaplane.provisioner.v1 import resources_pb2
+from services.common import multiplex
 from services.provisioner import convert, manager
+
+DOMAIN = "provisioner.replicaplane"
 
 
 class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
@@ -28,6 +32,21 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
         )
         async for event in events:
             yield convert.launch_event(event)
+
+    async def LaunchMany(
+        self, request_iterator: AsyncIterator[pb.LaunchManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchManyResponse]:
+        async for response in multiplex.serve(
+            multiplex.launch_requests(request_iterator), self._launch_events, multiplex.launch_response, domain=DOMAIN
+        ):
+            yield response
+
+    async def _launch_events(self, request: pb.LaunchRequest) -> AsyncIterator[resources_pb2.LaunchEvent]:
+        events = self._p.launch(
+            convert.launch_request(request), after_sequence=request.after_sequence, attach_only=request.attach_only
+        )
+        async for event in events:
+            yield convert.launch_event(event).event
 
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext

@@ -17,7 +17,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as res
-from services.common import grpc_server, pbtime
+from services.common import grpc_server, multiplex, pbtime
 
 
 class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
@@ -27,8 +27,10 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     endpoint nothing answers. Each entry of `failing_launches` ((message, cause), oldest first)
     fails one new launch, not for capacity. A teardown takes `teardown_s` seconds."""
 
-    def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False) -> None:
+    def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False, launch_many: bool = True) -> None:
         self.endpoint = endpoint
+        self.launch_many = launch_many  # False: LaunchMany is UNIMPLEMENTED (an older provisioner)
+        self.streams: collections.Counter[str] = collections.Counter()  # "Launch" / "LaunchMany" calls
         # Each replica at `endpoint/r/<name>`, so the requests seen tell which replica was probed.
         self.endpoint_per_replica = endpoint_per_replica
         self.requests: dict[str, float] = {}  # request path -> time.monotonic() of its last request
@@ -56,6 +58,28 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         )
 
     async def Launch(
+        self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchResponse]:
+        self.streams["Launch"] += 1
+        async for response in self._launch(request, context):
+            yield response
+
+    async def LaunchMany(
+        self, request_iterator: AsyncIterator[pb.LaunchManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchManyResponse]:
+        if not self.launch_many:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchMany here")
+        self.streams["LaunchMany"] += 1
+
+        async def events(request: pb.LaunchRequest) -> AsyncIterator[res.LaunchEvent]:
+            async for response in self._launch(request, context):
+                yield response.event
+
+        requests = multiplex.launch_requests(request_iterator)
+        async for response in multiplex.serve(requests, events, multiplex.launch_response, domain="provisioner.test"):
+            yield response
+
+    async def _launch(
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchResponse]:
         self.launch_times.setdefault(request.name, time.monotonic())
@@ -181,7 +205,9 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def serving(*, endpoint_per_replica: bool = False) -> AsyncIterator[tuple[FakeProvisioner, str]]:
+async def serving(
+    *, endpoint_per_replica: bool = False, launch_many: bool = True
+) -> AsyncIterator[tuple[FakeProvisioner, str]]:
     """A FakeProvisioner on a real gRPC server (port 0) whose replicas all answer 200 at one
     local server (each at a path of its own with `endpoint_per_replica`, recorded in
     `requests`); yields it and the provisioner's address."""
@@ -198,7 +224,9 @@ async def serving(*, endpoint_per_replica: bool = False) -> AsyncIterator[tuple[
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fake = FakeProvisioner(f"http://127.0.0.1:{port}", endpoint_per_replica=endpoint_per_replica)
+    fake = FakeProvisioner(
+        f"http://127.0.0.1:{port}", endpoint_per_replica=endpoint_per_replica, launch_many=launch_many
+    )
     fake.requests = requests
     server = grpc_server.new_server(domain="provisioner.test")
     pb_grpc.add_ProvisionerServiceServicer_to_server(fake, server)

@@ -53,9 +53,9 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def started(tmp_path, **settings: object) -> AsyncIterator[Env]:
-    """A real controller and prober with a scripted provisioner."""
-    async with fake_provisioner.serving() as (fake, provisioner_addr):
+async def started(tmp_path, *, launch_many: bool = True, **settings: object) -> AsyncIterator[Env]:
+    """A real controller and prober with a scripted provisioner (`launch_many`: it has LaunchMany)."""
+    async with fake_provisioner.serving(launch_many=launch_many) as (fake, provisioner_addr):
         prober = await prober_server.build_server(prober_server.load_settings(listen_addr="127.0.0.1:0"))
         await prober.start()
         values: dict[str, object] = {
@@ -447,3 +447,20 @@ async def test_replica_logs_are_streamed_through_the_public_api(env: Env) -> Non
     err = await rpc_error(read(service_name="svc", replica_id=1))
     assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, "LOGS_NOT_FOUND")
     w.cancel()
+
+
+async def test_every_launch_goes_over_one_shared_provisioner_stream(env: Env) -> None:
+    # Issue 24: one LaunchMany stream for every launch of every service, not a stream each.
+    first, second = await create(env, spec("one", replicas=6)), await create(env, spec("two", replicas=6))
+    await first.until(lambda w: w.count(READY) == 6)
+    await second.until(lambda w: w.count(READY) == 6)
+    assert env.provisioner.streams == {"LaunchMany": 1}
+    assert sum(env.provisioner.launches.values()) == 12
+
+
+async def test_launches_get_streams_of_their_own_from_a_provisioner_without_launch_many(tmp_path) -> None:
+    async with started(tmp_path, launch_many=False) as env:
+        w = await create(env, spec(replicas=4))
+        await w.until(lambda w: w.count(READY) == 4)
+        assert env.provisioner.streams["Launch"] >= 4
+        assert sum(env.provisioner.launches.values()) == 4  # each launched once

@@ -322,3 +322,66 @@ async def test_delete_logs_removes_a_gone_replicas_kept_logs_and_only_those(stub
             await stub.DeleteLogs(pb.DeleteLogsRequest(name=bad))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     assert os.listdir(state_dir)  # nothing outside a replica's own logs went
+
+
+async def test_many_launches_share_one_stream_and_each_ends_as_its_own_launch_would(stub) -> None:
+    # LaunchMany (issue 24): one stream for many launches, each response naming its launch; a
+    # refused request ends only its own launch, with the status Launch would have given it.
+    outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.LaunchManyRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    for request in (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129)):
+        outbox.put_nowait(pb.LaunchManyRequest(launch=request))
+    events: dict[str, list[resources_pb2.LaunchEvent]] = {"svc-1": [], "svc-2": []}
+    ended: dict[str, pb.LaunchManyResponse] = {}
+    call = stub.LaunchMany(requests())
+    async with asyncio.timeout(60):
+        async for response in call:
+            if response.done:
+                ended[response.name] = response
+            else:
+                events[response.name].append(response.event)
+            if len(ended) == 3:
+                break
+    call.cancel()
+    assert ended["svc-3"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "owner" in ended["svc-3"].error_message
+    for name in ("svc-1", "svc-2"):
+        assert ended[name].error_code == 0
+        assert client.types(events[name])[-1] == "RUNNING"
+        assert events[name][-1].endpoint
+    # The same launches, attached to on a stream of their own, replay the same events.
+    again = await _launch(stub, client.launch_request(1))
+    assert [e.sequence for e in again] == [e.sequence for e in events["svc-1"]]
+
+
+async def test_a_launch_no_longer_followed_on_the_shared_stream_goes_on(stub) -> None:
+    outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.LaunchManyRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    slow = client.launch_request(1, spec_=client.spec(setup="sleep 3"))
+    outbox.put_nowait(pb.LaunchManyRequest(launch=slow))
+    call = stub.LaunchMany(requests())
+    first = await asyncio.wait_for(call.read(), 30)
+    assert first.name == "svc-1" and not first.done
+    outbox.put_nowait(pb.LaunchManyRequest(stop="svc-1"))
+    outbox.put_nowait(pb.LaunchManyRequest(launch=client.launch_request(2)))
+    async with asyncio.timeout(60):
+        while True:
+            response = await call.read()
+            assert not (response.name == "svc-1" and response.done), "a launch no longer followed ended here"
+            if response.name == "svc-2" and response.done:
+                break
+    outbox.put_nowait(None)  # the client is done: the stream ends once its launches have
+    async with asyncio.timeout(30):
+        while (response := await call.read()) != grpc.aio.EOF:
+            assert response.name != "svc-1", "a launch no longer followed sent events"
+    # Not followed is not cancelled: the launch of svc-1 went on.
+    events = await _launch(stub, client.launch_request(1))
+    assert client.types(events)[-1] == "RUNNING"

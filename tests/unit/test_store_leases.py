@@ -10,7 +10,9 @@ import pytest
 
 from replicaplane.common.v1 import spec_pb2
 from services.common import errors
+from services.controller import event_log
 from services.controller import store as store_mod
+from services.controller.domain import events as ev
 
 
 @pytest.fixture
@@ -85,3 +87,25 @@ def test_a_store_fenced_before_anyone_leads_writes_nothing(store: store_mod.Stor
     with pytest.raises(store_mod.FencedError):
         store.create_service("svc", spec(), now=1.0)
     assert store.get_service("svc") is None
+
+
+def test_the_event_log_of_a_deposed_leader_keeps_nothing(store: store_mod.Store) -> None:
+    # The event log writes from a thread with its own connection: that one is fenced too.
+    store.acquire_lease("a", "addr-a", 0.2)
+    store.fence("a", 1)
+    store.create_service("svc", spec(), now=1.0)
+    events = event_log.Events(db=store)
+    events.open("svc", {})
+    events.record("svc", ev.Draft(ev.EventType.NORMAL, "Leading", "written while leading"))
+    events.close()  # flushes
+    assert [e.reason for e in store.list_events("svc")] == ["Leading"]
+    time.sleep(0.3)
+    taker = store.reopen(fenced=False)
+    assert taker.acquire_lease("b", "addr-b", 30.0).epoch == 2
+
+    deposed = event_log.Events(db=store)
+    deposed.open("svc", {})
+    deposed.record("svc", ev.Draft(ev.EventType.NORMAL, "Stale", "written after the takeover"))
+    deposed.close()
+    assert [e.reason for e in taker.list_events("svc")] == ["Leading"]
+    taker.close()

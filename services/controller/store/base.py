@@ -160,21 +160,22 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
         """The schema version of the open database."""
         raise NotImplementedError
 
-    def _open_again(self) -> Store:
-        """Another connection to the same database, with the same settings."""
+    def _open_again(self, synchronous: str | None = None) -> Store:
+        """Another connection to the same database, with the same settings (`synchronous` aside)."""
         raise NotImplementedError
 
     def _db_now(self) -> float:
         """The clock leases are measured on (the database server's, where it has one)."""
         return time.time()
 
-    def reopen(self, *, fenced: bool = True) -> Store:
+    def reopen(self, *, fenced: bool = True, synchronous: str | None = None) -> Store:
         """Another connection to the same database, with the same settings (a thread wants its own).
 
         Args:
             fenced: the new connection's writes check the same lease epoch as this one's.
+            synchronous: FULL or NORMAL for the new connection; None keeps this one's.
         """
-        other = self._open_again()
+        other = self._open_again(synchronous)
         if fenced:
             other._fence = self._fence
         return other

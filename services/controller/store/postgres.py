@@ -146,11 +146,11 @@ class PostgresStore(base.Store):
             raise
         return db
 
-    def _open_again(self) -> PostgresStore:
-        """Another connection to the same database, with the same settings."""
+    def _open_again(self, synchronous: str | None = None) -> PostgresStore:
+        """Another connection to the same database, with the same settings (`synchronous` aside)."""
         return PostgresStore(
             self.path,
-            synchronous=self._synchronous,
+            synchronous=synchronous or self._synchronous,
             busy_timeout_s=self._busy_timeout_s,
             idle_timeout_s=self._idle_timeout_s,
         )

@@ -93,9 +93,9 @@ class SqliteStore(base.Store):
             self._db.close()
             raise
 
-    def _open_again(self) -> SqliteStore:
-        """Another connection to the same file, with the same settings."""
-        return SqliteStore(self.path, synchronous=self._synchronous, busy_timeout_s=self._busy_timeout_s)
+    def _open_again(self, synchronous: str | None = None) -> SqliteStore:
+        """Another connection to the same file, with the same settings (`synchronous` aside)."""
+        return SqliteStore(self.path, synchronous=synchronous or self._synchronous, busy_timeout_s=self._busy_timeout_s)
 
     def _begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")

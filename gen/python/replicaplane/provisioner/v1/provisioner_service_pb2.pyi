@@ -114,6 +114,81 @@ class LaunchResponse(_message.Message):
 Global___LaunchResponse: _TypeAlias = LaunchResponse  # noqa: Y015
 
 @_typing.final
+class LaunchManyRequest(_message.Message):
+    """LaunchManyRequest starts (or re-attaches to) one launch, or stops following one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAUNCH_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    stop: _builtins.str
+    """Stop following the launch of this replica name (the launch itself goes on)."""
+    @_builtins.property
+    def launch(self) -> Global___LaunchRequest:
+        """Start or re-attach to this launch, as `Launch` does; a launch already followed on this
+        stream under the same name is followed again from this request.
+        """
+
+    def __init__(
+        self,
+        *,
+        launch: Global___LaunchRequest | None = ...,
+        stop: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["launch", b"launch", "request", b"request", "stop", b"stop"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["launch", b"launch", "request", b"request", "stop", b"stop"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["launch", "stop"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___LaunchManyRequest: _TypeAlias = LaunchManyRequest  # noqa: Y015
+
+@_typing.final
+class LaunchManyResponse(_message.Message):
+    """LaunchManyResponse is one event of one launch, or the end of its events."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The replica name of the launch."""
+    done: _builtins.bool
+    """The last response about `name`: its events ended, with `error_code` 0, or the launch
+    failed as `Launch` would have, with `error_code` (a `google.rpc.Code` value) and
+    `error_message`.
+    """
+    error_code: _builtins.int
+    """The `google.rpc.Code` `Launch` would have ended with; 0 (OK) unless `done`."""
+    error_message: _builtins.str
+    """The message of that status."""
+    @_builtins.property
+    def event(self) -> _resources_pb2.LaunchEvent:
+        """One event, as `Launch` streams it (unset on the last response)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        event: _resources_pb2.LaunchEvent | None = ...,
+        done: _builtins.bool = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error_code", b"error_code", "error_message", b"error_message", "event", b"event", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchManyResponse: _TypeAlias = LaunchManyResponse  # noqa: Y015
+
+@_typing.final
 class TerminateRequest(_message.Message):
     """TerminateRequest says which replica to tear down."""
 

@@ -40,6 +40,11 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchResponse.FromString,
                 _registered_method=True)
+        self.LaunchMany = channel.stream_stream(
+                '/replicaplane.provisioner.v1.ProvisionerService/LaunchMany',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.FromString,
+                _registered_method=True)
         self.Terminate = channel.unary_stream(
                 '/replicaplane.provisioner.v1.ProvisionerService/Terminate',
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.SerializeToString,
@@ -121,6 +126,17 @@ class ProvisionerServiceServicer:
         flight or running attaches to the existing launch and replays its events after
         `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
         (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LaunchMany(self, request_iterator, context):
+        """Follows many launches on one stream, so a controller needs one stream instead of one per
+        replica. Each request starts (or re-attaches to) one launch exactly as `Launch` does, or
+        stops following one (the launch goes on); each response carries one event of one launch,
+        and a last response per launch says how its events ended: `Launch`'s own status. Closing the
+        stream stops following every launch on it; none is cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +267,11 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchResponse.SerializeToString,
             ),
+            'LaunchMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.LaunchMany,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.SerializeToString,
+            ),
             'Terminate': grpc.unary_stream_rpc_method_handler(
                     servicer.Terminate,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.FromString,
@@ -350,6 +371,33 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/Launch',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LaunchMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/LaunchMany',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

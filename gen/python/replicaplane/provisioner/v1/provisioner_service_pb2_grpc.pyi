@@ -39,6 +39,13 @@ class ProvisionerServiceStub:
     `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
     (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
     """
+    LaunchMany: _grpc.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchManyRequest, _provisioner_service_pb2.LaunchManyResponse]
+    """Follows many launches on one stream, so a controller needs one stream instead of one per
+    replica. Each request starts (or re-attaches to) one launch exactly as `Launch` does, or
+    stops following one (the launch goes on); each response carries one event of one launch,
+    and a last response per launch says how its events ended: `Launch`'s own status. Closing the
+    stream stops following every launch on it; none is cancelled.
+    """
     Terminate: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
     TERMINATED. An in-flight launch is cancelled first.
@@ -105,6 +112,13 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     flight or running attaches to the existing launch and replays its events after
     `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
     (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
+    """
+    LaunchMany: _aio.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchManyRequest, _provisioner_service_pb2.LaunchManyResponse]  # type: ignore[assignment]
+    """Follows many launches on one stream, so a controller needs one stream instead of one per
+    replica. Each request starts (or re-attaches to) one launch exactly as `Launch` does, or
+    stops following one (the launch goes on); each response carries one event of one launch,
+    and a last response per launch says how its events ended: `Launch`'s own status. Closing the
+    stream stops following every launch on it; none is cancelled.
     """
     Terminate: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -175,6 +189,19 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         flight or running attaches to the existing launch and replays its events after
         `after_sequence`. A pool spec launches a pool worker, whose launch ends with SETUP_DONE
         (ready for jobs) instead of RUNNING. Returns INVALID_ARGUMENT for a bad request.
+        """
+
+    @_abc_1.abstractmethod
+    def LaunchMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_provisioner_service_pb2.LaunchManyRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchManyResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchManyResponse]]:
+        """Follows many launches on one stream, so a controller needs one stream instead of one per
+        replica. Each request starts (or re-attaches to) one launch exactly as `Launch` does, or
+        stops following one (the launch goes on); each response carries one event of one launch,
+        and a last response per launch says how its events ended: `Launch`'s own status. Closing the
+        stream stops following every launch on it; none is cancelled.
         """
 
     @_abc_1.abstractmethod
