@@ -21,11 +21,8 @@ log = logging.getLogger(__name__)
 TP = res.TeardownPhase
 
 # Passes run at once when the service is quiet and at most this often under a burst of events,
-# plus 2 us per replica, so a pass stays a small share of the loop however large the service (a
-# pass reads every record: about 1 us each since the counts are kept in step; 20 us per replica
-# before held a scale-up of 10,000 replicas to 50 launches per 205 ms, docs/scaling.md).
+# plus 20 us per replica, so a pass stays a small share of the loop however large the service.
 _MIN_PASS_GAP_S = 0.005
-_PASS_GAP_PER_REPLICA_S = 2e-6
 
 
 class Passes:
@@ -50,7 +47,7 @@ class Passes:
         if self._scheduled or self._running or rec.gone:
             return  # a running pass stores what it changes itself
         self._scheduled = True
-        wait = self._last + _MIN_PASS_GAP_S + len(rec.replicas) * _PASS_GAP_PER_REPLICA_S - time.monotonic()
+        wait = self._last + _MIN_PASS_GAP_S + len(rec.replicas) * 20e-6 - time.monotonic()
         if at_once:
             wait = 0.0
         loop = asyncio.get_running_loop()
