@@ -77,7 +77,7 @@ e2e: setup  ## Run only the end-to-end tests.
 	$(PY) -m pytest -m e2e
 
 .PHONY: drill
-drill: setup  ## Run the fault drills (failover: kill -9 and SIGSTOP a leading controller; needs PostgreSQL).
+drill: setup  ## Run the fault drills: failover (needs PostgreSQL), chaos, prober outage, kill -9 on a failing disk, API load.
 	$(PY) -m pytest -m drill
 
 demo: setup  ## Start a local stack, deploy the 2-replica example, show status and one request, stop it all.

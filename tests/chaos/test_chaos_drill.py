@@ -7,7 +7,7 @@ import pytest
 
 from tests.chaos import driver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.drill]
 
 
 async def test_seeded_chaos_keeps_every_invariant(tmp_path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from tests.chaos import outage
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.drill]
 
 OUTAGE_S = float(os.environ.get("REPLICAPLANE_DRILL_OUTAGE_S", "4"))
 

@@ -12,7 +12,7 @@ from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from tests.helpers import cluster as cl
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.drill]
 
 ROUNDS = 6
 READY = res.REPLICA_STATUS_READY

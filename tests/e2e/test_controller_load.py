@@ -16,7 +16,7 @@ from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from tests.helpers import fake_provisioner, procs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.drill]
 
 SIZE = 1000
 DEFAULT_TOTAL = 5000  # the controller's default max_replicas_total

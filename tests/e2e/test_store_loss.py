@@ -18,7 +18,7 @@ from tests.e2e.test_replicactl import replicactl
 from tests.e2e.test_store_errors import _file_size_signal_ignored, _largest_file, _limit_file_size
 from tests.helpers import cluster as cl
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.drill]
 
 READY = cl.res.REPLICA_STATUS_READY
 EMPTY = "name: {name}\nservice:\n  readiness_probe: /health\n  replicas: 0\nresources:\n  ports: 8080\nrun: sleep 60\n"
