@@ -28,7 +28,7 @@ COPY examples/ examples/
 
 # Run unprivileged; the state directories are volume mount points owned by that user.
 RUN useradd --create-home --uid 10001 replicaplane \
-    && mkdir -p .state/controller .state/provisioner \
+    && mkdir -p .state/controller .state/provisioner .state/loadbalancer \
     && chown -R replicaplane .state
 USER replicaplane
 

@@ -8,6 +8,7 @@ alone. Every step prints what it does and how long it took.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from replicaplane.controller.v1 import controller_service_pb2 as pb
+from services.cli import client as client_mod
+from services.cli import exits
 from services.cli import main as cli
 from services.common import security
 
@@ -33,6 +37,17 @@ def _stack(args: Sequence[str], env: dict[str, str], timeout: float) -> int:
         [sys.executable, "-m", "services.stack", *args], cwd=REPO, env=env, timeout=timeout, check=False
     )
     return done.returncode
+
+
+def _endpoint(addr: str, name: str, timeout: float = 30.0) -> str:
+    """The service's URL, once its load balancer has reported it."""
+    deadline = time.monotonic() + timeout
+    with contextlib.closing(client_mod.Client(addr, 5.0, security.client_token())) as client:
+        while True:
+            url = str(client.call("GetService", pb.GetServiceRequest(service_name=name)).service.load_balancer_url)
+            if url or time.monotonic() > deadline:
+                return url
+            time.sleep(0.1)
 
 
 def _get_json(url: str, timeout: float = 10.0) -> object:
@@ -72,19 +87,19 @@ def run(state_dir: str) -> int:
         with open(os.path.join(state_dir, "stack.json"), encoding="utf-8") as fh:
             state = json.load(fh)
         addr = state["controller"]
-        balancer = next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
         _step("replicactl up examples/hello/service.yaml --wait")
         code = cli.run(["--controller", addr, "up", EXAMPLE, "--wait", "--timeout", "120"])
         if code != cli.OK:
             return code
         _step("replicactl status")
         cli.run(["--controller", addr, "status"])
-        # One URL for the service: the stack's load balancer in front of the replicas.
-        url = f"{balancer}/"
+        # One URL for the service: the stack's balancer fleet gives every service its own, within
+        # about a second of its creation.
+        url = f"{_endpoint(addr, 'hello')}/"
         _step(f"one request through the load balancer: GET {url}")
         print(json.dumps(_get_json(url)), flush=True)
         rc = 0
-    except (OSError, IndexError, KeyError, StopIteration, ValueError) as exc:
+    except (OSError, IndexError, KeyError, StopIteration, ValueError, exits.CliError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
     finally:
         _step("stopping the stack (every service is deleted first)")

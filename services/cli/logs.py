@@ -75,7 +75,7 @@ def cmd_logs(args: argparse.Namespace, client: client_mod.Client, out: TextIO, e
     client.call("GetService", pb.GetServiceRequest(service_name=args.name))  # the service exists
     component = "controller" if args.controller_log else "loadbalancer"
     log = _component_log(args, component, client, err)
-    keep = stacklogs.naming(args.name) if component == "controller" else None
+    keep = stacklogs.naming(args.name) if component == "controller" or log.shared else None
     try:
         for line in stacklogs.read(log, follow=args.follow, keep=keep):
             _write(out, line)
@@ -128,7 +128,7 @@ def _sync_down(
             continue
         try:
             log = stacklogs.find(args.state_dir, component, service=name)
-            keep = stacklogs.naming(name) if component == "controller" else None
+            keep = stacklogs.naming(name) if component == "controller" or log.shared else None
             save(filename, stacklogs.read(log, follow=False, keep=keep))
         except stacklogs.NotFound as exc:
             notes.append(str(exc))

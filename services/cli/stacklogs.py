@@ -38,11 +38,13 @@ class ComponentLog:
         path: the log file.
         pid: the process while the stack runs; 0 when the stack has stopped.
         note: a line to tell the user before the log, if any.
+        shared: the process serves every service (a balancer fleet): read the lines naming one.
     """
 
     path: str
     pid: int = 0
     note: str = ""
+    shared: bool = False
 
     def alive(self) -> bool:
         """True while the process that writes the log runs."""
@@ -84,14 +86,15 @@ def find(state_dir: str, component: str, *, service: str = "") -> ComponentLog:
         matching = [p for p in processes if _component(p) == component]
         if component == "loadbalancer":
             served = sorted({str(p.get("service", "")) for p in matching} - {""})
-            matching = [p for p in matching if p.get("service") == service]
+            # A fleet serves every service; its log names each service's requests.
+            matching = [p for p in matching if p.get("service") == service or p.get("fleet")]
             if not matching:
                 also = f" (its balancers serve: {', '.join(served)})" if served else ""
                 raise NotFound(f"no load balancer of the stack in {where} serves {service!r}{also}")
         if matching:
             p = matching[0]
             path = str(p.get("log") or os.path.join(state_dir, LOG_DIR, f"{p.get('name', component)}.log"))
-            return ComponentLog(path, pid=int(p.get("pid") or 0))
+            return ComponentLog(path, pid=int(p.get("pid") or 0), shared=bool(p.get("fleet")))
     path = os.path.join(state_dir, LOG_DIR, f"{component}.log")
     if os.path.isfile(path):
         return ComponentLog(path, note=f"the stack in {where} is not running; its last {_what(component)} log:")
@@ -111,7 +114,8 @@ def _what(component: str) -> str:
 
 
 def naming(service: str) -> Callable[[bytes], bool]:
-    """A line filter: lines that name `service` (as a whole word), for the controller's log."""
+    """A line filter: lines that name `service` (as a whole word), for the controller's log and a
+    balancer fleet's."""
     word = re.compile(rb"(?<![-a-z0-9_])" + re.escape(service.encode()) + rb"(?![-a-z0-9_])")
     return lambda line: word.search(line) is not None
 

@@ -15,7 +15,7 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from services.common import errors, localpaths, pagetoken, pbtime, spec
-from services.controller import convert
+from services.controller import balancers, convert
 from services.controller.domain import autoscaler, load, placer
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ def report_of(request: api.ReportLoadRequest) -> load.Report:
     if not balancer_id and sequence:
         violations.append(errors.FieldViolation("balancer_id", "required when sequence is set"))
     violations += load_balancer_url_violations(request.load_balancer_url)
+    violations += _in_flight_violations(request)
     errors.require(violations, subject="load report")
     return load.Report(
         balancer_id=balancer_id,
@@ -195,4 +196,43 @@ def budget_of(
         limit=limit,
         current_most=None if current is None else current.most_replicas(),
         others=sum(rec.reserved_replicas() for other, rec in services.items() if other != name),
+    )
+
+
+_MAX_IN_FLIGHT = 10_000
+
+
+def _in_flight_violations(request: api.ReportLoadRequest) -> list[errors.FieldViolation]:
+    if len(request.in_flight) > _MAX_IN_FLIGHT:
+        return [errors.FieldViolation("in_flight", f"at most {_MAX_IN_FLIGHT} entries, got {len(request.in_flight)}")]
+    violations = []
+    if request.endpoints_version < 0:
+        violations.append(
+            errors.FieldViolation("endpoints_version", f"must not be negative, got {request.endpoints_version}")
+        )
+    seen: set[int] = set()
+    for i, entry in enumerate(request.in_flight):
+        if entry.replica_id < 1:
+            violations.append(
+                errors.FieldViolation(f"in_flight[{i}].replica_id", f"must be >= 1, got {entry.replica_id}")
+            )
+        elif entry.replica_id in seen:
+            violations.append(
+                errors.FieldViolation(f"in_flight[{i}].replica_id", f"replica {entry.replica_id} listed twice")
+            )
+        seen.add(entry.replica_id)
+        if entry.requests < 1:
+            violations.append(errors.FieldViolation(f"in_flight[{i}].requests", f"must be >= 1, got {entry.requests}"))
+    return violations
+
+
+def balancer_of(request: api.ReportLoadRequest) -> balancers.Report:
+    """What a (valid) load report says about its balancer."""
+    in_flight = {e.replica_id: e.requests for e in request.in_flight} if request.in_flight_reported else None
+    return balancers.Report(
+        balancer_id=request.balancer_id,
+        url=request.load_balancer_url,
+        endpoints_version=request.endpoints_version,
+        in_flight=in_flight,
+        closing=request.closing,
     )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import pbtime
-from services.controller import convert, pools, retries
+from services.controller import admission, convert, pools, retries
 from services.controller.domain import autoscaler, load, placer
 from services.controller.domain import status as st
 
@@ -131,11 +131,13 @@ def mark_zone(rec: ServiceReconciler, r: res.Replica, *, preempted: bool) -> Non
 def report_request(
     rec: ServiceReconciler, request: api.ReportLoadRequest, report: load.Report
 ) -> api.ReportLoadResponse:
-    """A checked ReportLoad call: the reporting balancer's URL (if given) is shown as the
-    service's endpoint (memory only: the balancer reports again within seconds)."""
-    url = request.load_balancer_url
-    if url and url != rec.load_balancer_url:
-        rec.load_balancer_url = url
-        rec.show()
+    """A checked ReportLoad call: the reporting balancer's URL is shown as the service's endpoint
+    while that balancer reports (memory only: it reports again within seconds), and a drain every
+    live balancer confirmed idle ends now."""
+    for rid in rec.balancers.report(admission.balancer_of(request)):
+        r = rec.replicas.get(rid)
+        if r is not None and rid in rec.teardowns.tasks:
+            log.info("%s/%d: no request in flight through any balancer; the drain ends now", rec.name, rid)
+            rec.spawn(rec.teardowns.end_drain(r.replica_name), f"end drain of {r.replica_name}")
     rate, applied = report_load(rec, report, time.time())
     return api.ReportLoadResponse(qps=rate, already_applied=applied.already_applied, counted_requests=applied.counted)

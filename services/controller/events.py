@@ -206,6 +206,11 @@ def start_teardown(rec: ServiceReconciler, r: res.Replica, *, drain_s: float) ->
             rec.kick()
 
     rec.teardowns.start(rid, r.replica_name, drain_s=drain_s, keep_logs=keep_logs, on_event=on_event, on_end=on_end)
+    if drain_s > 0 and rec.pool is None:  # a pool's worker is behind no balancer
+        # A balancer reporting nothing in flight for it, with an endpoint set newer than this one,
+        # ends the drain early (balancers.py).
+        routed = any(e.replica_id == rid for e in rec.hub.endpoints)
+        rec.balancers.draining(rid, after_version=rec.hub.endpoints_version if routed else None)
 
 
 def teardown_finished(rec: ServiceReconciler, rid: int, *, ok: bool, message: str) -> None:

@@ -18,7 +18,20 @@ from typing import Any
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors
-from services.controller import autoscaling, book, convert, events, facts, hub, passes, pools, retries, rollouts, view
+from services.controller import (
+    autoscaling,
+    balancers,
+    book,
+    convert,
+    events,
+    facts,
+    hub,
+    passes,
+    pools,
+    retries,
+    rollouts,
+    view,
+)
 from services.controller.domain import autoscaler, failures, lifecycle
 from services.controller.domain import status as st
 from services.controller.drivers import launches, logs, probes, teardowns
@@ -48,7 +61,8 @@ class ServiceReconciler:
         self.probes = probes.Probes(self.name, deps.probes)
         self.backoff = failures.Backoff()
         self.started = self.stopping = self.gone = self.probing_stale = False
-        self.load_balancer_url = ""
+        # Balancers alive by their reports: the URL shown, and drains they confirm idle.
+        self.balancers = balancers.ServiceBalancers(deps.tuning.balancer_ttl_s, on_change=self.show)
         self.launch_wanted = False
         self.decision: asyncio.TimerHandle | None = None
         self.launched_in: dict[int, int] = {}  # replica id -> provisioner watch generation
@@ -146,6 +160,7 @@ class ServiceReconciler:
         """Stop following the service (controller shutdown); replicas stay as they are. What is
         pending is stored first (a failure here is fine: the next start resumes from the store)."""
         self.stopping = True
+        self.balancers.close()
         if self.decision is not None:
             self.decision.cancel()
         try:
@@ -172,6 +187,7 @@ class ServiceReconciler:
     def forget(self) -> None:
         """The service is deleted from the store: tell watchers and leave the controller."""
         self.gone = True
+        self.balancers.close()
         if self.decision is not None:
             self.decision.cancel()
         self.probes.clear()
@@ -206,7 +222,13 @@ class ServiceReconciler:
         for table in (self.extra, self.launched_in):
             table.pop(rid, None)
         self.probes.set(rid, None)
+        self.balancers.forget(rid)
         self.kick()
+
+    @property
+    def load_balancer_url(self) -> str:
+        """The URL of a live balancer of the service ("" while none reports)."""
+        return self.balancers.url
 
     def save_state(self) -> None:
         self.book.state(self.state.dump())

@@ -252,6 +252,7 @@ def _controller(
         decision_interval_s=settings.autoscaler_interval_s,
         zero_decision_interval_s=settings.autoscaler_zero_interval_s,
         qps_window_s=settings.qps_window_s,
+        balancer_ttl_s=settings.balancer_ttl_s,
     )
     # Every write of the controller goes through the writer thread and its own connection,
     # which checks the same lease epoch as `db` (reopen shares the fence).

@@ -65,6 +65,9 @@ class Settings:
     """Decision cadence while the target is 0 (SkyPilot: 5 s)."""
     qps_window_s: float = 60.0
     """Load reports count toward QPS over this window (SkyPilot: 60 s)."""
+    balancer_ttl_s: float = 15.0
+    """A load balancer's URL is shown on its service until it has not reported for this long (our
+    balancers report at least every 5 s), so a dead balancer's URL goes away."""
     prober_liveness_timeout_s: float = probe_fleet.DEFAULT_LIVENESS_TIMEOUT_S
     """A prober stream silent this long counts as lost; with every prober lost, probing is
     reported stale (and nothing is torn down for want of probes)."""
@@ -130,6 +133,10 @@ def check(settings: Settings) -> None:
         )
     if settings.advertise_addr and not _host_port(settings.advertise_addr):
         violations.append(errors.FieldViolation("controller.advertise_addr", "must be host:port"))
+    if not settings.balancer_ttl_s > 0:
+        violations.append(
+            errors.FieldViolation("controller.balancer_ttl_s", f"must be > 0, got {settings.balancer_ttl_s}")
+        )
     if settings.store_synchronous.upper() not in ("FULL", "NORMAL"):
         violations.append(errors.FieldViolation("controller.store_synchronous", "must be FULL or NORMAL"))
     if settings.controller_id and (problem := identity.problem(settings.controller_id)):

@@ -33,6 +33,8 @@ class Tuning:
     decision_interval_s: float = autoscaler.DECISION_INTERVAL_S
     zero_decision_interval_s: float = autoscaler.ZERO_DECISION_INTERVAL_S
     qps_window_s: float = autoscaler.QPS_WINDOW_S
+    balancer_ttl_s: float = 15.0
+    """A balancer's URL is shown until it has not reported for this long."""
 
 
 @dataclasses.dataclass

@@ -69,6 +69,9 @@ class Balancer:
         self.pending_times: list[float] = []
         self.pending_count = 0
         self.on_held: Callable[[], None] = lambda: None
+        self.on_drained: Callable[[], None] = lambda: None
+        """Called when the last request to a replica outside the ready set ends (the controller
+        may end that replica's drain on the next report)."""
         self.split: versions.Split | None = None
         """The controller's weights per version; None while every replica shares the traffic."""
         self._groups: dict[int, policies.Policy] = {}  # a policy per weighted version
@@ -193,7 +196,10 @@ class Balancer:
 
     def release(self, replica: policies.Replica) -> None:
         """An attempt on `replica` ended (success, error, timeout or disconnect)."""
-        self.in_flight.release(replica.replica_id)
+        rid = replica.replica_id
+        self.in_flight.release(rid)
+        if not self.in_flight.get(rid) and rid not in self.policy.replicas:
+            self.on_drained()
 
     async def _hold(self, exclude: frozenset[int]) -> policies.Replica | None:
         if self.held >= self.hold_max:

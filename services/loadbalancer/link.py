@@ -73,9 +73,23 @@ class Report:
         return len(self.times) + self.count
 
 
-def request_of(report: Report, *, service: str, balancer_id: str, url: str, now: float) -> api.ReportLoadRequest:
+def request_of(
+    report: Report,
+    *,
+    service: str,
+    balancer_id: str,
+    url: str,
+    now: float,
+    in_flight: Mapping[int, int] | None = None,
+    endpoints_version: int = 0,
+    closing: bool = False,
+) -> api.ReportLoadRequest:
     """The ReportLoad request for `report`, with each arrival as its age at `now` (the balancer's
-    clock): never negative (the clock may step back), at most the longest Duration."""
+    clock): never negative (the clock may step back), at most the longest Duration.
+
+    The requests in flight per replica and the endpoint version are the balancer's state when the
+    request is made (a resent report carries the current ones: they are not counted, only read).
+    """
     ages = [pbtime.duration(min(max(now - t, 0.0), pbtime.MAX_DURATION_S)) for t in report.times]
     return api.ReportLoadRequest(
         service_name=service,
@@ -85,6 +99,12 @@ def request_of(report: Report, *, service: str, balancer_id: str, url: str, now:
         request_count=report.count,
         load_balancer_url=url,
         version_stats=[version_stats_of(v, s) for v, s in sorted(report.stats.items())],
+        in_flight=[
+            api.ReplicaInFlight(replica_id=rid, requests=n) for rid, n in sorted((in_flight or {}).items()) if n > 0
+        ],
+        in_flight_reported=in_flight is not None,
+        endpoints_version=endpoints_version,
+        closing=closing,
     )
 
 
@@ -141,12 +161,22 @@ class ControllerLink:
         self.dropped_requests = 0
         """Requests in reports the controller refused as malformed."""
         self._report_now = asyncio.Event()
+        self._news = True  # endpoints or in-flight changed since the last report: report now
+        self._closing = False
         self._spec_version = 0
         self._tasks: list[asyncio.Task[None]] = []
         balancer.on_held = self._report_now.set
+        balancer.on_drained = self._tell
+
+    def _tell(self) -> None:
+        """Something the controller waits for changed (a new endpoint set, a replica outside it
+        with nothing in flight any more): report it now, not at the next heartbeat."""
+        self._news = True
+        self._report_now.set()
 
     def start(self) -> None:
-        """Start both loops."""
+        """Start both loops; the first report (which shows this balancer's URL) goes at once."""
+        self._report_now.set()
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="endpoint watch"),
             asyncio.create_task(self._report_loop(), name="load reports"),
@@ -157,6 +187,7 @@ class ControllerLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._closing = True  # the controller stops showing this balancer's URL at once
         with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             await self.report_once(timeout=1.0)
             if self.unreported or self.balancer.has_stats:  # that was an unanswered report; newer ones go too
@@ -194,12 +225,14 @@ class ControllerLink:
                     if msg.deleted:
                         log.info("service %s was deleted; waiting for it to be created again", name)
                         self.balancer.set_endpoints([], 0)
+                        self._tell()
                         break
                     replicas = replicas_of(msg)
                     if any(r.version > self._spec_version for r in replicas):
                         await self._refresh_config()  # a new version may change the policy settings
                     weights = {w.version: w.weight for w in msg.version_weights}
                     self.balancer.set_endpoints(replicas, msg.version, weights)
+                    self._tell()  # a replica that left the set may be draining: say what is in flight
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     if self.balancer.policy.replicas:
@@ -267,7 +300,14 @@ class ControllerLink:
 
     def _request(self, report: Report) -> api.ReportLoadRequest:
         return request_of(
-            report, service=self.balancer.service_name, balancer_id=self.balancer_id, url=self.url, now=self._clock()
+            report,
+            service=self.balancer.service_name,
+            balancer_id=self.balancer_id,
+            url=self.url,
+            now=self._clock(),
+            in_flight=self.balancer.in_flight.counts,
+            endpoints_version=self.balancer.endpoints_version,
+            closing=self._closing,
         )
 
     async def _report_loop(self) -> None:
@@ -280,10 +320,16 @@ class ControllerLink:
                     await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
             self._report_now.clear()
             now = time.monotonic()
-            if not self.unreported and not self.balancer.has_stats and now - last_sent < self.heartbeat_s:
+            if (
+                not self._news
+                and not self.unreported
+                and not self.balancer.has_stats
+                and now - last_sent < self.heartbeat_s
+            ):
                 hurry = False
                 continue  # nothing new; an empty report only every heartbeat, to keep the URL shown
             resending = self._unanswered is not None
+            self._news = False
             try:
                 await self.report_once(timeout=self.call_timeout_s)
                 last_sent = now
@@ -296,9 +342,11 @@ class ControllerLink:
                 hurry = False
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     continue  # logged, and dropped; the next report is a new one
+                self._news = True  # what the controller waits for still has to reach it
                 if not failing:
                     log.warning(
-                        "could not report load (%s); %d request(s) kept for the next report",
+                        "could not report the load of %s (%s); %d request(s) kept for the next report",
+                        self.balancer.service_name,
                         exc.code().name,
                         self.unreported,
                     )

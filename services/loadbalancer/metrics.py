@@ -1,6 +1,6 @@
 """The load balancer's own metrics: requests, latency, retries, 503s, held requests, replicas.
 
-Labels are bounded. `service` is the one service this balancer serves; `version` is the service
+Labels are bounded. `service` is the service balanced (one, or each service of a fleet); `version` is the service
 version of the replica that answered (`none` when the balancer answered itself), so it grows by
 one per update; `code` is the HTTP status sent (`499`, as nginx counts it: the client went away
 before the answer's headers went out). Request paths and replica URLs are never labels. Replica ids label only the two
@@ -11,6 +11,8 @@ their series come and go with replicas and never pile up.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 
 import prometheus_client
@@ -30,79 +32,77 @@ RETRY_REASONS = ("not_reached", "connection_broken")
 HOLD_OUTCOMES = ("released", "timed_out", "cancelled")
 
 
-class _Live(Collector):
-    """Values read at scrape time from the balancer's own bookkeeping."""
+@dataclasses.dataclass(frozen=True)
+class _Sources:
+    in_flight: Callable[[], policies.InFlight]
+    ready: Callable[[], int]
+    held: Callable[[], int]
+    tracker: Callable[[], connections.Tracker | None]
 
-    def __init__(
-        self,
-        service: str,
-        in_flight: Callable[[], policies.InFlight],
-        ready: Callable[[], int],
-        held: Callable[[], int],
-        tracker: Callable[[], connections.Tracker | None],
-    ) -> None:
-        self._service = service
-        self._in_flight = in_flight
-        self._ready = ready
-        self._held = held
-        self._tracker = tracker
+
+class _Live(Collector):
+    """Values read at scrape time from the bookkeeping of every service the process balances (one,
+    or each service of a fleet)."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, _Sources] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        service = self._service
+        services = sorted(self.services.items())
         ready = GaugeMetricFamily(
             "replicaplane_loadbalancer_ready_replicas", "Ready replicas the balancer routes to.", labels=["service"]
         )
-        ready.add_metric([service], self._ready())
-        yield ready
         held = GaugeMetricFamily(
             "replicaplane_loadbalancer_held_requests",
             "Requests waiting now for a first ready replica (a service that scales from zero).",
             labels=["service"],
         )
-        held.add_metric([service], self._held())
-        yield held
-        in_flight = self._in_flight()
         sent = CounterMetricFamily(
             "replicaplane_loadbalancer_replica_requests",
             "Request attempts sent to each replica (ready ones, and gone ones until their last request ends).",
             labels=["service", "replica"],
         )
-        for replica_id, total in sorted(in_flight.totals.items()):
-            sent.add_metric([service, str(replica_id)], total)
-        yield sent
         busy = GaugeMetricFamily(
             "replicaplane_loadbalancer_replica_in_flight_requests",
             "Request attempts in flight to each replica.",
             labels=["service", "replica"],
         )
-        for replica_id, count in sorted(in_flight.counts.items()):
-            busy.add_metric([service, str(replica_id)], count)
-        yield busy
-        tracker = self._tracker()
-        if tracker is not None:
+        trackers = []
+        for service, src in services:
+            ready.add_metric([service], src.ready())
+            held.add_metric([service], src.held())
+            in_flight = src.in_flight()
+            for replica_id, total in sorted(in_flight.totals.items()):
+                sent.add_metric([service, str(replica_id)], total)
+            for replica_id, count in sorted(in_flight.counts.items()):
+                busy.add_metric([service, str(replica_id)], count)
+            if (tracker := src.tracker()) is not None:
+                trackers.append(tracker)
+        yield from (ready, held, sent, busy)
+        if trackers:
             yield GaugeMetricFamily(
-                "replicaplane_loadbalancer_client_connections", "Client connections open now.", value=tracker.open
+                "replicaplane_loadbalancer_client_connections",
+                "Client connections open now.",
+                value=sum(t.open for t in trackers),
             )
             yield CounterMetricFamily(
                 "replicaplane_loadbalancer_refused_connections",
                 "Client connections refused (503, then closed) because max_connections were open.",
-                value=tracker.refused,
+                value=sum(t.refused for t in trackers),
             )
 
 
-class BalancerMetrics:
-    """The load balancer's metric families in `registry`, for the one service it serves."""
+class _Families:
+    """The metric families of one registry, shared by every service balanced in the process."""
 
-    def __init__(self, registry: prometheus_client.CollectorRegistry, service: str) -> None:
-        self.registry = registry
-        self.service = service
-        self._requests = prometheus_client.Counter(
+    def __init__(self, registry: prometheus_client.CollectorRegistry) -> None:
+        self.requests = prometheus_client.Counter(
             "replicaplane_loadbalancer_requests_total",
             "Client requests answered, by the answering replica's service version and the HTTP status sent.",
             ["service", "version", "code"],
             registry=registry,
         )
-        self._latency = prometheus_client.Histogram(
+        self.latency = prometheus_client.Histogram(
             "replicaplane_loadbalancer_request_duration_seconds",
             "Time from a request's arrival to the end of its response (retries and holding included).",
             ["service", "version"],
@@ -114,38 +114,61 @@ class BalancerMetrics:
             "Client requests being handled now.",
             ["service"],
             registry=registry,
-        ).labels(service)
-        retries = prometheus_client.Counter(
+        )
+        self.retries = prometheus_client.Counter(
             "replicaplane_loadbalancer_retries_total",
             "Attempts sent to another replica after one failed: not_reached (no connection) or "
             "connection_broken (an idempotent request whose connection broke).",
             ["service", "reason"],
             registry=registry,
         )
-        unavailable = prometheus_client.Counter(
+        self.unavailable = prometheus_client.Counter(
             "replicaplane_loadbalancer_no_ready_replica_total",
             "503 answers because no replica was ready: none_ready, hold_timeout (a held request waited "
             "hold_timeout_s in vain) or hold_full (hold_max_requests were already held).",
             ["service", "reason"],
             registry=registry,
         )
-        held = prometheus_client.Counter(
+        self.held = prometheus_client.Counter(
             "replicaplane_loadbalancer_holds_total",
             "Requests held for a first ready replica, by how the hold ended.",
             ["service", "outcome"],
             registry=registry,
         )
-        hold_time = prometheus_client.Histogram(
+        self.hold_time = prometheus_client.Histogram(
             "replicaplane_loadbalancer_hold_duration_seconds",
             "How long held requests waited for a first ready replica (scale from zero), by how the hold ended.",
             ["service", "outcome"],
             buckets=HOLD_BUCKETS,
             registry=registry,
         )
-        self._retries = {r: retries.labels(service, r) for r in RETRY_REASONS}
-        self._unavailable = {r: unavailable.labels(service, r) for r in ("none_ready", "hold_timeout", "hold_full")}
+        self.live = _Live()
+        registry.register(self.live)
+
+
+_FAMILIES: weakref.WeakKeyDictionary[prometheus_client.CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+
+
+class BalancerMetrics:
+    """The load balancer's metric families in `registry`, for one service it serves (a fleet makes
+    one per service, all in the same families)."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry, service: str) -> None:
+        self.registry = registry
+        self.service = service
+        families = _FAMILIES.get(registry)
+        if families is None:
+            families = _FAMILIES[registry] = _Families(registry)
+        self._families = families
+        self._requests = families.requests
+        self._latency = families.latency
+        self.in_flight = families.in_flight.labels(service)
+        self._retries = {r: families.retries.labels(service, r) for r in RETRY_REASONS}
+        self._unavailable = {
+            r: families.unavailable.labels(service, r) for r in ("none_ready", "hold_timeout", "hold_full")
+        }
         self._held: dict[str, tuple[prometheus_client.Counter, prometheus_client.Histogram]] = {
-            o: (held.labels(service, o), hold_time.labels(service, o)) for o in HOLD_OUTCOMES
+            o: (families.held.labels(service, o), families.hold_time.labels(service, o)) for o in HOLD_OUTCOMES
         }
 
     def watch(
@@ -157,7 +180,11 @@ class BalancerMetrics:
         tracker: Callable[[], connections.Tracker | None] = lambda: None,
     ) -> None:
         """Report what these callables read, at scrape time."""
-        self.registry.register(_Live(self.service, in_flight, ready, held, tracker))
+        self._families.live.services[self.service] = _Sources(in_flight, ready, held, tracker)
+
+    def unwatch(self) -> None:
+        """The service is no longer balanced here: its live values go (its counters stay)."""
+        self._families.live.services.pop(self.service, None)
 
     def request_finished(self, version: str, code: str, seconds: float) -> None:
         """A client request was answered (or its client went away: code 499)."""

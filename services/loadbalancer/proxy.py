@@ -280,7 +280,15 @@ class Proxy:
             # Logs name the path, never the query (it may carry tokens), not even inside aiohttp's message.
             bare, _, query = path.partition("?")
             detail = str(failure).replace("?" + query, "?...") if query else str(failure)
-            log.info("attempt %d of %s %s failed: %s: %s", attempt, request.method, bare, last_error, detail)
+            log.info(
+                "%s: attempt %d of %s %s failed: %s: %s",
+                self.balancer.service_name,
+                attempt,
+                request.method,
+                bare,
+                last_error,
+                detail,
+            )
             where = f"replica {replica.replica_id} of service {self.balancer.service_name!r}"
             kind = type(failure).__name__
             if reached and request.method not in IDEMPOTENT_METHODS:
@@ -334,7 +342,8 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The replica or the client broke off after the headers went out: all that is left
                 # is to cut both connections.
-                log.info("response from replica %d not completed: %s", replica.replica_id, exc)
+                name, rid = self.balancer.service_name, replica.replica_id
+                log.info("%s: response from replica %d not completed: %s", name, rid, exc)
                 if request.transport is not None and not request.transport.is_closing():
                     self.balancer.record_transport_error(replica)  # the replica's side broke, not the client's
                 if request.transport is not None:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 from typing import Any
 
 from replicaplane.controller.v1 import controller_service_pb2_grpc
@@ -14,6 +15,7 @@ from services.common import clients, config, errors, grpc_server, logs, security
 from services.common import metrics as metrics_mod
 from services.loadbalancer import balancer as bal
 from services.loadbalancer import connections, metrics, policies, proxy, servicer
+from services.loadbalancer import fleet as fleets
 from services.loadbalancer import link as ctl_link
 
 SERVICE_NAME = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
@@ -24,9 +26,26 @@ class Settings:
     """Load balancer settings; env REPLICAPLANE_LOADBALANCER_<FIELD> overrides each."""
 
     service_name: str = ""
-    """The service this balancer serves (required): one balancer, one URL per service."""
+    """The service this balancer serves (required unless `fleet`): one balancer, one URL."""
+    fleet: bool = False
+    """Serve every service of the controller (pools excepted), each on its own HTTP port counting
+    up from `http_addr`'s, started and stopped with the service: one URL per service with no
+    process to run per service."""
+    fleet_port_max: int = 0
+    """A fleet's last HTTP port; 0 is `http_addr`'s port + 999. A service finding none free gets
+    no URL (logged)."""
+    fleet_ports_file: str = ""
+    """Where a fleet keeps each service's port, so a restarted fleet gives every service its port
+    again (empty: it keeps the ports while it runs, and takes the port of the URL the controller
+    still shows after a restart)."""
+    fleet_poll_s: float = 1.0
+    """How often a fleet lists the controller's services to start and stop their balancers."""
+    advertise_host: str = ""
+    """The host in the URLs a fleet reports (`scheme://host:port`); empty derives it from
+    `http_addr` (a wildcard host becomes 127.0.0.1)."""
     http_addr: str = config.LOADBALANCER_HTTP_ADDR
-    """host:port of the proxied HTTP (or HTTPS) traffic; port 0 picks a free port."""
+    """host:port of the proxied HTTP (or HTTPS) traffic (a fleet's first port); port 0 picks a
+    free port (for each service, in a fleet)."""
     listen_addr: str = config.LOADBALANCER_ADDR
     """host:port of the admin gRPC API and health checks; port 0 picks a free port."""
     port_file: str = ""
@@ -57,8 +76,9 @@ class Settings:
     """round_robin, least_load or instance_aware_least_load; empty takes the spec's (default least_load)."""
     report_interval_s: float = 1.0
     """How often received requests are reported to the controller (a held request at once)."""
-    report_heartbeat_s: float = 10.0
-    """An empty report goes at least this often, so the service keeps showing this balancer's URL."""
+    report_heartbeat_s: float = 5.0
+    """An empty report goes at least this often, so the service keeps showing this balancer's URL
+    (the controller drops it after its `balancer_ttl_s`, 15 s, without a report)."""
     hold_timeout_s: float = 60.0
     """How long a request to a service that scales from zero (`min_replicas: 0`) waits for a first
     ready replica; 0 answers 503 at once."""
@@ -111,8 +131,35 @@ def load_settings(**overrides: Any) -> Settings:
     """
     settings = config.load(Settings, "loadbalancer", **overrides)
     violations = []
-    if not settings.service_name:
-        violations.append(errors.FieldViolation("loadbalancer.service_name", "required: the service to balance"))
+    if not settings.service_name and not settings.fleet:
+        violations.append(
+            errors.FieldViolation("loadbalancer.service_name", "required: the service to balance (or set fleet)")
+        )
+    if settings.service_name and settings.fleet:
+        violations.append(
+            errors.FieldViolation("loadbalancer.service_name", "must be empty with fleet: it serves every service")
+        )
+    if settings.fleet and settings.advertise_url:
+        violations.append(
+            errors.FieldViolation("loadbalancer.advertise_url", "must be empty with fleet (set advertise_host)")
+        )
+    first = _port_of(settings.http_addr)
+    if settings.fleet and first is not None and settings.fleet_port_max:
+        if first == 0:
+            # The first port is picked at start, so a fixed last port may lie below it.
+            violations.append(
+                errors.FieldViolation("loadbalancer.fleet_port_max", "must be 0 when http_addr's port is 0")
+            )
+        elif settings.fleet_port_max < first:
+            violations.append(
+                errors.FieldViolation(
+                    "loadbalancer.fleet_port_max", f"must be at least http_addr's port ({first}) or 0"
+                )
+            )
+    if settings.fleet_port_max < 0 or settings.fleet_port_max > 65535:
+        violations.append(errors.FieldViolation("loadbalancer.fleet_port_max", "must be 0..65535"))
+    if not settings.fleet_poll_s > 0:
+        violations.append(errors.FieldViolation("loadbalancer.fleet_poll_s", "must be > 0"))
     if settings.policy and settings.policy not in policies.NAMES:
         violations.append(
             errors.FieldViolation("loadbalancer.policy", f"must be one of {', '.join(policies.NAMES)} or empty")
@@ -157,82 +204,99 @@ def _split(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _port_of(addr: str) -> int | None:
+    try:
+        return _split(addr)[1]
+    except ValueError:
+        return None
+
+
+def advertised_host(settings: Settings) -> str:
+    """The host in the URLs reported to the controller."""
+    if settings.advertise_host:
+        return settings.advertise_host
+    host, _ = _split(settings.http_addr)
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
 def advertised_url(settings: Settings, port: int) -> str:
-    """The URL reported to the controller."""
+    """The URL reported to the controller for the service served on `port`."""
     if settings.advertise_url:
         return settings.advertise_url
-    host, _ = _split(settings.http_addr)
-    if host in ("", "0.0.0.0", "::"):
-        host = "127.0.0.1"
+    host = advertised_host(settings)
+    if ":" in host:
+        host = f"[{host}]"
     scheme = "https" if settings.tls_certfile else "http"
     return f"{scheme}://{host}:{port}"
 
 
-@dataclasses.dataclass
-class Running:
-    """A started balancer: HTTP proxy, admin server and controller link."""
+def first_port(settings: Settings) -> int:
+    """A fleet's first HTTP port, checked free now (port 0: a free port picked now); the first
+    service gets it, the next ones count up from it.
 
-    built: grpc_server.Built
-    balancer: bal.Balancer
-    link: ctl_link.ControllerLink
-    proxy: proxy.Proxy
-    runner: Any
-    http_port: int
-    channel: Any
-
-    @property
-    def url(self) -> str:
-        """The balancer's URL."""
-        return self.link.url
-
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop the admin server, the proxy and the link (reporting what is left)."""
-        await self.built.stop(grace)
-        await self.close()
-
-    async def close(self) -> None:
-        """Stop everything but the admin server."""
-        await proxy.stop_http(self.runner, self.proxy)
-        await self.link.stop()
-        await self.channel.close()
+    Raises:
+        OSError: it is taken.
+    """
+    host, port = _split(settings.http_addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen()  # a socket another process listens on clashes only here, as in the real bind
+        return int(sock.getsockname()[1])
 
 
-async def start(settings: Settings, *, start_admin: bool = True) -> Running:
-    """Serve HTTP, follow the controller, and (unless told not to) start the admin server."""
-    registry = metrics_mod.for_address("loadbalancer", settings.metrics_addr)
-    stats = metrics.BalancerMetrics(registry.registry, settings.service_name) if registry else None
+def fleet_ports(settings: Settings, first: int) -> fleets.Ports:
+    """A fleet's ports from `first` (the bound first port) up. With http_addr's port 0 the range
+    follows the port picked at start (`fleet_port_max` is then 0), and a port kept in
+    `fleet_ports_file` from an earlier run stays its service's wherever it lies."""
+    picked = _split(settings.http_addr)[1] == 0
+    last = min(first + 999, 65535) if picked or not settings.fleet_port_max else settings.fleet_port_max
+    return fleets.Ports(first, last, settings.fleet_ports_file, keep_any=picked)
+
+
+def proxy_settings(settings: Settings) -> proxy.ProxySettings:
+    """The proxy's part of the settings."""
+    return proxy.ProxySettings(
+        connect_timeout_s=settings.connect_timeout_s,
+        stream_timeout_s=settings.stream_timeout_s,
+        attempts=settings.attempts,
+        backoff_initial_s=settings.retry_backoff_initial_s,
+        backoff_max_s=settings.retry_backoff_max_s,
+        max_body_bytes=settings.max_body_bytes,
+        retry_buffer_bytes=settings.retry_buffer_bytes,
+        max_buffered_bytes=settings.max_buffered_bytes,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        idle_timeout_s=settings.idle_timeout_s,
+        max_connections=connections.connection_cap(settings.max_connections),
+    )
+
+
+async def start_unit(
+    settings: Settings,
+    service: str,
+    port: int,
+    *,
+    stub: controller_service_pb2_grpc.ControllerServiceStub,
+    registry: Any,
+) -> fleets.Unit:
+    """Serve `service` over HTTP on `port` (0 picks one) and follow it on the controller.
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    stats = metrics.BalancerMetrics(registry.registry, service) if registry else None
     balancer = bal.Balancer(
-        settings.service_name,
+        service,
         hold_timeout_s=settings.hold_timeout_s,
         hold_max=settings.hold_max_requests,
         startup_wait_s=settings.startup_wait_s,
         policy_override=settings.policy,
         stats=stats,
     )
-    px = proxy.Proxy(
-        balancer,
-        proxy.ProxySettings(
-            connect_timeout_s=settings.connect_timeout_s,
-            stream_timeout_s=settings.stream_timeout_s,
-            attempts=settings.attempts,
-            backoff_initial_s=settings.retry_backoff_initial_s,
-            backoff_max_s=settings.retry_backoff_max_s,
-            max_body_bytes=settings.max_body_bytes,
-            retry_buffer_bytes=settings.retry_buffer_bytes,
-            max_buffered_bytes=settings.max_buffered_bytes,
-            header_timeout_s=settings.header_timeout_s,
-            body_timeout_s=settings.body_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s,
-            max_connections=connections.connection_cap(settings.max_connections),
-        ),
-    )
-    balancer.stats.watch(
-        in_flight=lambda: balancer.in_flight,
-        ready=lambda: len(balancer.policy.replicas),
-        held=lambda: balancer.held,
-        tracker=lambda: px.connections,
-    )
-    host, port = _split(settings.http_addr)
+    px = proxy.Proxy(balancer, proxy_settings(settings))
+    host, _ = _split(settings.http_addr)
     try:
         runner, http_port = await proxy.start_http(
             px,
@@ -241,14 +305,89 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             ssl_context=proxy.tls_context(settings.tls_certfile, settings.tls_keyfile),
             shutdown_timeout_s=settings.shutdown_grace_s,
         )
-    except OSError as exc:
+    except OSError:
         await px.close()
-        raise errors.StartupError(
-            f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
-            f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
-        ) from None
-    if settings.http_port_file:
-        grpc_server.write_port_file(settings.http_port_file, http_port)
+        raise
+    balancer.stats.watch(
+        in_flight=lambda: balancer.in_flight,
+        ready=lambda: len(balancer.policy.replicas),
+        held=lambda: balancer.held,
+        tracker=lambda: px.connections,
+    )
+    link = ctl_link.ControllerLink(
+        stub,
+        balancer,
+        url=advertised_url(settings, http_port),
+        report_interval_s=settings.report_interval_s,
+        heartbeat_s=settings.report_heartbeat_s,
+    )
+    link.start()
+    return fleets.Unit(service=service, balancer=balancer, link=link, proxy=px, runner=runner, http_port=http_port)
+
+
+@dataclasses.dataclass
+class Running:
+    """A started balancer (of one service, or a fleet): HTTP proxies, admin server, controller link."""
+
+    built: grpc_server.Built
+    channel: Any
+    unit: fleets.Unit | None = None
+    """The one service's unit (None for a fleet)."""
+    fleet: fleets.Fleet | None = None
+
+    @property
+    def balancer(self) -> bal.Balancer:
+        """The one service's balancer."""
+        assert self.unit is not None, "a fleet has a balancer per service"
+        return self.unit.balancer
+
+    @property
+    def link(self) -> ctl_link.ControllerLink:
+        """The one service's controller link."""
+        assert self.unit is not None, "a fleet has a link per service"
+        return self.unit.link
+
+    @property
+    def proxy(self) -> proxy.Proxy:
+        """The one service's proxy."""
+        assert self.unit is not None, "a fleet has a proxy per service"
+        return self.unit.proxy
+
+    @property
+    def http_port(self) -> int:
+        """The one service's HTTP port."""
+        assert self.unit is not None, "a fleet has a port per service"
+        return self.unit.http_port
+
+    @property
+    def url(self) -> str:
+        """The one service's URL."""
+        return self.link.url
+
+    def units(self) -> dict[str, fleets.Unit]:
+        """Every service served -> its unit."""
+        if self.fleet is not None:
+            return dict(self.fleet.units)
+        assert self.unit is not None
+        return {self.unit.service: self.unit}
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop the admin server, the proxies and the links (reporting what is left)."""
+        await self.built.stop(grace)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop everything but the admin server."""
+        if self.fleet is not None:
+            await self.fleet.stop()
+        if self.unit is not None:
+            await self.unit.close()
+        await self.channel.close()
+
+
+async def start(settings: Settings, *, start_admin: bool = True) -> Running:
+    """Serve HTTP, follow the controller, and (unless told not to) start the admin server."""
+    registry = metrics_mod.for_address("loadbalancer", settings.metrics_addr)
     token = api_token(settings)
     # The link retries every call itself (a load report must know whether it was sent before), so
     # gRPC must not retry underneath it.
@@ -257,34 +396,74 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
         interceptors=security.token_interceptors(token),
         retries=False,
     )
-    link = ctl_link.ControllerLink(
-        controller_service_pb2_grpc.ControllerServiceStub(channel),
-        balancer,
-        url=advertised_url(settings, http_port),
-        report_interval_s=settings.report_interval_s,
-        heartbeat_s=settings.report_heartbeat_s,
-    )
-    link.start()
+    stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
+    unit: fleets.Unit | None = None
+    the_fleet: fleets.Fleet | None = None
+    if settings.fleet:
+        try:
+            first = first_port(settings)
+        except OSError as exc:
+            await channel.close()
+            raise errors.StartupError(
+                f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
+                f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
+            ) from None
+        if settings.http_port_file:
+            grpc_server.write_port_file(settings.http_port_file, first)
+        the_fleet = fleets.Fleet(
+            stub,
+            ports=fleet_ports(settings, first),
+            start_unit=lambda service, port: start_unit(settings, service, port, stub=stub, registry=registry),
+            advertise_host=advertised_host(settings),
+            poll_s=settings.fleet_poll_s,
+        )
+        the_fleet.start()
+    else:
+        try:
+            unit = await start_unit(
+                settings, settings.service_name, _split(settings.http_addr)[1], stub=stub, registry=registry
+            )
+        except OSError as exc:
+            await channel.close()
+            raise errors.StartupError(
+                f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
+                f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
+            ) from None
+        if settings.http_port_file:
+            grpc_server.write_port_file(settings.http_port_file, unit.http_port)
+
+    def units() -> dict[str, fleets.Unit]:
+        if the_fleet is not None:
+            return dict(the_fleet.units)
+        assert unit is not None
+        return {unit.service: unit}
+
     # Where the controller wants a token, the admin API wants the same one (health stays open).
     guard = [security.TokenInterceptor({token: "api_token"})] if token else []
     server = grpc_server.new_server(domain="loadbalancer.replicaplane", interceptors=guard, metrics=registry)
     loadbalancer_service_pb2_grpc.add_LoadBalancerServiceServicer_to_server(
-        servicer.LoadBalancerServicer(balancer, link), server
+        servicer.LoadBalancerServicer(units, fleet=settings.fleet), server
     )
     built = grpc_server.finish(server, settings.listen_addr, [SERVICE_NAME], metrics=registry)
     if start_admin:
         await built.start()
-    return Running(
-        built=built, balancer=balancer, link=link, proxy=px, runner=runner, http_port=http_port, channel=channel
-    )
+    running = Running(built=built, channel=channel, unit=unit, fleet=the_fleet)
+    return running
 
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM."""
     running = await start(settings, start_admin=False)
-    logging.getLogger(__name__).info(
-        "balancing service %s at %s (admin on port %d)", settings.service_name, running.url, running.built.port
-    )
+    if running.fleet is not None:
+        logging.getLogger(__name__).info(
+            "balancing every service of the controller from port %s (admin on port %d)",
+            _split(settings.http_addr)[1] or "0 (picked per service)",
+            running.built.port,
+        )
+    else:
+        logging.getLogger(__name__).info(
+            "balancing service %s at %s (admin on port %d)", settings.service_name, running.url, running.built.port
+        )
     await grpc_server.serve_until_signal(
         running.built,
         grace=settings.shutdown_grace_s,

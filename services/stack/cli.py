@@ -119,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         state_dir = os.path.abspath(args.state_dir)
         try:
             _check_settings(os.environ)
-            balanced = (_example_name(args.example) if args.example else "") or plan.DEFAULT_BALANCED_SERVICE
-            specs = plan.plan(probers=args.probers, state_dir=state_dir, balanced_service=balanced)
+            if args.example:
+                _example_name(args.example)  # one line naming the file if it cannot be used
+            specs = plan.plan(probers=args.probers, state_dir=state_dir)
         except (ValueError, api.StackError, errors.ValidationError, errors.StartupError) as exc:
             sys.exit(f"error: {exc}")
         if args.detach:

@@ -28,8 +28,6 @@ CONTROLLER_SERVICE = controller_service_pb2.DESCRIPTOR.services_by_name["Control
 PROVISIONER_SERVICE = provisioner_service_pb2.DESCRIPTOR.services_by_name["ProvisionerService"].full_name
 PROBER_SERVICE = prober_service_pb2.DESCRIPTOR.services_by_name["ProberService"].full_name
 LOADBALANCER_SERVICE = loadbalancer_service_pb2.DESCRIPTOR.services_by_name["LoadBalancerService"].full_name
-DEFAULT_BALANCED_SERVICE = "hello"
-"""The service the stack's load balancer serves when no example names another."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +190,6 @@ def plan(
     probers: int = 1,
     state_dir: str = ".state",
     environ: Mapping[str, str] | None = None,
-    balanced_service: str = DEFAULT_BALANCED_SERVICE,
 ) -> list[ProcessSpec]:
     """The processes of a local stack, in start order (provisioner, probers, controller, load balancer,
     dashboard).
@@ -210,7 +207,6 @@ def plan(
         probers: number of prober processes, at least 1.
         state_dir: directory for the controller's and provisioner's state.
         environ: environment to read addresses from; defaults to os.environ.
-        balanced_service: the service the load balancer serves.
 
     Returns:
         One ProcessSpec per process.
@@ -337,7 +333,9 @@ def plan(
             env={
                 "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": balancer_addr,
                 "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": http_addr,
-                "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": balanced_service,
+                # One fleet serves every service, each on its own port from the HTTP port up.
+                "REPLICAPLANE_LOADBALANCER_FLEET": "true",
+                "REPLICAPLANE_LOADBALANCER_FLEET_PORTS_FILE": os.path.join(state_dir, "loadbalancer", "ports.json"),
                 "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": dial_addr(controller_addr),
                 **balancer_auth,
                 **metrics_env("loadbalancer", metrics["loadbalancer"]),

@@ -37,6 +37,8 @@ STOP_TIMEOUT_S = 10.0
 """How long a service process gets to exit after SIGTERM before SIGKILL."""
 # The setting that names the service a load balancer process serves.
 _BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
+# Set on a balancer fleet: it serves every service, each on its own port.
+_FLEET = "REPLICAPLANE_LOADBALANCER_FLEET"
 
 
 FOLLOW_MAX = 100
@@ -343,6 +345,7 @@ class Stack:
                 }
                 | ({"url": self.urls[s.name]} if s.name in self.urls else {})
                 | ({"service": s.env[_BALANCED]} if _BALANCED in s.env else {})
+                | ({"fleet": True} if s.env.get(_FLEET) == "true" else {})
                 for s in self.specs
                 if s.name in self.procs
             ],
@@ -503,8 +506,13 @@ class Stack:
                 self.out(f"{spec.name} metrics: {metrics_url}")
             if spec.component == "dashboard":
                 self.out(dashboard_line(self.urls[spec.name]))
+            elif spec.url and spec.env.get(_FLEET) == "true":
+                self.out(
+                    f"{spec.name}: every service gets its own URL, from {self.urls[spec.name]} up "
+                    "(`replicactl status` shows each)"
+                )
             elif spec.url:
-                service = spec.env.get("REPLICAPLANE_LOADBALANCER_SERVICE_NAME", "")
+                service = spec.env.get(_BALANCED, "")
                 self.out(f"{spec.name}: {service} at {self.urls[spec.name]}")
 
     async def watch_exits(self) -> str:

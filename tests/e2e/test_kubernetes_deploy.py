@@ -4,8 +4,8 @@ The controller, the provisioner (kubernetes backend), a prober and the load bala
 processes with the settings of the manifests' ConfigMaps (read from deploy/kubernetes, so the
 two cannot drift). Only what says where things are is replaced: listen addresses, peers'
 addresses, state directories, and the cluster (the emulator's kubeconfig and namespace instead
-of the in-cluster service account). Then a user's round trip: create the service the balancer
-serves, READY, a request through the balancer, `replicactl logs`, delete.
+of the in-cluster service account). Then a user's round trip: create a service, READY, a
+request through the URL the balancer fleet gives it, `replicactl logs`, delete.
 """
 
 from __future__ import annotations
@@ -35,7 +35,15 @@ LOCATION = {
     "controller": {"LISTEN_ADDR", "STATE_DIR", "PROVISIONER_ADDR", "PROBER_ADDRS"},
     "provisioner": {"LISTEN_ADDR", "STATE_DIR", "KUBERNETES_IN_CLUSTER", "KUBERNETES_NAMESPACE"},
     "prober": {"LISTEN_ADDR"},
-    "loadbalancer": {"LISTEN_ADDR", "HTTP_ADDR", "CONTROLLER_ADDR", "ADVERTISE_URL"},
+    # The fleet's first port and its range go together: port 0 here, so the range follows it.
+    "loadbalancer": {
+        "LISTEN_ADDR",
+        "HTTP_ADDR",
+        "FLEET_PORT_MAX",
+        "FLEET_PORTS_FILE",
+        "CONTROLLER_ADDR",
+        "ADVERTISE_HOST",
+    },
 }
 
 
@@ -78,13 +86,14 @@ async def deployed(tmp_path, emulator: kube_emulator.Emulator) -> AsyncIterator[
     balancer = None
     try:
         lb_env = manifest_env("loadbalancer")
-        service = lb_env.pop("REPLICAPLANE_LOADBALANCER_SERVICE_NAME")
+        assert lb_env["REPLICAPLANE_LOADBALANCER_FLEET"] == "true"  # every service gets a URL
         extra = {
             k.removeprefix("REPLICAPLANE_LOADBALANCER_").lower(): v
             for k, v in lb_env.items()
             if k.startswith("REPLICAPLANE_LOADBALANCER_")
         }
-        balancer = await lb.start(c.controller.addr, service, str(tmp_path / "lb"), **extra)
+        extra["fleet_ports_file"] = str(tmp_path / "lb" / "ports.json")
+        balancer = await lb.start(c.controller.addr, "", str(tmp_path / "lb"), **extra)
         yield c, balancer
     finally:
         if balancer is not None:
@@ -94,7 +103,7 @@ async def deployed(tmp_path, emulator: kube_emulator.Emulator) -> AsyncIterator[
 
 async def test_the_deployed_settings_run_a_service_from_create_to_delete(deployed, emulator, tmp_path) -> None:
     c, balancer = deployed
-    service = kube_manifests.service_env("loadbalancer")["REPLICAPLANE_LOADBALANCER_SERVICE_NAME"]
+    service = "hello"
     run = f'echo "{service} app starting"; exec {sys.executable} {cl.APP} --port 8080 --tag {c.tag}'
     await c.stub.CreateService(api.CreateServiceRequest(yaml=cl.app_yaml(service, c.tag, run=run)))
     w = cl.Watch(c.stub, service)
@@ -102,9 +111,13 @@ async def test_the_deployed_settings_run_a_service_from_create_to_delete(deploye
     w.cancel()
     assert len(await emulator.names("pod")) == 2
 
-    # A request through the balancer the manifests configure.
-    await balancer.until(lambda s: sum(r.ready for r in s.replicas) == 2)
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(balancer.url + "/health", timeout=5).read())
+    # A request through the balancer fleet the manifests configure, at the URL the controller shows.
+    await balancer.until(lambda s: s.service_name == service and sum(r.ready for r in s.replicas) == 2)
+    w = cl.Watch(c.stub, service)
+    await w.until(lambda w: bool(w.service.load_balancer_url), timeout=30)
+    w.cancel()
+    url = w.service.load_balancer_url
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url + "/health", timeout=5).read())
     assert body.startswith(b"hello from replica ")
 
     # The replica's app log, from its Pod's log, through replicactl.

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from tests.e2e import test_stack
 from tests.helpers import metrics, otlp
 
 pytestmark = pytest.mark.e2e
@@ -138,7 +139,8 @@ async def test_every_process_prints_and_serves_metrics_that_move(stack, tmp_path
     await metrics.until(urls["prober-1"], lambda s: s.value("replicaplane_prober_probes_total") > before)
 
     # Requests through the balancer are counted by version and code.
-    balancer_url = next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
+    token = (tmp_path / "state" / "api-token").read_text().strip()
+    balancer_url = test_stack.service_url(state, [("authorization", f"Bearer {token}")])
     for _ in range(3):
         assert _get(balancer_url + "/") == 200
     ok = {"service": "hello", "version": "1", "code": "200"}

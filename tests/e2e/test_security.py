@@ -236,7 +236,7 @@ def test_stack_runs_with_token_and_mtls_and_prints_no_secret(tmp_path) -> None:
                 time.sleep(0.25)
             assert svc.ready_replicas == 2, test_stack.logs(state_dir)
         # The stack's balancer reaches the controller with the same token.
-        balancer = f"{test_stack.balancer_url(state)}/"
+        balancer = f"{test_stack.service_url(state, [('authorization', f'Bearer {token}')])}/"
         deadline = time.monotonic() + 30
         while True:
             try:

@@ -46,8 +46,22 @@ def auth(state_dir) -> list[tuple[str, str]]:
 
 
 def balancer_url(state: dict) -> str:
-    """The stack's load balancer URL, with the port it bound (from stack.json)."""
+    """The stack's balancer fleet's first URL, with the port it bound (from stack.json): the URL of
+    the first service created."""
     return next(p["url"] for p in state["processes"] if p["name"] == "loadbalancer")
+
+
+def service_url(state: dict, metadata: list[tuple[str, str]], name: str = "hello", timeout: float = 30) -> str:
+    """The URL the controller shows for service `name`, once the stack's balancer fleet serves it
+    (it finds a new service within about a second)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(state["controller"]) as channel:
+        stub = controller_service_pb2_grpc.ControllerServiceStub(channel)
+        while True:
+            svc = stub.GetService(pb.GetServiceRequest(service_name=name), metadata=metadata, timeout=10).service
+            if svc.load_balancer_url or time.monotonic() > deadline:
+                return svc.load_balancer_url
+            time.sleep(0.1)
 
 
 def stack(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -147,8 +161,9 @@ def test_up_serves_the_example_and_down_leaves_no_process(state_dir, tmp_path) -
         with urllib.request.urlopen(f"{endpoint}/", timeout=10) as resp:
             body = json.loads(resp.read())
         assert body["message"] == f"hello from replica {replica_id}"
-    # One URL for the service: the stack's balancer reaches both replicas.
-    url = balancer_url(state)
+    # One URL for the service: the stack's balancer fleet reaches both replicas, on its first port.
+    url = service_url(state, auth(state_dir))
+    assert url == balancer_url(state)
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
     assert len({p["addr"] for p in state["processes"]}) == 5 and all(
         not p["addr"].endswith(":0") for p in state["processes"]

@@ -67,14 +67,15 @@ class Balancer:
 
 
 async def start(controller_addr: str, service: str, workdir: str, **env: str) -> Balancer:
-    """Start a balancer for `service` on free ports; `env` adds REPLICAPLANE_LOADBALANCER_* settings."""
+    """Start a balancer for `service` on free ports; `env` adds REPLICAPLANE_LOADBALANCER_* settings.
+    A fleet (`service` "", `fleet="true"`) reports its first HTTP port as `url`."""
     os.makedirs(workdir, exist_ok=True)
     http_port_file = os.path.join(workdir, "http.port")
     process = await asyncio.to_thread(
         procs.start_service,
         "loadbalancer",
         env={
-            "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": service,
+            **({"REPLICAPLANE_LOADBALANCER_SERVICE_NAME": service} if service else {}),
             "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": controller_addr,
             "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": "127.0.0.1:0",
             "REPLICAPLANE_LOADBALANCER_HTTP_PORT_FILE": http_port_file,

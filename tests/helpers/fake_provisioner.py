@@ -38,6 +38,8 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.capacity_refused = False
         self.hold_launches = False
         self.dead_endpoint = False
+        self.honour_drain = False  # True: a Terminate waits its drain, unless one without drain cuts it
+        self._drains: dict[str, asyncio.Event] = {}
         self.teardown_s = 0.0
         self.failing_launches: list[tuple[str, int]] = []
         self.launches: collections.Counter[str] = collections.Counter()
@@ -140,6 +142,14 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=1, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATING)
         )
+        drain = pbtime.seconds(request.drain) if request.HasField("drain") else 0.0
+        if self.honour_drain and drain > 0:
+            cut = self._drains.setdefault(request.name, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cut.wait(), drain)
+            self._drains.pop(request.name, None)
+        elif request.name in self._drains:
+            self._drains[request.name].set()  # as the real provisioner: a second call ends the drain
         if request.name in self.fail_teardown:
             yield pb.TerminateResponse(
                 event=res.TerminateEvent(

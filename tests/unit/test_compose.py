@@ -69,6 +69,8 @@ def test_compose_file_is_valid() -> None:
 
 # What only the local stack sets: its generated token and the controller's port file.
 STACK_ONLY = ("REPLICAPLANE_CONTROLLER_AUTH_TOKEN_FILE", "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE", "_PORT_FILE")
+# What only compose sets: the balancer fleet's last port, the end of the range it publishes.
+COMPOSE_ONLY = ("REPLICAPLANE_LOADBALANCER_FLEET_PORT_MAX",)
 
 
 def test_compose_runs_the_same_modules_with_the_same_environment_as_the_local_stack() -> None:
@@ -80,7 +82,8 @@ def test_compose_runs_the_same_modules_with_the_same_environment_as_the_local_st
         assert svc["command"][0] in ("python", "python3")
         assert svc["command"][1:] == list(spec.argv[1:]), spec.component
         stack_env = {k: v for k, v in spec.env.items() if not k.endswith(STACK_ONLY)}
-        assert sorted(svc["environment"]) == sorted(stack_env), spec.component
+        compose_env = [k for k in svc["environment"] if k not in COMPOSE_ONLY]
+        assert sorted(compose_env) == sorted(stack_env), spec.component
         for name, value in stack_env.items():
             if name.endswith("_HOST") or "unix:" in value:
                 continue  # host names, and sockets where compose has a network, differ on purpose
@@ -126,9 +129,10 @@ def test_compose_publishes_only_the_controller_the_balancer_and_the_dashboard_on
     assert [(p["host_ip"], p["published"], p["target"]) for p in services["controller"]["ports"]] == [
         ("127.0.0.1", "50051", 50051)
     ]
-    assert [(p["host_ip"], p["published"], p["target"]) for p in services["loadbalancer"]["ports"]] == [
-        ("127.0.0.1", "30001", 30001)
-    ]
+    # The fleet's range: one port per service, as many as FLEET_PORT_MAX allows.
+    published = [(p["host_ip"], p["published"], p["target"]) for p in services["loadbalancer"]["ports"]]
+    assert published == [("127.0.0.1", str(port), port) for port in range(30001, 30021)]
+    assert services["loadbalancer"]["environment"]["REPLICAPLANE_LOADBALANCER_FLEET_PORT_MAX"] == "30020"
     assert not services["provisioner"].get("ports")
     assert not services["prober"].get("ports")
     waits = services["loadbalancer"]["depends_on"]
@@ -200,7 +204,8 @@ def test_plan_defaults_keep_internal_services_on_private_sockets_and_guard_the_a
     assert specs["loadbalancer"].env == {
         "REPLICAPLANE_LOADBALANCER_LISTEN_ADDR": "unix:/st/sockets/loadbalancer.sock",
         "REPLICAPLANE_LOADBALANCER_HTTP_ADDR": config.LOADBALANCER_HTTP_ADDR,
-        "REPLICAPLANE_LOADBALANCER_SERVICE_NAME": "hello",
+        "REPLICAPLANE_LOADBALANCER_FLEET": "true",
+        "REPLICAPLANE_LOADBALANCER_FLEET_PORTS_FILE": "/st/loadbalancer/ports.json",
         "REPLICAPLANE_LOADBALANCER_CONTROLLER_ADDR": config.CONTROLLER_ADDR,
         "REPLICAPLANE_LOADBALANCER_API_TOKEN_FILE": "/st/api-token",
         "REPLICAPLANE_LOADBALANCER_METRICS_ADDR": config.LOADBALANCER_METRICS_ADDR,

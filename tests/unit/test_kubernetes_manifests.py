@@ -265,12 +265,19 @@ def test_services_reach_the_pods_and_ports_the_settings_name(path: Path) -> None
         assert named[entry["targetPort"]] == COMPONENTS[component][1]
     # dns:/// resolves every prober only through a headless Service.
     assert services["replicaplane-prober"]["spec"]["clusterIP"] == "None"
+    # The balancer fleet: a port per service from the first to FLEET_PORT_MAX, each published
+    # on the same port by the Service whose name the URLs carry.
     lb = services["replicaplane-loadbalancer"]
-    (http,) = lb["spec"]["ports"]
     lb_env = settings_env(objs, "loadbalancer")
-    assert lb_env["REPLICAPLANE_LOADBALANCER_HTTP_ADDR"].endswith(":30001")
-    assert http["targetPort"] == "http" and http["port"] == 80
-    assert lb_env["REPLICAPLANE_LOADBALANCER_ADVERTISE_URL"] == "http://replicaplane-loadbalancer.replicaplane.svc"
+    assert lb_env["REPLICAPLANE_LOADBALANCER_FLEET"] == "true"
+    assert "REPLICAPLANE_LOADBALANCER_SERVICE_NAME" not in lb_env
+    first = int(lb_env["REPLICAPLANE_LOADBALANCER_HTTP_ADDR"].rpartition(":")[2])
+    last = int(lb_env["REPLICAPLANE_LOADBALANCER_FLEET_PORT_MAX"])
+    assert (first, last) == (30001, 30020)
+    assert [(p["port"], p["targetPort"]) for p in lb["spec"]["ports"]] == [(p, p) for p in range(first, last + 1)]
+    assert lb_env["REPLICAPLANE_LOADBALANCER_ADVERTISE_HOST"] == "replicaplane-loadbalancer.replicaplane.svc"
+    assert lb_env["REPLICAPLANE_LOADBALANCER_FLEET_PORTS_FILE"].startswith("/tmp/")  # a writable volume
+    assert loadbalancer_server.load_settings(environ=lb_env).fleet
 
 
 def test_probers_scale_with_cpu_through_an_hpa() -> None:
@@ -354,7 +361,10 @@ def _peer_matches(entry: dict[str, Any], peer: Peer, policy_ns: str) -> bool:
 
 def _port_matches(rule: dict[str, Any], port: tuple[str, int]) -> bool:
     entries = rule.get("ports") or []
-    return not entries or any((e.get("protocol", "TCP"), e.get("port")) == port for e in entries)
+    return not entries or any(
+        e.get("protocol", "TCP") == port[0] and e.get("port", 0) <= port[1] <= e.get("endPort", e.get("port", 0))
+        for e in entries
+    )
 
 
 def _allowed(policies: list[dict[str, Any]], pod: Peer, peer: Peer, port: tuple[str, int], direction: str) -> bool:
@@ -402,7 +412,7 @@ LISTENS = {
     "controller": [("TCP", 50051)],
     "provisioner": [("TCP", 50052)],
     "prober": [("TCP", 50053)],
-    "loadbalancer": [("TCP", 30001), ("TCP", 50054)],
+    "loadbalancer": [("TCP", 30001), ("TCP", 30020), ("TCP", 30021), ("TCP", 50054)],
     "replica": [("TCP", 8080)],
     "api-client": [("TCP", 8080)],
     "other-pod": [("TCP", 8080)],
@@ -420,16 +430,13 @@ DESIGNED = {
     ("provisioner", "internet", 6443),
     ("prober", "replica", 8080),
     ("loadbalancer", "replica", 8080),
-    ("internet", "loadbalancer", 30001),
-    ("api-client", "loadbalancer", 30001),
-    ("other-pod", "loadbalancer", 30001),
-    ("replica", "loadbalancer", 30001),
+    *{(c, "loadbalancer", p) for c in ("internet", "api-client", "other-pod", "replica") for p in (30001, 30020)},
     *{(c, "kube-dns", 53) for c in ("controller", "provisioner", "prober", "loadbalancer")},
 }
 # Pods no policy here governs (other namespaces, the replicas' own egress) are free to dial out.
 UNGOVERNED_SOURCES = {"api-client", "other-pod", "kube-dns", "internet", "replica"}
 # The service's URL is public: anyone whose own egress allows it may connect.
-PUBLIC = {("loadbalancer", 30001)}
+PUBLIC = {("loadbalancer", 30001), ("loadbalancer", 30020)}  # the fleet's ports (30021: none)
 
 
 def test_network_policies_allow_exactly_the_connections_the_design_makes() -> None:

@@ -218,10 +218,11 @@ def service_status(statuses: Statuses, *, launching: bool = False) -> ServiceSta
 
 
 def ready_and_total(statuses: Statuses) -> tuple[int, int]:
-    """`ready/total` where total counts replicas not in a failed status."""
+    """`ready/total` where total counts replicas neither failed nor shutting down (a replica
+    draining after a scale-down is on its way out, not part of the service's size)."""
     counts = _counts(statuses)
     ready = counts.get(ReplicaStatus.READY, 0)
-    total = sum(n for s, n in counts.items() if s not in FAILED_STATUSES)
+    total = sum(n for s, n in counts.items() if s not in FAILED_STATUSES and s is not ReplicaStatus.SHUTTING_DOWN)
     return ready, total
 
 

@@ -751,6 +751,10 @@ class ReportLoadRequest(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     REQUEST_AGES_FIELD_NUMBER: _builtins.int
     VERSION_STATS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_REPORTED_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_VERSION_FIELD_NUMBER: _builtins.int
+    CLOSING_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service name."""
     request_count: _builtins.int
@@ -766,6 +770,16 @@ class ReportLoadRequest(_message.Message):
     """This report's number from `balancer_id`: 1 for the first, higher for each new report, the same
     for a resend. Required (at least 1) with `balancer_id`, and must be 0 without it.
     """
+    in_flight_reported: _builtins.bool
+    """True when the sender reports its in-flight requests: every replica missing from `in_flight`
+    has none. A replica draining after a scale-down or a manual termination is torn down as soon
+    as every live balancer of its service reported none in flight for it, with an endpoint set
+    that no longer routes to it (still bounded by the controller's drain time).
+    """
+    endpoints_version: _builtins.int
+    """Version of the endpoint set (from WatchEndpoints) the sender routes with; 0 before the first."""
+    closing: _builtins.bool
+    """True on a balancer's last report as it stops: its URL is no longer shown from now on."""
     @_builtins.property
     @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def request_times(self) -> _containers.RepeatedCompositeFieldContainer[_timestamp_pb2.Timestamp]:
@@ -791,6 +805,12 @@ class ReportLoadRequest(_message.Message):
         INVALID_ARGUMENT naming the field, for example `version_stats[0].server_errors`.
         """
 
+    @_builtins.property
+    def in_flight(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaInFlight]:
+        """Requests in flight to each replica when the report was sent; replicas with none are left out.
+        Read only when `in_flight_reported` is true. At most 10,000 entries, each replica once.
+        """
+
     def __init__(
         self,
         *,
@@ -802,14 +822,44 @@ class ReportLoadRequest(_message.Message):
         sequence: _builtins.int = ...,
         request_ages: _abc.Iterable[_duration_pb2.Duration] | None = ...,
         version_stats: _abc.Iterable[_resources_pb2.VersionStats] | None = ...,
+        in_flight: _abc.Iterable[Global___ReplicaInFlight] | None = ...,
+        in_flight_reported: _builtins.bool = ...,
+        endpoints_version: _builtins.int = ...,
+        closing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name", "version_stats", b"version_stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balancer_id", b"balancer_id", "closing", b"closing", "endpoints_version", b"endpoints_version", "in_flight", b"in_flight", "in_flight_reported", b"in_flight_reported", "load_balancer_url", b"load_balancer_url", "request_ages", b"request_ages", "request_count", b"request_count", "request_times", b"request_times", "sequence", b"sequence", "service_name", b"service_name", "version_stats", b"version_stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportLoadRequest: _TypeAlias = ReportLoadRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaInFlight(_message.Message):
+    """ReplicaInFlight is the number of requests a balancer has in flight to one replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.int
+    """The replica id (at least 1)."""
+    requests: _builtins.int
+    """Requests sent to the replica and not finished yet (at least 1)."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.int = ...,
+        requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica_id", b"replica_id", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaInFlight: _TypeAlias = ReplicaInFlight  # noqa: Y015
 
 @_typing.final
 class ReportLoadResponse(_message.Message):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n7replicaplane/loadbalancer/v1/loadbalancer_service.proto\x12\x1creplicaplane.loadbalancer.v1\"\x14\n\x12GetBalancerRequest\"\xcc\x02\n\x13GetBalancerResponse\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x19\n\x11\x65ndpoints_version\x18\x04 \x01(\x03\x12;\n\x08replicas\x18\x05 \x03(\x0b\x32).replicaplane.loadbalancer.v1.ReplicaLoad\x12\x15\n\rheld_requests\x18\x06 \x01(\x05\x12\x1b\n\x13unreported_requests\x18\x07 \x01(\x03\x12\x1c\n\x14\x63ontroller_connected\x18\x08 \x01(\x08\x12>\n\x08versions\x18\t \x03(\x0b\x32,.replicaplane.loadbalancer.v1.VersionTraffic\x12\x18\n\x10split_by_version\x18\n \x01(\x08\"\xb7\x01\n\x0eVersionTraffic\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\x17\n\x0fshare_per_mille\x18\x03 \x01(\x05\x12\x16\n\x0eready_replicas\x18\x04 \x01(\x05\x12\x16\n\x0erequests_total\x18\x05 \x01(\x03\x12\x1b\n\x13server_errors_total\x18\x06 \x01(\x03\x12\x1e\n\x16transport_errors_total\x18\x07 \x01(\x03\"h\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\x03\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x16\n\x0erequests_total\x18\x05 \x01(\x03\x32\x8e\x01\n\x13LoadBalancerService\x12w\n\x0bGetBalancer\x12\x30.replicaplane.loadbalancer.v1.GetBalancerRequest\x1a\x31.replicaplane.loadbalancer.v1.GetBalancerResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n7replicaplane/loadbalancer/v1/loadbalancer_service.proto\x12\x1creplicaplane.loadbalancer.v1\"*\n\x12GetBalancerRequest\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\"\xf4\x02\n\x13GetBalancerResponse\x12\x14\n\x0cservice_name\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\x12\x19\n\x11\x65ndpoints_version\x18\x04 \x01(\x03\x12;\n\x08replicas\x18\x05 \x03(\x0b\x32).replicaplane.loadbalancer.v1.ReplicaLoad\x12\x15\n\rheld_requests\x18\x06 \x01(\x05\x12\x1b\n\x13unreported_requests\x18\x07 \x01(\x03\x12\x1c\n\x14\x63ontroller_connected\x18\x08 \x01(\x08\x12>\n\x08versions\x18\t \x03(\x0b\x32,.replicaplane.loadbalancer.v1.VersionTraffic\x12\x18\n\x10split_by_version\x18\n \x01(\x08\x12\x17\n\x0fserved_services\x18\x0b \x03(\t\x12\r\n\x05\x66leet\x18\x0c \x01(\x08\"\xb7\x01\n\x0eVersionTraffic\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\x17\n\x0fshare_per_mille\x18\x03 \x01(\x05\x12\x16\n\x0eready_replicas\x18\x04 \x01(\x05\x12\x16\n\x0erequests_total\x18\x05 \x01(\x03\x12\x1b\n\x13server_errors_total\x18\x06 \x01(\x03\x12\x1e\n\x16transport_errors_total\x18\x07 \x01(\x03\"h\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\x03\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x16\n\x0erequests_total\x18\x05 \x01(\x03\x32\x8e\x01\n\x13LoadBalancerService\x12w\n\x0bGetBalancer\x12\x30.replicaplane.loadbalancer.v1.GetBalancerRequest\x1a\x31.replicaplane.loadbalancer.v1.GetBalancerResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADBALANCERSERVICE'].methods_by_name['GetBalancer']._loaded_options = None
   _globals['_LOADBALANCERSERVICE'].methods_by_name['GetBalancer']._serialized_options = b'\220\002\001'
   _globals['_GETBALANCERREQUEST']._serialized_start=89
-  _globals['_GETBALANCERREQUEST']._serialized_end=109
-  _globals['_GETBALANCERRESPONSE']._serialized_start=112
-  _globals['_GETBALANCERRESPONSE']._serialized_end=444
-  _globals['_VERSIONTRAFFIC']._serialized_start=447
-  _globals['_VERSIONTRAFFIC']._serialized_end=630
-  _globals['_REPLICALOAD']._serialized_start=632
-  _globals['_REPLICALOAD']._serialized_end=736
-  _globals['_LOADBALANCERSERVICE']._serialized_start=739
-  _globals['_LOADBALANCERSERVICE']._serialized_end=881
+  _globals['_GETBALANCERREQUEST']._serialized_end=131
+  _globals['_GETBALANCERRESPONSE']._serialized_start=134
+  _globals['_GETBALANCERRESPONSE']._serialized_end=506
+  _globals['_VERSIONTRAFFIC']._serialized_start=509
+  _globals['_VERSIONTRAFFIC']._serialized_end=692
+  _globals['_REPLICALOAD']._serialized_start=694
+  _globals['_REPLICALOAD']._serialized_end=798
+  _globals['_LOADBALANCERSERVICE']._serialized_start=801
+  _globals['_LOADBALANCERSERVICE']._serialized_end=943
 # @@protoc_insertion_point(module_scope)

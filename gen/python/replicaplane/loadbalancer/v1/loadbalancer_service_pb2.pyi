@@ -20,16 +20,25 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class GetBalancerRequest(_message.Message):
-    """GetBalancerRequest asks for the balancer's view."""
+    """GetBalancerRequest asks for the balancer's view of one service."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    service_name: _builtins.str
+    """The service whose balancer to show. A balancer fleet serves many: name one (INVALID_ARGUMENT
+    naming `service_name` when it serves several and none is named, NOT_FOUND when it serves no
+    such service). Empty is the only service served (for a fleet serving none yet, the answer
+    has only `fleet` set).
+    """
     def __init__(
         self,
+        *,
+        service_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["service_name", b"service_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -51,6 +60,8 @@ class GetBalancerResponse(_message.Message):
     CONTROLLER_CONNECTED_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
     SPLIT_BY_VERSION_FIELD_NUMBER: _builtins.int
+    SERVED_SERVICES_FIELD_NUMBER: _builtins.int
+    FLEET_FIELD_NUMBER: _builtins.int
     service_name: _builtins.str
     """The service this balancer serves."""
     policy: _builtins.str
@@ -69,6 +80,8 @@ class GetBalancerResponse(_message.Message):
     """True while the controller splits traffic between versions by weight; false while every ready
     replica shares it as the policy decides.
     """
+    fleet: _builtins.bool
+    """True when this process is a balancer fleet (one port per service)."""
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaLoad]:
         """Ready replicas, and replicas that left the ready set with requests still in flight."""
@@ -77,6 +90,12 @@ class GetBalancerResponse(_message.Message):
     def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionTraffic]:
         """Per version: its weight from the controller and what it received. One entry for each
         version with a ready replica or a weight; empty while no endpoint set has arrived.
+        """
+
+    @_builtins.property
+    def served_services(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every service this process serves, in name order: one for a balancer of one service, each
+        service of the controller (pools excepted) for a balancer fleet.
         """
 
     def __init__(
@@ -92,10 +111,12 @@ class GetBalancerResponse(_message.Message):
         controller_connected: _builtins.bool = ...,
         versions: _abc.Iterable[Global___VersionTraffic] | None = ...,
         split_by_version: _builtins.bool = ...,
+        served_services: _abc.Iterable[_builtins.str] | None = ...,
+        fleet: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_connected", b"controller_connected", "endpoints_version", b"endpoints_version", "held_requests", b"held_requests", "policy", b"policy", "replicas", b"replicas", "service_name", b"service_name", "split_by_version", b"split_by_version", "unreported_requests", b"unreported_requests", "url", b"url", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_connected", b"controller_connected", "endpoints_version", b"endpoints_version", "fleet", b"fleet", "held_requests", b"held_requests", "policy", b"policy", "replicas", b"replicas", "served_services", b"served_services", "service_name", b"service_name", "split_by_version", b"split_by_version", "unreported_requests", b"unreported_requests", "url", b"url", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,8 +26,9 @@ if _version_not_supported:
 
 
 class LoadBalancerServiceStub:
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     def __init__(self, channel):
@@ -44,13 +45,15 @@ class LoadBalancerServiceStub:
 
 
 class LoadBalancerServiceServicer:
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     def GetBalancer(self, request, context):
-        """Gets the balancer's view: its ready replicas with their in-flight requests, held requests
-        and requests not yet reported to the controller.
+        """Gets the balancer's view of one service: its ready replicas with their in-flight requests,
+        held requests and requests not yet reported to the controller. Returns INVALID_ARGUMENT when
+        a fleet serves several services and none is named, NOT_FOUND for a service not served.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,8 +76,9 @@ def add_LoadBalancerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LoadBalancerService:
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     @staticmethod

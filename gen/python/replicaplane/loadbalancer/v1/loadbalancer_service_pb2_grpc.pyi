@@ -27,8 +27,9 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class LoadBalancerServiceStub:
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     @_typing.overload
@@ -36,25 +37,29 @@ class LoadBalancerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> LoadBalancerServiceAsyncStub: ...
     GetBalancer: _grpc.UnaryUnaryMultiCallable[_loadbalancer_service_pb2.GetBalancerRequest, _loadbalancer_service_pb2.GetBalancerResponse]
-    """Gets the balancer's view: its ready replicas with their in-flight requests, held requests
-    and requests not yet reported to the controller.
+    """Gets the balancer's view of one service: its ready replicas with their in-flight requests,
+    held requests and requests not yet reported to the controller. Returns INVALID_ARGUMENT when
+    a fleet serves several services and none is named, NOT_FOUND for a service not served.
     """
 
 @_typing.type_check_only
 class LoadBalancerServiceAsyncStub(LoadBalancerServiceStub):
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetBalancer: _aio.UnaryUnaryMultiCallable[_loadbalancer_service_pb2.GetBalancerRequest, _loadbalancer_service_pb2.GetBalancerResponse]  # type: ignore[assignment]
-    """Gets the balancer's view: its ready replicas with their in-flight requests, held requests
-    and requests not yet reported to the controller.
+    """Gets the balancer's view of one service: its ready replicas with their in-flight requests,
+    held requests and requests not yet reported to the controller. Returns INVALID_ARGUMENT when
+    a fleet serves several services and none is named, NOT_FOUND for a service not served.
     """
 
 class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
-    """LoadBalancerService is the admin API of one load balancer: it shows what the balancer routes
-    to and how loaded each replica is. The proxied HTTP traffic is served on a separate port.
+    """LoadBalancerService is the admin API of a load balancer (of one service, or a fleet serving
+    every service on its own port): it shows what the balancer routes to and how loaded each
+    replica is. The proxied HTTP traffic is served on separate ports.
     """
 
     @_abc_1.abstractmethod
@@ -63,8 +68,9 @@ class LoadBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _loadbalancer_service_pb2.GetBalancerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_loadbalancer_service_pb2.GetBalancerResponse, _abc.Awaitable[_loadbalancer_service_pb2.GetBalancerResponse]]:
-        """Gets the balancer's view: its ready replicas with their in-flight requests, held requests
-        and requests not yet reported to the controller.
+        """Gets the balancer's view of one service: its ready replicas with their in-flight requests,
+        held requests and requests not yet reported to the controller. Returns INVALID_ARGUMENT when
+        a fleet serves several services and none is named, NOT_FOUND for a service not served.
         """
 
 def add_LoadBalancerServiceServicer_to_server(servicer: LoadBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
