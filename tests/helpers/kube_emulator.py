@@ -162,8 +162,14 @@ def _pump(stream: Any, path: str) -> None:
 
 
 def _kill_marked(pod_dir: str) -> None:
-    """SIGKILL every process of a fake Pod, whatever group it is in."""
-    procs.signal_pids(procs.pids_with_env(POD_MARKER, pod_dir), signal.SIGKILL)
+    """SIGKILL every process of a fake Pod, whatever group it is in. The scan runs again until it
+    finds none (bounded): a process forked while one scan ran is not in it."""
+    for _ in range(50):
+        pids = procs.pids_with_env(POD_MARKER, pod_dir)
+        if not pids:
+            return
+        procs.signal_pids(pids, signal.SIGKILL)
+        time.sleep(0.005)
 
 
 def _read(path: str) -> str:
