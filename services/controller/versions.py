@@ -133,10 +133,15 @@ class Versions:
             stable = state.stable_version if rollout.active and state else stable
             rollout.set_spec(parsed)
             rollout.begin(stable, expected, now=time.time())
+        ended = not canary and not rollout.active
+        if ended:
+            # A rolled-back rollout is forgotten before the new version exists: its split names
+            # the latest version, and the new one has no replica yet.
+            rollout.end()
         try:
             plan = await actions.update(rec, parsed, mode=mode, dry_run=False)
         except BaseException:
-            if canary:
+            if canary or ended:
                 rollout.restore(*previous)
             raise
         await self._noted(rec.name, plan, mode=mode)
@@ -187,10 +192,21 @@ class Versions:
         await self._check(old)
         rec = self._get(name)  # it may have gone while the check ran
         admission.budget_of(self._loops, name, old, limit=self._limit)
-        plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=dry_run)
-        if not dry_run:
-            self._rollouts[name].end()
-            await self._restored(name, latest, target, plan, f"rolled back to version {target} by a user")
+        if dry_run:
+            return rec.service(), await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=True), target
+        rollout = self._rollouts[name]
+        previous = (rollout.state, rollout.config)
+        ended = not rollout.active
+        if ended:
+            rollout.end()  # before the new version exists, as in update()
+        try:
+            plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=False)
+        except BaseException:
+            if ended:
+                rollout.restore(*previous)
+            raise
+        rollout.end()
+        await self._restored(name, latest, target, plan, f"rolled back to version {target} by a user")
         return rec.service(), plan, target
 
     async def _restored(self, name: str, left: int, target: int, plan: res.UpdatePlan, reason: str) -> None:

@@ -61,6 +61,17 @@ async def weights(env: tc.Env) -> dict[int, int]:
     return {w.version: w.weight for w in msg.version_weights}
 
 
+async def settled_weights(env: tc.Env, expected: dict[int, int]) -> dict[int, int]:
+    """The split pushed with the endpoints once it is `expected` (or after 5 s). The API shows a
+    change as soon as it is made; the push follows once it is stored."""
+    for _ in range(100):
+        found = await weights(env)
+        if found == expected:
+            break
+        await asyncio.sleep(0.05)
+    return found
+
+
 async def started(env: tc.Env, rollout: str = "") -> None:
     w = await tc.create(env, tc.spec(replicas=2))
     await w.until(lambda w: w.count(READY) == 2)
@@ -98,7 +109,7 @@ async def test_a_canary_update_launches_the_steps_replicas_and_splits_the_traffi
     )
     assert r.message.startswith("step 1/1 (10 %): pausing")
     assert (svc.update_mode, svc.stable_version, list(svc.active_versions)) == (res.UPDATE_MODE_CANARY, 1, [1, 2])
-    assert await weights(env) == {1: 900, 2: 100}
+    assert await settled_weights(env, {1: 900, 2: 100}) == {1: 900, 2: 100}
     replicas = (await env.stub.ListReplicas(api.ListReplicasRequest(service_name="svc"))).replicas
     assert sorted(r.version for r in replicas) == [1, 1, 2]  # one canary replica for 10 % of 2
 
@@ -110,7 +121,7 @@ async def test_a_failed_analysis_rolls_back_to_the_stable_spec(env: tc.Env) -> N
     svc = await until(env, lambda s: s.rollout.state == ROLLED_BACK)
     assert svc.rollout.message.startswith("rolled back: analysis failed: error rate 50.0 % over the last 30 s")
     svc = await until(env, lambda s: s.latest_version == 3 and s.ready_replicas == 2 and s.total_replicas == 2)
-    assert await weights(env) == {3: 1000}  # the restored spec alone, until the next update
+    assert await settled_weights(env, {3: 1000}) == {3: 1000}  # the restored spec alone, until the next update
     # The stable replicas, kept in place under the old spec (the canary's, shutting down and not
     # counted in the total, is gone once its teardown ends).
     for _ in range(400):
@@ -154,6 +165,40 @@ async def test_every_endpoint_push_through_a_rollback_leaves_a_routable_version(
         stream.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert any(any(e.version == 3 for e in m.endpoints) for m in pushes)
+    for m in pushes:
+        weighted = {w.version for w in m.version_weights if w.weight > 0}
+        if weighted and m.endpoints:
+            versions = sorted({e.version for e in m.endpoints})
+            assert weighted & set(versions), f"push {m.version}: weights {weighted}, endpoints of {versions}"
+
+
+async def test_every_endpoint_push_of_an_update_after_a_rollback_leaves_a_routable_version(env: tc.Env) -> None:
+    # After a rollback the split names the restored version; a rolling update then launches a new
+    # version with no replica yet: the pushes until it ends the rollout must still route somewhere.
+    await started(env)
+    await until(env, lambda s: s.ready_replicas == 3)
+    await report(env, 1, (100, 0), (20, 10))
+    await until(env, lambda s: s.rollout.state == ROLLED_BACK)
+    await until(env, lambda s: s.latest_version == 3 and s.ready_replicas == 2)
+    assert await settled_weights(env, {3: 1000}) == {3: 1000}
+    stream = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
+    pushes: list[api.WatchEndpointsResponse] = []
+
+    async def collect() -> None:
+        async for msg in stream:
+            pushes.append(msg)
+
+    task = asyncio.create_task(collect())
+    try:
+        await env.stub.UpdateService(
+            api.UpdateServiceRequest(service_name="svc", yaml=tc.spec(replicas=2, run="serve --v4"))
+        )
+        await until(env, lambda s: s.latest_version == 4 and list(s.active_versions) == [4] and s.ready_replicas == 2)
+        await asyncio.sleep(0.2)  # the last pushes
+    finally:
+        stream.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert any(any(e.version == 4 for e in m.endpoints) for m in pushes)
     for m in pushes:
         weighted = {w.version for w in m.version_weights if w.weight > 0}
         if weighted and m.endpoints:
@@ -217,7 +262,7 @@ async def test_promote_full_gives_the_canary_everything_and_retires_the_stable_v
     svc = await until(env, lambda s: s.rollout.state == SUCCEEDED and list(s.active_versions) == [2])
     assert svc.stable_version == 2 and svc.rollout.canary_weight == 100
     await until(env, lambda s: s.total_replicas == 2 and s.ready_replicas == 2)
-    assert await weights(env) == {}
+    assert await settled_weights(env, {}) == {}
     found = [e.reason for e in (await env.stub.ListEvents(api.ListEventsRequest(service_name="svc"))).events]
     assert "RolloutPromoted" in found and "RolloutSucceeded" in found
 
