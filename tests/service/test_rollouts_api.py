@@ -5,7 +5,8 @@ rule, abort) rolling back, `auto_rollback: false` holding, promote, and an in-pl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -70,6 +71,36 @@ async def settled_weights(env: tc.Env, expected: dict[int, int]) -> dict[int, in
             break
         await asyncio.sleep(0.05)
     return found
+
+
+async def pushes_during(env: tc.Env, action: Coroutine[Any, Any, None]) -> list[api.WatchEndpointsResponse]:
+    """Every endpoint push from now until `action` is done (and the last pushes after it)."""
+    stream = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
+    pushes: list[api.WatchEndpointsResponse] = []
+
+    async def collect() -> None:
+        async for msg in stream:
+            pushes.append(msg)
+
+    task = asyncio.create_task(collect())
+    try:
+        await action
+        await asyncio.sleep(0.2)
+    finally:
+        stream.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return pushes
+
+
+def assert_routable(pushes: list[api.WatchEndpointsResponse], *, reaching: int) -> None:
+    """The pushes reach endpoints of version `reaching`, and none carries a split that names no
+    version with an endpoint (the balancer would route nothing)."""
+    assert any(any(e.version == reaching for e in m.endpoints) for m in pushes)
+    for m in pushes:
+        weighted = {w.version for w in m.version_weights if w.weight > 0}
+        if weighted and m.endpoints:
+            versions = sorted({e.version for e in m.endpoints})
+            assert weighted & set(versions), f"push {m.version}: weights {weighted}, endpoints of {versions}"
 
 
 async def started(env: tc.Env, rollout: str = "") -> None:
@@ -148,28 +179,13 @@ async def test_every_endpoint_push_through_a_rollback_leaves_a_routable_version(
     # with those endpoints must already name version 3, or the balancer routes nothing (503s).
     await started(env)
     await until(env, lambda s: s.ready_replicas == 3)
-    stream = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
-    pushes: list[api.WatchEndpointsResponse] = []
 
-    async def collect() -> None:
-        async for msg in stream:
-            pushes.append(msg)
-
-    task = asyncio.create_task(collect())
-    try:
+    async def rollback() -> None:
         await report(env, 1, (100, 0), (20, 10))
         await until(env, lambda s: s.rollout.state == ROLLED_BACK)
         await until(env, lambda s: s.latest_version == 3 and s.ready_replicas == 2 and s.total_replicas == 2)
-        await asyncio.sleep(0.2)  # the last pushes
-    finally:
-        stream.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert any(any(e.version == 3 for e in m.endpoints) for m in pushes)
-    for m in pushes:
-        weighted = {w.version for w in m.version_weights if w.weight > 0}
-        if weighted and m.endpoints:
-            versions = sorted({e.version for e in m.endpoints})
-            assert weighted & set(versions), f"push {m.version}: weights {weighted}, endpoints of {versions}"
+
+    assert_routable(await pushes_during(env, rollback()), reaching=3)
 
 
 async def test_every_endpoint_push_of_an_update_after_a_rollback_leaves_a_routable_version(env: tc.Env) -> None:
@@ -181,29 +197,14 @@ async def test_every_endpoint_push_of_an_update_after_a_rollback_leaves_a_routab
     await until(env, lambda s: s.rollout.state == ROLLED_BACK)
     await until(env, lambda s: s.latest_version == 3 and s.ready_replicas == 2)
     assert await settled_weights(env, {3: 1000}) == {3: 1000}
-    stream = env.stub.WatchEndpoints(api.WatchEndpointsRequest(service_name="svc"))
-    pushes: list[api.WatchEndpointsResponse] = []
 
-    async def collect() -> None:
-        async for msg in stream:
-            pushes.append(msg)
-
-    task = asyncio.create_task(collect())
-    try:
+    async def update() -> None:
         await env.stub.UpdateService(
             api.UpdateServiceRequest(service_name="svc", yaml=tc.spec(replicas=2, run="serve --v4"))
         )
         await until(env, lambda s: s.latest_version == 4 and list(s.active_versions) == [4] and s.ready_replicas == 2)
-        await asyncio.sleep(0.2)  # the last pushes
-    finally:
-        stream.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert any(any(e.version == 4 for e in m.endpoints) for m in pushes)
-    for m in pushes:
-        weighted = {w.version for w in m.version_weights if w.weight > 0}
-        if weighted and m.endpoints:
-            versions = sorted({e.version for e in m.endpoints})
-            assert weighted & set(versions), f"push {m.version}: weights {weighted}, endpoints of {versions}"
+
+    assert_routable(await pushes_during(env, update()), reaching=4)
 
 
 async def test_a_canary_that_never_gets_ready_is_rolled_back_at_the_deadline(env: tc.Env) -> None:
