@@ -8,7 +8,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from aiohttp import web
@@ -29,8 +29,9 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
 
     def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False, launch_many: bool = True) -> None:
         self.endpoint = endpoint
-        self.launch_many = launch_many  # False: LaunchMany is UNIMPLEMENTED (an older provisioner)
-        self.streams: collections.Counter[str] = collections.Counter()  # "Launch" / "LaunchMany" calls
+        # False: LaunchMany and LaunchBatches are UNIMPLEMENTED (an older provisioner).
+        self.launch_many = launch_many
+        self.streams: collections.Counter[str] = collections.Counter()  # calls of each launch RPC
         # Each replica at `endpoint/r/<name>`, so the requests seen tell which replica was probed.
         self.endpoint_per_replica = endpoint_per_replica
         self.requests: dict[str, float] = {}  # request path -> time.monotonic() of its last request
@@ -70,14 +71,31 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         if not self.launch_many:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchMany here")
         self.streams["LaunchMany"] += 1
+        requests = multiplex.launch_requests(request_iterator)
+        events = self._events_of(context)
+        async for response in multiplex.serve(requests, events, multiplex.launch_response, domain="provisioner.test"):
+            yield response
 
+    async def LaunchBatches(
+        self, request_iterator: AsyncIterator[pb.LaunchBatchRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchBatchResponse]:
+        if not self.launch_many:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchBatches here")
+        self.streams["LaunchBatches"] += 1
+        requests = multiplex.launch_batch_requests(request_iterator)
+        events = self._events_of(context)
+        batches = multiplex.serve_batches(requests, events, multiplex.launch_response, domain="provisioner.test")
+        async for batch in batches:
+            yield pb.LaunchBatchResponse(responses=batch)
+
+    def _events_of(
+        self, context: grpc.aio.ServicerContext
+    ) -> Callable[[pb.LaunchRequest], AsyncIterator[res.LaunchEvent]]:
         async def events(request: pb.LaunchRequest) -> AsyncIterator[res.LaunchEvent]:
             async for response in self._launch(request, context):
                 yield response.event
 
-        requests = multiplex.launch_requests(request_iterator)
-        async for response in multiplex.serve(requests, events, multiplex.launch_response, domain="provisioner.test"):
-            yield response
+        return events
 
     async def _launch(
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext

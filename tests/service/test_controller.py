@@ -454,7 +454,7 @@ async def test_every_launch_goes_over_one_shared_provisioner_stream(env: Env) ->
     first, second = await create(env, spec("one", replicas=6)), await create(env, spec("two", replicas=6))
     await first.until(lambda w: w.count(READY) == 6)
     await second.until(lambda w: w.count(READY) == 6)
-    assert env.provisioner.streams == {"LaunchMany": 1}
+    assert env.provisioner.streams == {"LaunchBatches": 1}
     assert sum(env.provisioner.launches.values()) == 12
 
 

@@ -1,7 +1,7 @@
 """Launch driver: follows each replica's launch at the provisioner, re-attaching by name when its
-stream breaks, and hands every event back. Launches go over one shared `LaunchMany` stream
+stream breaks, and hands every event back. Launches go over one shared `LaunchBatches` stream
 (`Mux`); a launch carrying a trace context, or any launch when the provisioner has no
-`LaunchMany`, gets a `Launch` stream of its own. Launches of the whole controller share a slot
+`LaunchBatches`, gets a `Launch` stream of its own. Launches of the whole controller share a slot
 pool (`max_launches_in_flight`)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ PERMANENT_CODES = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 )
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_BATCH_MAX = 500  # launch requests in one message at most
 
 
 class Broke(Exception):
@@ -46,12 +47,13 @@ class Refused(Exception):
 
 
 class Mux:
-    """Launches followed on one `LaunchMany` stream of the provisioner instead of one `Launch`
-    stream each: at 10,000 replicas the per-replica streams were the largest cost left in the
-    controller (docs/scaling.md). The stream opens with the first launch and is shared by every
-    service; when it breaks, every launch on it breaks too and its driver re-attaches. A
-    provisioner without `LaunchMany` (UNIMPLEMENTED) is remembered: launches then go on streams
-    of their own."""
+    """Launches followed on one `LaunchBatches` stream of the provisioner instead of one `Launch`
+    stream each: at 10,000 replicas the per-replica streams, then a message per launch event,
+    were the largest cost left in the controller (docs/scaling.md). What is queued when the
+    stream writes goes in one message, both ways. The stream opens with the first launch and is
+    shared by every service; when it breaks, every launch on it breaks too and its driver
+    re-attaches. A provisioner without `LaunchBatches` (UNIMPLEMENTED) is remembered: launches
+    then go on streams of their own."""
 
     def __init__(self, provisioner: prov_grpc.ProvisionerServiceStub) -> None:
         self._prov = provisioner
@@ -68,20 +70,24 @@ class Mux:
         return self._outbox
 
     async def _read(self, outbox: asyncio.Queue[prov_pb.LaunchManyRequest]) -> None:
-        async def requests() -> AsyncIterator[prov_pb.LaunchManyRequest]:
+        async def requests() -> AsyncIterator[prov_pb.LaunchBatchRequest]:
             while True:
-                yield await outbox.get()
+                batch = [await outbox.get()]
+                while not outbox.empty() and len(batch) < _BATCH_MAX:
+                    batch.append(outbox.get_nowait())
+                yield prov_pb.LaunchBatchRequest(requests=batch)
 
         error: BaseException = Broke("the launch stream ended")
         try:
-            async for response in self._prov.LaunchMany(requests()):
-                q = self._followers.get(response.name)
-                if q is not None:
-                    q.put_nowait(response)
+            async for message in self._prov.LaunchBatches(requests()):
+                for response in message.responses:
+                    q = self._followers.get(response.name)
+                    if q is not None:
+                        q.put_nowait(response)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.supported = False
-                log.info("the provisioner has no LaunchMany: one Launch stream per replica")
+                log.info("the provisioner has no LaunchBatches: one Launch stream per replica")
             error = Broke(f"the launch stream broke ({exc.code().name})")
         except asyncio.CancelledError:
             error = Broke("the launch stream was closed")
