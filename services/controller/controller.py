@@ -108,13 +108,18 @@ class Controller(replica_api.ReplicaCalls):
                     interval_s=self._tuning.sweep_interval_s,
                     services=lambda: self._services,
                     db_writer=self._writer,
-                    before=self._zones_if_unknown,
+                    before=self._zones_if_none,
                 ),
                 name="resync",
             ),
         ]
 
     async def _zones_if_unknown(self) -> None:
+        # Before each create: until the provisioner has answered once (an answer with no zones
+        # is asked again by the resync, not by every create).
+        await (self.watch.load_zones() if not self.watch.zones_answered else asyncio.sleep(0))
+
+    async def _zones_if_none(self) -> None:
         await (self.watch.load_zones() if not self.watch.zones else asyncio.sleep(0))
 
     async def stop(self) -> None:

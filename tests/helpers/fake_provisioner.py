@@ -48,6 +48,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
         self.specs: dict[str, spec_pb2.ServiceSpec] = {}  # name -> the spec of its last Launch
         self.terminations: collections.Counter[str] = collections.Counter()
+        self.zone_lists = 0  # ListZones calls
         self.running: dict[str, res.ProvisionedReplica] = {}
         self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
         self._sequence = 0
@@ -180,6 +181,10 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         yield pb.TerminateResponse(
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
         )
+
+    async def ListZones(self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext) -> pb.ListZonesResponse:
+        self.zone_lists += 1
+        return pb.ListZonesResponse()  # no zones: the backend places spot replicas
 
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext

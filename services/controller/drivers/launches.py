@@ -203,34 +203,57 @@ class Launches:
         on_refused: Callable[[str], None],
         metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
     ) -> None:
+        # The retries of `policy`, without tenacity's machinery around the first attempt, which
+        # nearly always ends the launch: thousands of launches start at once at scale.
         async with self._slots:
-            async for attempt in self._policy.retrying(Broke):
-                with attempt:
-                    wanted = request()
-                    if wanted is None:
-                        return
-                    try:
-                        async with contextlib.aclosing(self._events(wanted, metadata(wanted))) as events:
-                            async for event in events:
-                                if on_event(event):
-                                    return
-                    except Refused as exc:
-                        if exc.code in PERMANENT_CODES:
-                            on_refused(exc.details or exc.code.name)
-                            return
-                        log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code.name)
-                        raise Broke from exc
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in PERMANENT_CODES:
-                            on_refused(exc.details() or exc.code().name)
-                            return
-                        log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code().name)
-                        raise Broke from exc
-                    except Superseded:
-                        return
-                    except Broke:
+            tries = 0
+            while True:
+                try:
+                    await self._attempt(request, on_event, on_refused, metadata)
+                    return
+                except Broke:
+                    tries += 1
+                    if self._policy.attempts and tries >= self._policy.attempts:
                         raise
-                    except Exception as exc:
-                        log.exception("following the launch of %s failed; re-attaching", wanted.name)
-                        raise Broke from exc
-                    raise Broke  # the stream ended without saying how the launch ended
+                await asyncio.sleep(self._policy.delay(tries))
+
+    async def _attempt(
+        self,
+        request: Callable[[], prov_pb.LaunchRequest | None],
+        on_event: Callable[[prov_res.LaunchEvent], bool],
+        on_refused: Callable[[str], None],
+        metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
+    ) -> None:
+        """Follow the launch once, until it ends.
+
+        Raises:
+            Broke: the stream broke first: follow it again.
+        """
+        wanted = request()
+        if wanted is None:
+            return
+        try:
+            async with contextlib.aclosing(self._events(wanted, metadata(wanted))) as events:
+                async for event in events:
+                    if on_event(event):
+                        return
+        except Refused as exc:
+            if exc.code in PERMANENT_CODES:
+                on_refused(exc.details or exc.code.name)
+                return
+            log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code.name)
+            raise Broke from exc
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in PERMANENT_CODES:
+                on_refused(exc.details() or exc.code().name)
+                return
+            log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code().name)
+            raise Broke from exc
+        except Superseded:
+            return
+        except Broke:
+            raise
+        except Exception as exc:
+            log.exception("following the launch of %s failed; re-attaching", wanted.name)
+            raise Broke from exc
+        raise Broke  # the stream ended without saying how the launch ended
