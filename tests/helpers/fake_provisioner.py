@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from aiohttp import web
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
@@ -227,6 +226,39 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             q.put_nowait(res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_APP_EXITED, replica=replica))
 
 
+class _Replicas(asyncio.Protocol):
+    """Every replica's HTTP endpoint: 200 "ok" to any request, over kept-alive connections,
+    noting the time of each path's last request. Plain asyncio: at 10,000 replicas a web
+    framework's cost per request was a large share of the scale bench's CPU."""
+
+    def __init__(self, requests: dict[str, float]) -> None:
+        self._requests = requests
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
+            head = self._buffer[:end].decode("latin-1").split("\r\n")
+            length = 0
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self._buffer) < end + 4 + length:
+                return  # the body is not all here yet
+            self._buffer = self._buffer[end + 4 + length :]
+            parts = head[0].split(" ")
+            if len(parts) >= 2:
+                self._requests[parts[1].split("?")[0]] = time.monotonic()
+            assert self._transport is not None
+            self._transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
+
+
 @contextlib.asynccontextmanager
 async def serving(
     *, endpoint_per_replica: bool = False, launch_many: bool = True
@@ -235,18 +267,8 @@ async def serving(
     local server (each at a path of its own with `endpoint_per_replica`, recorded in
     `requests`); yields it and the provisioner's address."""
     requests: dict[str, float] = {}
-
-    async def ok(request: web.Request) -> web.Response:
-        requests[request.path] = time.monotonic()
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/{path:.*}", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    replicas = await asyncio.get_running_loop().create_server(lambda: _Replicas(requests), "127.0.0.1", 0)
+    port = replicas.sockets[0].getsockname()[1]
     fake = FakeProvisioner(
         f"http://127.0.0.1:{port}", endpoint_per_replica=endpoint_per_replica, launch_many=launch_many
     )
@@ -259,4 +281,4 @@ async def serving(
         yield fake, f"127.0.0.1:{built.port}"
     finally:
         await built.stop(None)
-        await runner.cleanup()
+        replicas.close()
