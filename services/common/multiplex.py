@@ -146,7 +146,7 @@ async def launch_requests(
 
 
 async def launch_batch_requests(
-    requests: AsyncIterable[pb.LaunchBatchRequest],
+    requests: AsyncIterable[pb.LaunchBatchesRequest],
 ) -> AsyncIterator[tuple[str, pb.LaunchRequest | None]]:
     """LaunchBatches' requests, one by one, as `launch_requests` gives LaunchMany's."""
     async for msg in requests:

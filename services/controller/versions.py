@@ -20,7 +20,6 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, spec
 from services.controller import (
     actions,
-    admission,
     autoscaling,
     convert,
     event_log,

@@ -42,8 +42,8 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
             yield response
 
     async def LaunchBatches(
-        self, request_iterator: AsyncIterator[pb.LaunchBatchRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LaunchBatchResponse]:
+        self, request_iterator: AsyncIterator[pb.LaunchBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchBatchesResponse]:
         batches = multiplex.serve_batches(
             multiplex.launch_batch_requests(request_iterator),
             self._launch_events,
@@ -51,7 +51,7 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
             domain=DOMAIN,
         )
         async for batch in batches:
-            yield pb.LaunchBatchResponse(responses=batch)
+            yield pb.LaunchBatchesResponse(responses=batch)
 
     async def _launch_events(self, request: pb.LaunchRequest) -> AsyncIterator[resources_pb2.LaunchEvent]:
         events = self._p.launch(

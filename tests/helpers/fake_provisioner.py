@@ -77,8 +77,8 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             yield response
 
     async def LaunchBatches(
-        self, request_iterator: AsyncIterator[pb.LaunchBatchRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LaunchBatchResponse]:
+        self, request_iterator: AsyncIterator[pb.LaunchBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchBatchesResponse]:
         if not self.launch_many:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchBatches here")
         self.streams["LaunchBatches"] += 1
@@ -86,7 +86,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         events = self._events_of(context)
         batches = multiplex.serve_batches(requests, events, multiplex.launch_response, domain="provisioner.test")
         async for batch in batches:
-            yield pb.LaunchBatchResponse(responses=batch)
+            yield pb.LaunchBatchesResponse(responses=batch)
 
     def _events_of(
         self, context: grpc.aio.ServicerContext

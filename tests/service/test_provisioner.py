@@ -360,14 +360,14 @@ async def test_many_launches_share_one_stream_and_each_ends_as_its_own_launch_wo
 
 async def test_launch_batches_carry_many_launches_per_message_each_ending_as_its_own_launch_would(stub) -> None:
     # LaunchBatches: LaunchMany with many requests and many responses per message.
-    outbox: asyncio.Queue[pb.LaunchBatchRequest | None] = asyncio.Queue()
+    outbox: asyncio.Queue[pb.LaunchBatchesRequest | None] = asyncio.Queue()
 
-    async def requests() -> AsyncIterator[pb.LaunchBatchRequest]:
+    async def requests() -> AsyncIterator[pb.LaunchBatchesRequest]:
         while (msg := await outbox.get()) is not None:
             yield msg
 
     launches = (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129))
-    outbox.put_nowait(pb.LaunchBatchRequest(requests=[pb.LaunchManyRequest(launch=r) for r in launches]))
+    outbox.put_nowait(pb.LaunchBatchesRequest(requests=[pb.LaunchManyRequest(launch=r) for r in launches]))
     events: dict[str, list[resources_pb2.LaunchEvent]] = {"svc-1": [], "svc-2": []}
     ended: dict[str, pb.LaunchManyResponse] = {}
     messages = 0

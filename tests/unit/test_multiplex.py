@@ -48,4 +48,6 @@ async def test_one_response_per_message_through_serve() -> None:
     responses = multiplex.serve(_requests(["a", "b"]), _items, _wrap, domain="test")
     async with asyncio.timeout(10):
         flat = [r async for r in responses]
-    assert sorted(flat, key=str) == sorted([("a", 0), ("a", 1), ("a", "end"), ("b", 0), ("b", 1), ("b", "end")], key=str)
+    assert sorted(flat, key=str) == sorted(
+        [("a", 0), ("a", 1), ("a", "end"), ("b", 0), ("b", 1), ("b", "end")], key=str
+    )

@@ -172,7 +172,12 @@ async def test_statuses_timeouts_and_refusals_are_failures_that_say_so(prober: p
     replica = Replica(lambda _: b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n")
     url = await replica.start()
     busy = await prober.probe(target(url))
-    assert (busy.ready, busy.http_code, busy.error, busy.failure) == (False, 503, "HTTP 503", probing.FailureKind.HTTP_STATUS)
+    assert (busy.ready, busy.http_code, busy.error, busy.failure) == (
+        False,
+        503,
+        "HTTP 503",
+        probing.FailureKind.HTTP_STATUS,
+    )
 
     silent = Replica(lambda _: b"")  # reads the request, never answers
     slow = await prober.probe(target(await silent.start(), timeout_s=0.2))

@@ -70,12 +70,12 @@ class Mux:
         return self._outbox
 
     async def _read(self, outbox: asyncio.Queue[prov_pb.LaunchManyRequest]) -> None:
-        async def requests() -> AsyncIterator[prov_pb.LaunchBatchRequest]:
+        async def requests() -> AsyncIterator[prov_pb.LaunchBatchesRequest]:
             while True:
                 batch = [await outbox.get()]
                 while not outbox.empty() and len(batch) < _BATCH_MAX:
                     batch.append(outbox.get_nowait())
-                yield prov_pb.LaunchBatchRequest(requests=batch)
+                yield prov_pb.LaunchBatchesRequest(requests=batch)
 
         error: BaseException = Broke("the launch stream ended")
         try:

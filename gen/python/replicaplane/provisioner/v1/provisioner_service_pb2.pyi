@@ -189,8 +189,8 @@ class LaunchManyResponse(_message.Message):
 Global___LaunchManyResponse: _TypeAlias = LaunchManyResponse  # noqa: Y015
 
 @_typing.final
-class LaunchBatchRequest(_message.Message):
-    """LaunchBatchRequest is several `LaunchManyRequest`s, applied in order."""
+class LaunchBatchesRequest(_message.Message):
+    """LaunchBatchesRequest is several `LaunchManyRequest`s, applied in order."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -210,11 +210,11 @@ class LaunchBatchRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___LaunchBatchRequest: _TypeAlias = LaunchBatchRequest  # noqa: Y015
+Global___LaunchBatchesRequest: _TypeAlias = LaunchBatchesRequest  # noqa: Y015
 
 @_typing.final
-class LaunchBatchResponse(_message.Message):
-    """LaunchBatchResponse is several `LaunchManyResponse`s, in the order they happened."""
+class LaunchBatchesResponse(_message.Message):
+    """LaunchBatchesResponse is several `LaunchManyResponse`s, in the order they happened."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -234,7 +234,7 @@ class LaunchBatchResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___LaunchBatchResponse: _TypeAlias = LaunchBatchResponse  # noqa: Y015
+Global___LaunchBatchesResponse: _TypeAlias = LaunchBatchesResponse  # noqa: Y015
 
 @_typing.final
 class TerminateRequest(_message.Message):

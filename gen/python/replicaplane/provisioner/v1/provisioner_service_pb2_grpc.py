@@ -47,8 +47,8 @@ class ProvisionerServiceStub:
                 _registered_method=True)
         self.LaunchBatches = channel.stream_stream(
                 '/replicaplane.provisioner.v1.ProvisionerService/LaunchBatches',
-                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchRequest.SerializeToString,
-                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchResponse.FromString,
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.FromString,
                 _registered_method=True)
         self.Terminate = channel.unary_stream(
                 '/replicaplane.provisioner.v1.ProvisionerService/Terminate',
@@ -289,8 +289,8 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
             ),
             'LaunchBatches': grpc.stream_stream_rpc_method_handler(
                     servicer.LaunchBatches,
-                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchRequest.FromString,
-                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchResponse.SerializeToString,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.SerializeToString,
             ),
             'Terminate': grpc.unary_stream_rpc_method_handler(
                     servicer.Terminate,
@@ -443,8 +443,8 @@ class ProvisionerService:
             request_iterator,
             target,
             '/replicaplane.provisioner.v1.ProvisionerService/LaunchBatches',
-            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchRequest.SerializeToString,
-            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchResponse.FromString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

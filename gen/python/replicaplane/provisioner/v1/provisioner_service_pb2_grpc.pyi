@@ -46,7 +46,7 @@ class ProvisionerServiceStub:
     and a last response per launch says how its events ended: `Launch`'s own status. Closing the
     stream stops following every launch on it; none is cancelled.
     """
-    LaunchBatches: _grpc.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchRequest, _provisioner_service_pb2.LaunchBatchResponse]
+    LaunchBatches: _grpc.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchesRequest, _provisioner_service_pb2.LaunchBatchesResponse]
     """As `LaunchMany`, with many requests in one message and many responses in one message: a
     message per launch event was most of a launch's cost to both sides under a burst of
     thousands. A server sends in one response what is ready when it writes; nothing waits to
@@ -126,7 +126,7 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     and a last response per launch says how its events ended: `Launch`'s own status. Closing the
     stream stops following every launch on it; none is cancelled.
     """
-    LaunchBatches: _aio.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchRequest, _provisioner_service_pb2.LaunchBatchResponse]  # type: ignore[assignment]
+    LaunchBatches: _aio.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchesRequest, _provisioner_service_pb2.LaunchBatchesResponse]  # type: ignore[assignment]
     """As `LaunchMany`, with many requests in one message and many responses in one message: a
     message per launch event was most of a launch's cost to both sides under a burst of
     thousands. A server sends in one response what is ready when it writes; nothing waits to
@@ -219,9 +219,9 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def LaunchBatches(
         self,
-        request_iterator: _MaybeAsyncIterator[_provisioner_service_pb2.LaunchBatchRequest],
+        request_iterator: _MaybeAsyncIterator[_provisioner_service_pb2.LaunchBatchesRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchBatchResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchBatchResponse]]:
+    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchBatchesResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchBatchesResponse]]:
         """As `LaunchMany`, with many requests in one message and many responses in one message: a
         message per launch event was most of a launch's cost to both sides under a burst of
         thousands. A server sends in one response what is ready when it writes; nothing waits to
