@@ -181,6 +181,9 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
         )
 
+    async def CheckSpec(self, request: pb.CheckSpecRequest, context: grpc.aio.ServicerContext) -> pb.CheckSpecResponse:
+        return pb.CheckSpecResponse()  # it runs anything
+
     async def ListZones(self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext) -> pb.ListZonesResponse:
         self.zone_lists += 1
         return pb.ListZonesResponse()  # no zones: the backend places spot replicas
