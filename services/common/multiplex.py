@@ -1,7 +1,8 @@
 """Many server-streaming calls served over one bidirectional stream (the provisioner's
-`LaunchMany`): each request starts one inner stream (or stops one), each response carries one
-item of one of them, tagged with its key, and a last response says how it ended. The scripted
-provisioner of the tests serves `LaunchMany` with the same code."""
+`LaunchMany` and `LaunchBatches`): each request starts one inner stream (or stops one), each
+response carries one item of one of them, tagged with its key, and a last response says how it
+ended; `LaunchBatches` carries several of each per message. The scripted provisioner of the
+tests serves both with the same code."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class Ended:
         self.message = message
 
 
+# Responses one batch carries at most (`serve_batches`): about 100 KB of launch events.
+BATCH_MAX = 500
+
+
 async def serve(
     requests: AsyncIterable[tuple[str, Req | None]],
     start: Callable[[Req], AsyncIterator[Item]],
@@ -38,7 +43,21 @@ async def serve(
     *,
     domain: str,
 ) -> AsyncIterator[Out]:
-    """Serve inner streams over one stream.
+    """Serve inner streams over one stream, one response per message (see `serve_batches`)."""
+    async for batch in serve_batches(requests, start, wrap, domain=domain):
+        for response in batch:
+            yield response
+
+
+async def serve_batches(
+    requests: AsyncIterable[tuple[str, Req | None]],
+    start: Callable[[Req], AsyncIterator[Item]],
+    wrap: Callable[[str, Item | Ended], Out],
+    *,
+    domain: str,
+) -> AsyncIterator[list[Out]]:
+    """Serve inner streams over one stream: yields the responses ready at each write, at most
+    BATCH_MAX together (none waits for a batch to fill).
 
     Args:
         requests: (key, request) to start following `start(request)` under `key` (again: the old
@@ -83,8 +102,18 @@ async def serve(
 
     reader = asyncio.create_task(read(), name="multiplexed requests")
     try:
-        while (item := await out.get()) is not None:
-            yield item
+        ended = False
+        while not ended:
+            item = await out.get()
+            batch: list[Out] = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= BATCH_MAX or out.empty():
+                    break
+                item = out.get_nowait()
+            ended = item is None
+            if batch:
+                yield batch
         await asyncio.wait([reader])
         failure = None if reader.cancelled() else reader.exception()
         if failure is not None:
@@ -95,7 +124,16 @@ async def serve(
             task.cancel()
 
 
-# ---- LaunchMany ---------------------------------------------------------------------------------
+# ---- LaunchMany and LaunchBatches ---------------------------------------------------------------
+
+
+def _launch_request(msg: pb.LaunchManyRequest) -> tuple[str, pb.LaunchRequest | None] | None:
+    which = msg.WhichOneof("request")
+    if which == "launch":
+        return msg.launch.name, msg.launch
+    if which == "stop":
+        return msg.stop, None
+    return None  # neither: nothing to do
 
 
 async def launch_requests(
@@ -103,11 +141,18 @@ async def launch_requests(
 ) -> AsyncIterator[tuple[str, pb.LaunchRequest | None]]:
     """LaunchMany's requests as (name, launch request), or (name, None) to stop following."""
     async for msg in requests:
-        which = msg.WhichOneof("request")
-        if which == "launch":
-            yield msg.launch.name, msg.launch
-        elif which == "stop":
-            yield msg.stop, None
+        if (one := _launch_request(msg)) is not None:
+            yield one
+
+
+async def launch_batch_requests(
+    requests: AsyncIterable[pb.LaunchBatchesRequest],
+) -> AsyncIterator[tuple[str, pb.LaunchRequest | None]]:
+    """LaunchBatches' requests, one by one, as `launch_requests` gives LaunchMany's."""
+    async for msg in requests:
+        for each in msg.requests:
+            if (one := _launch_request(each)) is not None:
+                yield one
 
 
 def launch_response(name: str, item: resources_pb2.LaunchEvent | Ended) -> pb.LaunchManyResponse:

@@ -4,8 +4,7 @@ fields, a spec the provisioner cannot run, the replica budget, malformed load re
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -17,9 +16,6 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from services.common import errors, localpaths, pagetoken, pbtime, spec
 from services.controller import balancers, convert
 from services.controller.domain import autoscaler, load, placer
-
-if TYPE_CHECKING:
-    from services.controller.reconciler import ServiceReconciler
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +113,9 @@ async def check_runnable(
     )
 
 
-def check_budget(name: str, parsed: spec_pb2.ServiceSpec, *, limit: int, current_most: int | None, others: int) -> None:
-    """Refuse a spec that would take the services past max_replicas_total.
+def check_budget(name: str, parsed: spec_pb2.ServiceSpec, *, limit: int, current_most: int | None, others: int) -> int:
+    """Refuse a spec that would take the services past max_replicas_total; else the most
+    replicas it may run.
 
     Each service holds the most replicas its policy can run (or the replicas it still has,
     if more), so the autoscalers never need to ask. An update that does not raise its
@@ -129,9 +126,9 @@ def check_budget(name: str, parsed: spec_pb2.ServiceSpec, *, limit: int, current
     """
     want = autoscaler.most_replicas(convert.policy_of(parsed))
     if current_most is not None and want <= current_most:
-        return
+        return want
     if others + want <= limit:
-        return
+        return want
     fixed = parsed.service.fixed_replicas_shorthand
     field = "service.replicas" if fixed else "service.replica_policy.max_replicas"
     raise errors.ResourceExhaustedError(
@@ -183,20 +180,6 @@ def page(
     chunk = keys[:size]
     token = pagetoken.encode(kind, scope, chunk[-1]) if len(keys) > size else ""
     return chunk, token
-
-
-def budget_of(
-    services: Mapping[str, ServiceReconciler], name: str, parsed: spec_pb2.ServiceSpec, *, limit: int
-) -> None:
-    """`check_budget` against the services the controller runs."""
-    current = services.get(name)
-    check_budget(
-        name,
-        parsed,
-        limit=limit,
-        current_most=None if current is None else current.most_replicas(),
-        others=sum(rec.reserved_replicas() for other, rec in services.items() if other != name),
-    )
 
 
 _MAX_IN_FLIGHT = 10_000

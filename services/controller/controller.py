@@ -4,6 +4,7 @@ checks are in `admission`, the work in each service's loop and `actions`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -16,6 +17,7 @@ from services.common import errors, spec
 from services.controller import (
     actions,
     admission,
+    budget,
     events,
     hooks,
     orphans,
@@ -77,7 +79,8 @@ class Controller(replica_api.ReplicaCalls):
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
         )
         self.orphans = orphans.Orphans(provisioner=provisioner, controller_id=self.controller_id, records=self._records)
-        self.versions = versions.Versions(db, db_writer, self._services, self._check_runnable, tuning)
+        self.budget = budget.Budget(self._services, tuning.max_replicas_total)
+        self.versions = versions.Versions(db, db_writer, self._services, self._check_runnable, self.budget)
         self.jobs = pools_api.Jobs(lambda: self._services)
 
     @property
@@ -90,7 +93,7 @@ class Controller(replica_api.ReplicaCalls):
         await self.watch.load_zones()
         for row in self._db.list_services():
             self._new_loop(reconciler.Loaded.read(self._db, row.name), created=False).start()
-        reserved = sum(r.reserved_replicas() for r in self._services.values())
+        reserved = self.budget.held()
         if reserved > self._tuning.max_replicas_total:
             log.warning(
                 "the services hold %d replicas, more than max_replicas_total (%d): they keep running, "
@@ -105,13 +108,18 @@ class Controller(replica_api.ReplicaCalls):
                     interval_s=self._tuning.sweep_interval_s,
                     services=lambda: self._services,
                     db_writer=self._writer,
-                    before=self._zones_if_unknown,
+                    before=self._zones_if_none,
                 ),
                 name="resync",
             ),
         ]
 
     async def _zones_if_unknown(self) -> None:
+        # Before each create: until the provisioner has answered once (an answer with no zones
+        # is asked again by the resync, not by every create).
+        await (self.watch.load_zones() if not self.watch.zones_answered else asyncio.sleep(0))
+
+    async def _zones_if_none(self) -> None:
         await (self.watch.load_zones() if not self.watch.zones else asyncio.sleep(0))
 
     async def stop(self) -> None:
@@ -144,6 +152,7 @@ class Controller(replica_api.ReplicaCalls):
             launch_slots=self._launch_slots,
             launch_mux=self._launch_mux,
             traces=self.traces,
+            held_changed=self.budget.touched,
         )
         rec = reconciler.ServiceReconciler(loaded, deps)
         for observer in self._hub_observers:
@@ -155,6 +164,7 @@ class Controller(replica_api.ReplicaCalls):
 
     def _forget(self, name: str) -> None:
         self._services.pop(name, None)
+        self.budget.touched(name)
 
     def _get(self, name: str) -> reconciler.ServiceReconciler:
         rec = self._services.get(name)
@@ -177,12 +187,13 @@ class Controller(replica_api.ReplicaCalls):
         if existing is not None and request_id and existing.row.request_id == request_id:
             return existing.service()
         await self._check_runnable(parsed)
-        if name not in self._services:  # else the store says ALREADY_EXISTS
-            admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
-        loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
-        if name in self._services:  # created meanwhile by a retry of the same request
-            return self._services[name].service()
-        rec = self._new_loop(loaded, created=True)
+        # A name taken is refused by the store (ALREADY_EXISTS): no budget to check then.
+        taken = name in self._services
+        with contextlib.nullcontext() if taken else self.budget.reserve(name, parsed):
+            loaded = await self._writer.submit(lambda db: wiring.create(db, name, parsed, request_id=request_id))
+            if name in self._services:  # created meanwhile by a retry of the same request
+                return self._services[name].service()
+            rec = self._new_loop(loaded, created=True)
         rec.start()
         return rec.service()
 
@@ -213,8 +224,8 @@ class Controller(replica_api.ReplicaCalls):
         await self._check_runnable(parsed)
         rec = self._get(name)  # it may have gone while the check ran
         pools.check_update(rec, parsed)
-        admission.budget_of(self._services, name, parsed, limit=self._tuning.max_replicas_total)
-        plan = await self.versions.update(rec, parsed, mode=mode, dry_run=dry_run)
+        with self.budget.reserve(name, parsed):
+            plan = await self.versions.update(rec, parsed, mode=mode, dry_run=dry_run)
         return rec.service(), plan
 
     # ---- replicas ------------------------------------------------------------------------

@@ -145,10 +145,12 @@ class Events:
             replicas: its replica records as they are now (changes from them are events).
             service: the service as it is now, after a restart.
         """
-        try:
-            stored = [from_proto(e) for e in self._db.list_events(name)]
-        except errors.UnavailableError:
-            stored = []
+        stored = []
+        if service is not None:  # a new service has none stored yet
+            try:
+                stored = [from_proto(e) for e in self._db.list_events(name)]
+            except errors.UnavailableError:
+                pass
         self._logs[name] = ev.EventLog(stored)
         self._watchers.setdefault(name, set())
         self._replicas[name] = {

@@ -16,6 +16,10 @@ from services.common import errors
 log = logging.getLogger(__name__)
 
 _HISTORY = 1024
+HISTORY_ITEMS = 200_000
+"""Endpoints and replicas held by one service's change history at most (about 40 MB): each change
+carries the whole `Service`, so at 10,000 READY replicas 1,024 changes held 10 million
+endpoints. A watcher resuming from a change no longer held gets a snapshot, as after 1,024."""
 QUEUE_LIMIT = 10_000
 """Messages queued for one watcher at most. A watcher that falls further behind (it stopped
 reading, or reads slower than the service changes) is dropped and told where to resume."""
@@ -80,7 +84,8 @@ class ServiceHub:
 
     def __init__(self) -> None:
         self.sequence = int(time.time() * 1_000_000)
-        self._history: collections.deque[api.WatchServiceResponse] = collections.deque(maxlen=_HISTORY)
+        self._history: collections.deque[tuple[api.WatchServiceResponse, int]] = collections.deque()
+        self._history_items = 0
         self._subscribers: set[_Watcher[api.WatchServiceResponse]] = set()
         self.endpoints_version = self.sequence
         self.endpoints: Sequence[resources_pb2.Endpoint] = []
@@ -113,7 +118,7 @@ class ServiceHub:
             removed_replica_ids=removed_ids,
             deleted=deleted,
         )
-        self._history.append(msg)
+        self._keep(msg)
         for observer in self._observers:
             try:
                 observer(msg)
@@ -125,6 +130,13 @@ class ServiceHub:
                 log.warning("dropped a WatchService stream of %s: %d changes behind", service.name, QUEUE_LIMIT)
         if deleted:
             self.close()
+
+    def _keep(self, msg: api.WatchServiceResponse) -> None:
+        items = 1 + len(msg.service.endpoints) + len(msg.replicas)
+        self._history.append((msg, items))
+        self._history_items += items
+        while len(self._history) > 1 and (len(self._history) > _HISTORY or self._history_items > HISTORY_ITEMS):
+            self._history_items -= self._history.popleft()[1]
 
     def set_endpoints(
         self,
@@ -204,9 +216,9 @@ class ServiceHub:
         self._subscribers.add(w)
         last = after_sequence
         try:
-            oldest = self._history[0].sequence if self._history else self.sequence + 1
+            oldest = self._history[0][0].sequence if self._history else self.sequence + 1
             if after_sequence and oldest - 1 <= after_sequence <= self.sequence:
-                backlog = [m for m in self._history if m.sequence > after_sequence]
+                backlog = [m for m, _ in self._history if m.sequence > after_sequence]
             else:
                 first = snapshot()
                 first.sequence = self.sequence

@@ -241,6 +241,7 @@ class Passes:
         rec.state = facts.ScalerState.load_from(undo.state)
         rec.replicas = {rid: parse(data) for rid, data in undo.replicas.items()}
         rec.views = convert.tally_of(rec.replicas)
+        rec.deps.held_changed(rec.name)
         rec.book = undo.book
         rec.logs_kept = undo.logs_kept
         rec.policy_cache = (0, autoscaler.Policy())

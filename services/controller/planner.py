@@ -84,7 +84,9 @@ def plan(
             blue_green=blue_green,
             fallback=(policy, adopted_target) if policy.kind == autoscaler.FALLBACK else None,
         )
-    launches = scaling.launches_now(scale, pause_s=failures.launch_pause(backoff, now))
+    launches = scaling.launches_now(
+        scale, pause_s=failures.launch_pause(backoff, now), batch=scaling.launch_batch(len(views))
+    )
     if ready_by_version is None:
         active = scaling.active_versions(views, latest_version=latest_version, target=target, blue_green=blue_green)
     else:

@@ -41,6 +41,7 @@ class ProvisionerWatch:
         self._policy = policy
         self.generation = 0
         self.zones: list[tuple[str, float]] = []
+        self.zones_answered = False  # the provisioner answered ListZones (perhaps with none)
         self._foreign_logged: set[str] = set()
         self._orphan_tasks: set[asyncio.Task[None]] = set()
 
@@ -104,9 +105,12 @@ class ProvisionerWatch:
         try:
             response = await self._prov.ListZones(prov_pb.ListZonesRequest(), timeout=2)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.zones_answered = True  # it has no zones to offer: as an empty answer
             log.info("zones not known yet (%s); the provisioner places spot replicas", exc.code().name)
             return
         self.zones = [(z.name, z.price_per_hour) for z in response.zones]
+        self.zones_answered = True
 
     async def stop(self) -> None:
         tasks = list(self._orphan_tasks)

@@ -30,6 +30,7 @@ from services.controller import (
     pools,
     retries,
     rollouts,
+    store,
     view,
 )
 from services.controller.domain import autoscaler, failures, lifecycle
@@ -77,6 +78,15 @@ class ServiceReconciler:
         self._set(loaded)
         self.pool = pools.attach(self)  # the pool side of a pool; None for a service
 
+    @property
+    def row(self) -> store.ServiceRow:
+        return self._row
+
+    @row.setter
+    def row(self, row: store.ServiceRow) -> None:
+        self._row = row  # a new version, a delete or new records change what the service holds
+        self.deps.held_changed(self.name)
+
     def _set(self, loaded: Loaded) -> None:
         self.row = loaded.row
         self.specs = dict(loaded.specs)
@@ -87,7 +97,7 @@ class ServiceReconciler:
         self.shown = {r.replica_id: r for r in loaded.replicas}
         self.shown_views = convert.tally_of(self.shown)
         self.replicas = {rid: copy(r) for rid, r in self.shown.items()}
-        self.views = convert.tally_of(self.replicas)
+        self.views = convert.tally_of(self.replicas)  # `row` told the budget already
         self.endpoints = view.Endpoints(self.shown)
         self.extra: dict[int, facts.Extra] = {}
         self.next_id = loaded.row.next_replica_id
@@ -204,6 +214,7 @@ class ServiceReconciler:
         r.status = convert.status_of(r)  # type: ignore[assignment]
         self.replicas[rid] = r
         self.views.set(rid, convert.view_of(r), torn_down=r.facts.teardown_phase == TP.TEARDOWN_PHASE_SUCCEEDED)
+        self.deps.held_changed(self.name)
         self.book.put(rid)
         if r.status == res.REPLICA_STATUS_READY and r.version not in self.state.ever_ready_versions:
             # The stop rule's "ever ready": any READY replica of a version.
@@ -219,6 +230,7 @@ class ServiceReconciler:
         self.logs_kept.discard(rid)
         self.book.delete(rid, logs=logs_name)
         self.views.pop(rid)
+        self.deps.held_changed(self.name)
         for table in (self.extra, self.launched_in):
             table.pop(rid, None)
         self.probes.set(rid, None)

@@ -85,8 +85,7 @@ def spec_digest(spec: spec_pb2.ServiceSpec) -> str:
     Redacted, so a digest never helps guess a secret; without the text, so comments and
     spacing do not make two equal specs differ.
     """
-    shown = spec_mod.redacted(spec)
-    shown.ClearField("yaml")
+    shown = spec_mod.redacted(spec, with_yaml=False)
     return hashlib.sha256(shown.SerializeToString(deterministic=True)).hexdigest()[:12]
 
 

@@ -20,7 +20,6 @@ from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, spec
 from services.controller import (
     actions,
-    admission,
     autoscaling,
     convert,
     event_log,
@@ -31,6 +30,7 @@ from services.controller import (
     store_history,
     writer,
 )
+from services.controller.budget import Budget
 from services.controller.domain import history, load
 from services.controller.domain import rollout as ro
 from services.controller.domain import status as st
@@ -47,13 +47,13 @@ class Versions:
         db_writer: writer.Writer,
         loops: dict[str, reconciler.ServiceReconciler],
         check: Callable[[spec_pb2.ServiceSpec], Coroutine[Any, Any, None]],
-        tuning: reconciler.Tuning,
+        budget: Budget,
     ) -> None:
         self._db = db  # reads only
         self._writer = db_writer
         self._loops = loops
         self._check = check
-        self._limit = tuning.max_replicas_total
+        self._budget = budget
         self.event_log = event_log.Events(db=db)
         self._rollouts: dict[str, rollouts.Rollout] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,20 +191,21 @@ class Versions:
         old = next(h.spec for h in kept if h.version == target)
         await self._check(old)
         rec = self._get(name)  # it may have gone while the check ran
-        admission.budget_of(self._loops, name, old, limit=self._limit)
-        if dry_run:
-            return rec.service(), await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=True), target
-        rollout = self._rollouts[name]
-        previous = (rollout.state, rollout.config)
-        ended = not rollout.active
-        if ended:
-            rollout.end()  # before the new version exists, as in update()
-        try:
-            plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=False)
-        except BaseException:
+        with self._budget.reserve(name, old):
+            if dry_run:
+                plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=True)
+                return rec.service(), plan, target
+            rollout = self._rollouts[name]
+            previous = (rollout.state, rollout.config)
+            ended = not rollout.active
             if ended:
-                rollout.restore(*previous)
-            raise
+                rollout.end()  # before the new version exists, as in update()
+            try:
+                plan = await actions.update(rec, old, mode=res.UPDATE_MODE_ROLLING, dry_run=False)
+            except BaseException:
+                if ended:
+                    rollout.restore(*previous)
+                raise
         rollout.end()
         await self._restored(name, latest, target, plan, f"rolled back to version {target} by a user")
         return rec.service(), plan, target

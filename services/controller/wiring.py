@@ -72,6 +72,8 @@ class Deps:
     launch_slots: asyncio.Semaphore | None = None
     launch_mux: launches.Mux | None = None
     traces: replica_traces.ReplicaTraces = dataclasses.field(default_factory=lambda: replica_traces.ReplicaTraces())
+    # Called with the service's name whenever what it holds of the replica budget may have changed.
+    held_changed: Callable[[str], None] = lambda _name: None
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import aiohttp
 import yarl
 
 from services.common import errors
+from services.prober import fasthttp
 
 # RFC 9110 token characters: what a header name may contain.
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -255,9 +256,13 @@ class HttpProber:
             (the wait does not count toward a probe's timeout).
         keepalive_s: how long an idle connection to a replica is kept for reuse.
         verify_tls: verify replicas' TLS certificates.
+        fast: make GETs over plain http on bare connections (`fasthttp`); else every probe
+            goes through the general client.
     """
 
-    def __init__(self, *, max_concurrent: int = 1000, keepalive_s: float = 30.0, verify_tls: bool = True) -> None:
+    def __init__(
+        self, *, max_concurrent: int = 1000, keepalive_s: float = 30.0, verify_tls: bool = True, fast: bool = True
+    ) -> None:
         # No connector limit: the semaphore bounds concurrency instead, because a request
         # waiting for a connector slot would spend its own timeout waiting.
         self._connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=keepalive_s, ssl=verify_tls)
@@ -270,9 +275,13 @@ class HttpProber:
         )
         self._slots = asyncio.Semaphore(max_concurrent)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # GETs over plain http skip the general client (fasthttp.py); None: every probe uses it.
+        self._fast = fasthttp.Client(keepalive_s=keepalive_s, user_agent="replicaplane-prober") if fast else None
 
     async def close(self) -> None:
         """Close every pooled connection."""
+        if self._fast is not None:
+            self._fast.close()
         await self._session.close()
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
@@ -292,25 +301,19 @@ class HttpProber:
         async with self._slots:
             probe_time = time.time()
             start = time.perf_counter()
-            # A POST is not retried by the client when a pooled connection turns out closed
-            # by the replica; retry once ourselves, so keep-alive never causes a failure.
-            retries = 1 if target.method == "POST" else 0
-            timeout = self._timeout(target.timeout_s)
-            while True:
+            code: int | Result | None = None
+            if self._fast is not None and fasthttp.Client.handles(target.url, target.method):
                 try:
-                    code = await self._request(target, timeout)
-                except aiohttp.ServerDisconnectedError as exc:
-                    remaining = target.timeout_s - (time.perf_counter() - start)
-                    if retries > 0 and remaining > 0:
-                        retries -= 1
-                        timeout = aiohttp.ClientTimeout(total=remaining)
-                        continue
+                    async with asyncio.timeout(target.timeout_s):
+                        code = await self._fast.get(target.url, target.headers)
+                except fasthttp.Unhandled:
+                    pass  # made again below by the general client, in the time left
+                except (TimeoutError, ConnectionRefusedError) as exc:
                     return self._failure(target, probe_time, start, *classify_error(exc, target))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    return self._failure(target, probe_time, start, *classify_error(exc, target))
-                break
+            if code is None:
+                code = await self._general(target, probe_time, start)
+            if isinstance(code, Result):
+                return code
             latency = time.perf_counter() - start
         if code == 200:
             return Result(target.target_id, Outcome.READY, code, latency, "", probe_time)
@@ -323,6 +326,30 @@ class HttpProber:
             probe_time,
             FailureKind.HTTP_STATUS,
         )
+
+    async def _general(self, target: Target, probe_time: float, start: float) -> int | Result:
+        """The probe through the general client: its HTTP status, or the failure."""
+        # A POST is not retried by the client when a pooled connection turns out closed
+        # by the replica; retry once ourselves, so keep-alive never causes a failure.
+        retries = 1 if target.method == "POST" else 0
+        remaining = target.timeout_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            return self._failure(target, probe_time, start, *classify_error(TimeoutError(), target))
+        timeout = self._timeout(remaining) if remaining == target.timeout_s else aiohttp.ClientTimeout(total=remaining)
+        while True:
+            try:
+                return await self._request(target, timeout)
+            except aiohttp.ServerDisconnectedError as exc:
+                remaining = target.timeout_s - (time.perf_counter() - start)
+                if retries > 0 and remaining > 0:
+                    retries -= 1
+                    timeout = aiohttp.ClientTimeout(total=remaining)
+                    continue
+                return self._failure(target, probe_time, start, *classify_error(exc, target))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                return self._failure(target, probe_time, start, *classify_error(exc, target))
 
     async def _request(self, target: Target, timeout: aiohttp.ClientTimeout) -> int:
         async with self._session.request(

@@ -41,6 +41,18 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
         ):
             yield response
 
+    async def LaunchBatches(
+        self, request_iterator: AsyncIterator[pb.LaunchBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchBatchesResponse]:
+        batches = multiplex.serve_batches(
+            multiplex.launch_batch_requests(request_iterator),
+            self._launch_events,
+            multiplex.launch_response,
+            domain=DOMAIN,
+        )
+        async for batch in batches:
+            yield pb.LaunchBatchesResponse(responses=batch)
+
     async def _launch_events(self, request: pb.LaunchRequest) -> AsyncIterator[resources_pb2.LaunchEvent]:
         events = self._p.launch(
             convert.launch_request(request), after_sequence=request.after_sequence, attach_only=request.attach_only

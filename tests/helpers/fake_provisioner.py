@@ -8,10 +8,9 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
-from aiohttp import web
 
 from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
@@ -29,8 +28,9 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
 
     def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False, launch_many: bool = True) -> None:
         self.endpoint = endpoint
-        self.launch_many = launch_many  # False: LaunchMany is UNIMPLEMENTED (an older provisioner)
-        self.streams: collections.Counter[str] = collections.Counter()  # "Launch" / "LaunchMany" calls
+        # False: LaunchMany and LaunchBatches are UNIMPLEMENTED (an older provisioner).
+        self.launch_many = launch_many
+        self.streams: collections.Counter[str] = collections.Counter()  # calls of each launch RPC
         # Each replica at `endpoint/r/<name>`, so the requests seen tell which replica was probed.
         self.endpoint_per_replica = endpoint_per_replica
         self.requests: dict[str, float] = {}  # request path -> time.monotonic() of its last request
@@ -47,6 +47,7 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         self.launch_times: dict[str, float] = {}  # name -> time.monotonic() of its first Launch
         self.specs: dict[str, spec_pb2.ServiceSpec] = {}  # name -> the spec of its last Launch
         self.terminations: collections.Counter[str] = collections.Counter()
+        self.zone_lists = 0  # ListZones calls
         self.running: dict[str, res.ProvisionedReplica] = {}
         self._watchers: set[asyncio.Queue[res.ReplicaEvent]] = set()
         self._sequence = 0
@@ -70,14 +71,31 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         if not self.launch_many:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchMany here")
         self.streams["LaunchMany"] += 1
+        requests = multiplex.launch_requests(request_iterator)
+        events = self._events_of(context)
+        async for response in multiplex.serve(requests, events, multiplex.launch_response, domain="provisioner.test"):
+            yield response
 
+    async def LaunchBatches(
+        self, request_iterator: AsyncIterator[pb.LaunchBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LaunchBatchesResponse]:
+        if not self.launch_many:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no LaunchBatches here")
+        self.streams["LaunchBatches"] += 1
+        requests = multiplex.launch_batch_requests(request_iterator)
+        events = self._events_of(context)
+        batches = multiplex.serve_batches(requests, events, multiplex.launch_response, domain="provisioner.test")
+        async for batch in batches:
+            yield pb.LaunchBatchesResponse(responses=batch)
+
+    def _events_of(
+        self, context: grpc.aio.ServicerContext
+    ) -> Callable[[pb.LaunchRequest], AsyncIterator[res.LaunchEvent]]:
         async def events(request: pb.LaunchRequest) -> AsyncIterator[res.LaunchEvent]:
             async for response in self._launch(request, context):
                 yield response.event
 
-        requests = multiplex.launch_requests(request_iterator)
-        async for response in multiplex.serve(requests, events, multiplex.launch_response, domain="provisioner.test"):
-            yield response
+        return events
 
     async def _launch(
         self, request: pb.LaunchRequest, context: grpc.aio.ServicerContext
@@ -163,6 +181,13 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
         )
 
+    async def CheckSpec(self, request: pb.CheckSpecRequest, context: grpc.aio.ServicerContext) -> pb.CheckSpecResponse:
+        return pb.CheckSpecResponse()  # it runs anything
+
+    async def ListZones(self, request: pb.ListZonesRequest, context: grpc.aio.ServicerContext) -> pb.ListZonesResponse:
+        self.zone_lists += 1
+        return pb.ListZonesResponse()  # no zones: the backend places spot replicas
+
     async def ListReplicas(
         self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListReplicasResponse:
@@ -204,6 +229,39 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
             q.put_nowait(res.ReplicaEvent(type=res.REPLICA_EVENT_TYPE_APP_EXITED, replica=replica))
 
 
+class _Replicas(asyncio.Protocol):
+    """Every replica's HTTP endpoint: 200 "ok" to any request, over kept-alive connections,
+    noting the time of each path's last request. Plain asyncio: at 10,000 replicas a web
+    framework's cost per request was a large share of the scale bench's CPU."""
+
+    def __init__(self, requests: dict[str, float]) -> None:
+        self._requests = requests
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
+            head = self._buffer[:end].decode("latin-1").split("\r\n")
+            length = 0
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self._buffer) < end + 4 + length:
+                return  # the body is not all here yet
+            self._buffer = self._buffer[end + 4 + length :]
+            parts = head[0].split(" ")
+            if len(parts) >= 2:
+                self._requests[parts[1].split("?")[0]] = time.monotonic()
+            assert self._transport is not None
+            self._transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
+
+
 @contextlib.asynccontextmanager
 async def serving(
     *, endpoint_per_replica: bool = False, launch_many: bool = True
@@ -212,18 +270,8 @@ async def serving(
     local server (each at a path of its own with `endpoint_per_replica`, recorded in
     `requests`); yields it and the provisioner's address."""
     requests: dict[str, float] = {}
-
-    async def ok(request: web.Request) -> web.Response:
-        requests[request.path] = time.monotonic()
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/{path:.*}", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    replicas = await asyncio.get_running_loop().create_server(lambda: _Replicas(requests), "127.0.0.1", 0)
+    port = replicas.sockets[0].getsockname()[1]
     fake = FakeProvisioner(
         f"http://127.0.0.1:{port}", endpoint_per_replica=endpoint_per_replica, launch_many=launch_many
     )
@@ -236,4 +284,4 @@ async def serving(
         yield fake, f"127.0.0.1:{built.port}"
     finally:
         await built.stop(None)
-        await runner.cleanup()
+        replicas.close()

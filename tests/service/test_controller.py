@@ -449,12 +449,22 @@ async def test_replica_logs_are_streamed_through_the_public_api(env: Env) -> Non
     w.cancel()
 
 
+async def test_zones_are_asked_once_not_before_every_create(tmp_path) -> None:
+    # The scripted provisioner answers with no zones: an answer all the same (issue 24: 1,000
+    # creates made 1,000 ListZones calls). No resync runs meanwhile (it asks while there are none).
+    async with started(tmp_path, sweep_interval_s=600.0) as env:
+        asked = env.provisioner.zone_lists
+        for name in ("z1", "z2", "z3", "z4"):
+            await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(name, replicas=1)))
+        assert env.provisioner.zone_lists == asked
+
+
 async def test_every_launch_goes_over_one_shared_provisioner_stream(env: Env) -> None:
     # Issue 24: one LaunchMany stream for every launch of every service, not a stream each.
     first, second = await create(env, spec("one", replicas=6)), await create(env, spec("two", replicas=6))
     await first.until(lambda w: w.count(READY) == 6)
     await second.until(lambda w: w.count(READY) == 6)
-    assert env.provisioner.streams == {"LaunchMany": 1}
+    assert env.provisioner.streams == {"LaunchBatches": 1}
     assert sum(env.provisioner.launches.values()) == 12
 
 

@@ -358,6 +358,41 @@ async def test_many_launches_share_one_stream_and_each_ends_as_its_own_launch_wo
     assert [e.sequence for e in again] == [e.sequence for e in events["svc-1"]]
 
 
+async def test_launch_batches_carry_many_launches_per_message_each_ending_as_its_own_launch_would(stub) -> None:
+    # LaunchBatches: LaunchMany with many requests and many responses per message.
+    outbox: asyncio.Queue[pb.LaunchBatchesRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.LaunchBatchesRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    launches = (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129))
+    outbox.put_nowait(pb.LaunchBatchesRequest(requests=[pb.LaunchManyRequest(launch=r) for r in launches]))
+    events: dict[str, list[resources_pb2.LaunchEvent]] = {"svc-1": [], "svc-2": []}
+    ended: dict[str, pb.LaunchManyResponse] = {}
+    messages = 0
+    call = stub.LaunchBatches(requests())
+    async with asyncio.timeout(60):
+        async for message in call:
+            messages += 1
+            for response in message.responses:
+                if response.done:
+                    ended[response.name] = response
+                else:
+                    events[response.name].append(response.event)
+            if len(ended) == 3:
+                break
+    call.cancel()
+    assert ended["svc-3"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "owner" in ended["svc-3"].error_message
+    for name in ("svc-1", "svc-2"):
+        assert ended[name].error_code == 0
+        assert client.types(events[name])[-1] == "RUNNING"
+    assert messages < sum(map(len, events.values())) + len(ended)  # some messages carried several
+    again = await _launch(stub, client.launch_request(2))
+    assert [e.sequence for e in again] == [e.sequence for e in events["svc-2"]]
+
+
 async def test_a_launch_no_longer_followed_on_the_shared_stream_goes_on(stub) -> None:
     outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
 

@@ -142,3 +142,24 @@ async def test_replicas_of_a_service_being_deleted_count_until_they_are_gone(tmp
                 break
             await asyncio.sleep(0.05)
         await env.stub.CreateService(api.CreateServiceRequest(yaml=spec("new", 2)))
+
+
+async def test_creates_and_updates_checked_at_the_same_time_never_take_more_than_the_cap_together(tmp_path) -> None:
+    # Each call is checked, then stored: one checked while another was being stored must count it.
+    async with started(tmp_path, max_replicas_total=10) as env:
+        creates = [env.stub.CreateService(api.CreateServiceRequest(yaml=spec(f"s{i}", replicas=3))) for i in range(8)]
+        created = await asyncio.gather(*creates, return_exceptions=True)
+        assert sum(not isinstance(c, BaseException) for c in created) == 3
+        for outcome in created:
+            if isinstance(outcome, BaseException):
+                assert isinstance(outcome, grpc.aio.AioRpcError)
+                assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        taken = await names(env)
+        assert len(taken) == 3
+        # 9 of 10 held: two services growing by one each at the same time, only one fits.
+        grown = await asyncio.gather(
+            *(env.stub.UpdateService(api.UpdateServiceRequest(service_name=n, yaml=spec(n, 4))) for n in taken[:2]),
+            return_exceptions=True,
+        )
+        assert sum(not isinstance(g, BaseException) for g in grown) == 1
+        assert sorted([await version(env, n) for n in taken[:2]]) == [1, 2]

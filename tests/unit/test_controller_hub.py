@@ -122,3 +122,25 @@ async def test_an_endpoint_watcher_waits_for_changes_and_ends_with_the_service()
     assert [e.replica_id for e in (await asyncio.wait_for(pending, 5)).endpoints] == [1]
     h.close()
     assert [m.deleted for m in [m async for m in stream]] == [True]
+
+
+async def test_the_change_history_is_bounded_by_what_its_changes_hold_not_only_by_their_count() -> None:
+    # Each change carries the whole service: 1,024 changes of a 10,000-endpoint service held 10
+    # million endpoints (issue 24). Changes past the bound go; resuming before them is a snapshot.
+    h = hub.ServiceHub()
+    big = res.Service(name="svc", endpoints=[res.Endpoint(replica_id=i) for i in range(hub.HISTORY_ITEMS // 4)])
+    sequences = []
+    for i in range(10):
+        h.publish(big, [res.Replica(replica_id=i)], [])
+        sequences.append(h.sequence)
+    assert h._history_items <= hub.HISTORY_ITEMS
+    kept = len(h._history)
+    assert 1 <= kept < 10
+
+    old = h.watch(sequences[0], _snapshot)
+    assert (await anext(old)).snapshot
+    await old.aclose()
+    recent = h.watch(sequences[-2], _snapshot)
+    resumed = await anext(recent)
+    assert not resumed.snapshot and resumed.sequence == sequences[-1]
+    await recent.aclose()

@@ -22,7 +22,7 @@ REDACTED = "<redacted>"
 _SECRET_SECTIONS = (("secrets",), ("service", "readiness_probe", "headers"))
 
 
-def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
+def redacted(spec: spec_pb2.ServiceSpec, *, with_yaml: bool = True) -> spec_pb2.ServiceSpec:
     """Returns a copy safe to show: header and secret values replaced by `<redacted>`.
 
     Every occurrence of a header or secret value in any string of the spec is masked too, since
@@ -32,6 +32,7 @@ def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
 
     Args:
         spec: A parsed spec.
+        with_yaml: False: `yaml` is left empty (re-emitting it is most of the cost).
 
     Returns:
         A new message.
@@ -45,7 +46,7 @@ def redacted(spec: spec_pb2.ServiceSpec) -> spec_pb2.ServiceSpec:
             section[key] = REDACTED
     if values:
         _mask_strings(out, lambda text: mask_secrets(text, values))
-    out.yaml = shown_yaml(spec.yaml, values)
+    out.yaml = shown_yaml(spec.yaml, values) if with_yaml else ""
     return out
 
 

@@ -119,6 +119,14 @@ def removed_at_switch(
 # New replicas one pass starts at most (two store writes each); a larger scale-up takes several
 # passes, so the controller keeps answering while a big service starts.
 LAUNCH_BATCH = 50
+# ... or this share of the service's records, if more: passes of a large service are spaced in
+# proportion to its size (passes.py), so its launches per second must not shrink as it grows.
+LAUNCH_SHARE = 20
+
+
+def launch_batch(records: int) -> int:
+    """The most one pass of a service holding `records` replica records starts."""
+    return max(LAUNCH_BATCH, records // LAUNCH_SHARE)
 
 
 @dataclasses.dataclass(frozen=True)

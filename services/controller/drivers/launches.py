@@ -1,7 +1,7 @@
 """Launch driver: follows each replica's launch at the provisioner, re-attaching by name when its
-stream breaks, and hands every event back. Launches go over one shared `LaunchMany` stream
+stream breaks, and hands every event back. Launches go over one shared `LaunchBatches` stream
 (`Mux`); a launch carrying a trace context, or any launch when the provisioner has no
-`LaunchMany`, gets a `Launch` stream of its own. Launches of the whole controller share a slot
+`LaunchBatches`, gets a `Launch` stream of its own. Launches of the whole controller share a slot
 pool (`max_launches_in_flight`)."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ PERMANENT_CODES = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 )
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_BATCH_MAX = 500  # launch requests in one message at most
 
 
 class Broke(Exception):
@@ -46,12 +47,13 @@ class Refused(Exception):
 
 
 class Mux:
-    """Launches followed on one `LaunchMany` stream of the provisioner instead of one `Launch`
-    stream each: at 10,000 replicas the per-replica streams were the largest cost left in the
-    controller (docs/scaling.md). The stream opens with the first launch and is shared by every
-    service; when it breaks, every launch on it breaks too and its driver re-attaches. A
-    provisioner without `LaunchMany` (UNIMPLEMENTED) is remembered: launches then go on streams
-    of their own."""
+    """Launches followed on one `LaunchBatches` stream of the provisioner instead of one `Launch`
+    stream each: at 10,000 replicas the per-replica streams, then a message per launch event,
+    were the largest cost left in the controller (docs/scaling.md). What is queued when the
+    stream writes goes in one message, both ways. The stream opens with the first launch and is
+    shared by every service; when it breaks, every launch on it breaks too and its driver
+    re-attaches. A provisioner without `LaunchBatches` (UNIMPLEMENTED) is remembered: launches
+    then go on streams of their own."""
 
     def __init__(self, provisioner: prov_grpc.ProvisionerServiceStub) -> None:
         self._prov = provisioner
@@ -68,20 +70,24 @@ class Mux:
         return self._outbox
 
     async def _read(self, outbox: asyncio.Queue[prov_pb.LaunchManyRequest]) -> None:
-        async def requests() -> AsyncIterator[prov_pb.LaunchManyRequest]:
+        async def requests() -> AsyncIterator[prov_pb.LaunchBatchesRequest]:
             while True:
-                yield await outbox.get()
+                batch = [await outbox.get()]
+                while not outbox.empty() and len(batch) < _BATCH_MAX:
+                    batch.append(outbox.get_nowait())
+                yield prov_pb.LaunchBatchesRequest(requests=batch)
 
         error: BaseException = Broke("the launch stream ended")
         try:
-            async for response in self._prov.LaunchMany(requests()):
-                q = self._followers.get(response.name)
-                if q is not None:
-                    q.put_nowait(response)
+            async for message in self._prov.LaunchBatches(requests()):
+                for response in message.responses:
+                    q = self._followers.get(response.name)
+                    if q is not None:
+                        q.put_nowait(response)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.supported = False
-                log.info("the provisioner has no LaunchMany: one Launch stream per replica")
+                log.info("the provisioner has no LaunchBatches: one Launch stream per replica")
             error = Broke(f"the launch stream broke ({exc.code().name})")
         except asyncio.CancelledError:
             error = Broke("the launch stream was closed")
@@ -197,34 +203,57 @@ class Launches:
         on_refused: Callable[[str], None],
         metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
     ) -> None:
+        # The retries of `policy`, without tenacity's machinery around the first attempt, which
+        # nearly always ends the launch: thousands of launches start at once at scale.
         async with self._slots:
-            async for attempt in self._policy.retrying(Broke):
-                with attempt:
-                    wanted = request()
-                    if wanted is None:
-                        return
-                    try:
-                        async with contextlib.aclosing(self._events(wanted, metadata(wanted))) as events:
-                            async for event in events:
-                                if on_event(event):
-                                    return
-                    except Refused as exc:
-                        if exc.code in PERMANENT_CODES:
-                            on_refused(exc.details or exc.code.name)
-                            return
-                        log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code.name)
-                        raise Broke from exc
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in PERMANENT_CODES:
-                            on_refused(exc.details() or exc.code().name)
-                            return
-                        log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code().name)
-                        raise Broke from exc
-                    except Superseded:
-                        return
-                    except Broke:
+            tries = 0
+            while True:
+                try:
+                    await self._attempt(request, on_event, on_refused, metadata)
+                    return
+                except Broke:
+                    tries += 1
+                    if self._policy.attempts and tries >= self._policy.attempts:
                         raise
-                    except Exception as exc:
-                        log.exception("following the launch of %s failed; re-attaching", wanted.name)
-                        raise Broke from exc
-                    raise Broke  # the stream ended without saying how the launch ended
+                await asyncio.sleep(self._policy.delay(tries))
+
+    async def _attempt(
+        self,
+        request: Callable[[], prov_pb.LaunchRequest | None],
+        on_event: Callable[[prov_res.LaunchEvent], bool],
+        on_refused: Callable[[str], None],
+        metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
+    ) -> None:
+        """Follow the launch once, until it ends.
+
+        Raises:
+            Broke: the stream broke first: follow it again.
+        """
+        wanted = request()
+        if wanted is None:
+            return
+        try:
+            async with contextlib.aclosing(self._events(wanted, metadata(wanted))) as events:
+                async for event in events:
+                    if on_event(event):
+                        return
+        except Refused as exc:
+            if exc.code in PERMANENT_CODES:
+                on_refused(exc.details or exc.code.name)
+                return
+            log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code.name)
+            raise Broke from exc
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in PERMANENT_CODES:
+                on_refused(exc.details() or exc.code().name)
+                return
+            log.info("launch of %s broke (%s); re-attaching", wanted.name, exc.code().name)
+            raise Broke from exc
+        except Superseded:
+            return
+        except Broke:
+            raise
+        except Exception as exc:
+            log.exception("following the launch of %s failed; re-attaching", wanted.name)
+            raise Broke from exc
+        raise Broke  # the stream ended without saying how the launch ended

@@ -189,6 +189,54 @@ class LaunchManyResponse(_message.Message):
 Global___LaunchManyResponse: _TypeAlias = LaunchManyResponse  # noqa: Y015
 
 @_typing.final
+class LaunchBatchesRequest(_message.Message):
+    """LaunchBatchesRequest is several `LaunchManyRequest`s, applied in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchManyRequest]:
+        """The requests."""
+
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___LaunchManyRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchBatchesRequest: _TypeAlias = LaunchBatchesRequest  # noqa: Y015
+
+@_typing.final
+class LaunchBatchesResponse(_message.Message):
+    """LaunchBatchesResponse is several `LaunchManyResponse`s, in the order they happened."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchManyResponse]:
+        """The responses."""
+
+    def __init__(
+        self,
+        *,
+        responses: _abc.Iterable[Global___LaunchManyResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["responses", b"responses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchBatchesResponse: _TypeAlias = LaunchBatchesResponse  # noqa: Y015
+
+@_typing.final
 class TerminateRequest(_message.Message):
     """TerminateRequest says which replica to tear down."""
 

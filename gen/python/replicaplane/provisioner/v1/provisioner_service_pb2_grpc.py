@@ -45,6 +45,11 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.FromString,
                 _registered_method=True)
+        self.LaunchBatches = channel.stream_stream(
+                '/replicaplane.provisioner.v1.ProvisionerService/LaunchBatches',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.FromString,
+                _registered_method=True)
         self.Terminate = channel.unary_stream(
                 '/replicaplane.provisioner.v1.ProvisionerService/Terminate',
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.SerializeToString,
@@ -137,6 +142,16 @@ class ProvisionerServiceServicer:
         stops following one (the launch goes on); each response carries one event of one launch,
         and a last response per launch says how its events ended: `Launch`'s own status. Closing the
         stream stops following every launch on it; none is cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LaunchBatches(self, request_iterator, context):
+        """As `LaunchMany`, with many requests in one message and many responses in one message: a
+        message per launch event was most of a launch's cost to both sides under a burst of
+        thousands. A server sends in one response what is ready when it writes; nothing waits to
+        fill a batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -272,6 +287,11 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.SerializeToString,
             ),
+            'LaunchBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.LaunchBatches,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.SerializeToString,
+            ),
             'Terminate': grpc.unary_stream_rpc_method_handler(
                     servicer.Terminate,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.FromString,
@@ -398,6 +418,33 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/LaunchMany',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LaunchBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/LaunchBatches',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.LaunchBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

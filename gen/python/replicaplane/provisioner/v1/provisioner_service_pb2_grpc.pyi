@@ -46,6 +46,12 @@ class ProvisionerServiceStub:
     and a last response per launch says how its events ended: `Launch`'s own status. Closing the
     stream stops following every launch on it; none is cancelled.
     """
+    LaunchBatches: _grpc.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchesRequest, _provisioner_service_pb2.LaunchBatchesResponse]
+    """As `LaunchMany`, with many requests in one message and many responses in one message: a
+    message per launch event was most of a launch's cost to both sides under a burst of
+    thousands. A server sends in one response what is ready when it writes; nothing waits to
+    fill a batch.
+    """
     Terminate: _grpc.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
     TERMINATED. An in-flight launch is cancelled first.
@@ -119,6 +125,12 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     stops following one (the launch goes on); each response carries one event of one launch,
     and a last response per launch says how its events ended: `Launch`'s own status. Closing the
     stream stops following every launch on it; none is cancelled.
+    """
+    LaunchBatches: _aio.StreamStreamMultiCallable[_provisioner_service_pb2.LaunchBatchesRequest, _provisioner_service_pb2.LaunchBatchesResponse]  # type: ignore[assignment]
+    """As `LaunchMany`, with many requests in one message and many responses in one message: a
+    message per launch event was most of a launch's cost to both sides under a burst of
+    thousands. A server sends in one response what is ready when it writes; nothing waits to
+    fill a batch.
     """
     Terminate: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
@@ -202,6 +214,18 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
         stops following one (the launch goes on); each response carries one event of one launch,
         and a last response per launch says how its events ended: `Launch`'s own status. Closing the
         stream stops following every launch on it; none is cancelled.
+        """
+
+    @_abc_1.abstractmethod
+    def LaunchBatches(
+        self,
+        request_iterator: _MaybeAsyncIterator[_provisioner_service_pb2.LaunchBatchesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.LaunchBatchesResponse], _abc.AsyncIterator[_provisioner_service_pb2.LaunchBatchesResponse]]:
+        """As `LaunchMany`, with many requests in one message and many responses in one message: a
+        message per launch event was most of a launch's cost to both sides under a burst of
+        thousands. A server sends in one response what is ready when it writes; nothing waits to
+        fill a batch.
         """
 
     @_abc_1.abstractmethod
