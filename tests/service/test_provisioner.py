@@ -324,38 +324,65 @@ async def test_delete_logs_removes_a_gone_replicas_kept_logs_and_only_those(stub
     assert os.listdir(state_dir)  # nothing outside a replica's own logs went
 
 
-async def test_many_launches_share_one_stream_and_each_ends_as_its_own_launch_would(stub) -> None:
-    # LaunchMany (issue 24): one stream for many launches, each response naming its launch; a
-    # refused request ends only its own launch, with the status Launch would have given it.
-    outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
+# Two launches and one the provisioner refuses (an owner too long), over one stream.
+SHARED = (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129))
 
-    async def requests() -> AsyncIterator[pb.LaunchManyRequest]:
-        while (msg := await outbox.get()) is not None:
-            yield msg
 
-    for request in (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129)):
-        outbox.put_nowait(pb.LaunchManyRequest(launch=request))
+async def _follow_shared(
+    messages: AsyncIterator[list[pb.LaunchManyResponse]],
+) -> tuple[dict[str, list[resources_pb2.LaunchEvent]], dict[str, pb.LaunchManyResponse], int]:
+    """Read until the three launches of SHARED ended: the events of each, how each ended, and
+    how many messages carried them."""
     events: dict[str, list[resources_pb2.LaunchEvent]] = {"svc-1": [], "svc-2": []}
     ended: dict[str, pb.LaunchManyResponse] = {}
-    call = stub.LaunchMany(requests())
+    count = 0
     async with asyncio.timeout(60):
-        async for response in call:
-            if response.done:
-                ended[response.name] = response
-            else:
-                events[response.name].append(response.event)
+        async for message in messages:
+            count += 1
+            for response in message:
+                if response.done:
+                    ended[response.name] = response
+                else:
+                    events[response.name].append(response.event)
             if len(ended) == 3:
                 break
-    call.cancel()
+    return events, ended, count
+
+
+async def _each_ended_as_its_own_launch_would(
+    stub, events: dict[str, list[resources_pb2.LaunchEvent]], ended: dict[str, pb.LaunchManyResponse]
+) -> None:
+    # A refused request ends only its own launch, with the status Launch would have given it.
     assert ended["svc-3"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "owner" in ended["svc-3"].error_message
     for name in ("svc-1", "svc-2"):
         assert ended[name].error_code == 0
         assert client.types(events[name])[-1] == "RUNNING"
         assert events[name][-1].endpoint
-    # The same launches, attached to on a stream of their own, replay the same events.
-    again = await _launch(stub, client.launch_request(1))
-    assert [e.sequence for e in again] == [e.sequence for e in events["svc-1"]]
+        # The same launch, attached to on a stream of its own, replays the same events.
+        again = await _launch(stub, client.launch_request(int(name.removeprefix("svc-"))))
+        assert [e.sequence for e in again] == [e.sequence for e in events[name]]
+
+
+async def test_many_launches_share_one_stream_and_each_ends_as_its_own_launch_would(stub) -> None:
+    # LaunchMany (issue 24): one stream for many launches, each response naming its launch.
+    outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.LaunchManyRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    for request in SHARED:
+        outbox.put_nowait(pb.LaunchManyRequest(launch=request))
+    call = stub.LaunchMany(requests())
+
+    async def messages() -> AsyncIterator[list[pb.LaunchManyResponse]]:
+        async for response in call:
+            yield [response]
+
+    events, ended, _ = await _follow_shared(messages())
+    call.cancel()
+    await _each_ended_as_its_own_launch_would(stub, events, ended)
 
 
 async def test_launch_batches_carry_many_launches_per_message_each_ending_as_its_own_launch_would(stub) -> None:
@@ -366,31 +393,17 @@ async def test_launch_batches_carry_many_launches_per_message_each_ending_as_its
         while (msg := await outbox.get()) is not None:
             yield msg
 
-    launches = (client.launch_request(1), client.launch_request(2), client.launch_request(3, owner="x" * 129))
-    outbox.put_nowait(pb.LaunchBatchesRequest(requests=[pb.LaunchManyRequest(launch=r) for r in launches]))
-    events: dict[str, list[resources_pb2.LaunchEvent]] = {"svc-1": [], "svc-2": []}
-    ended: dict[str, pb.LaunchManyResponse] = {}
-    messages = 0
+    outbox.put_nowait(pb.LaunchBatchesRequest(requests=[pb.LaunchManyRequest(launch=r) for r in SHARED]))
     call = stub.LaunchBatches(requests())
-    async with asyncio.timeout(60):
+
+    async def messages() -> AsyncIterator[list[pb.LaunchManyResponse]]:
         async for message in call:
-            messages += 1
-            for response in message.responses:
-                if response.done:
-                    ended[response.name] = response
-                else:
-                    events[response.name].append(response.event)
-            if len(ended) == 3:
-                break
+            yield list(message.responses)
+
+    events, ended, count = await _follow_shared(messages())
     call.cancel()
-    assert ended["svc-3"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "owner" in ended["svc-3"].error_message
-    for name in ("svc-1", "svc-2"):
-        assert ended[name].error_code == 0
-        assert client.types(events[name])[-1] == "RUNNING"
-    assert messages < sum(map(len, events.values())) + len(ended)  # some messages carried several
-    again = await _launch(stub, client.launch_request(2))
-    assert [e.sequence for e in again] == [e.sequence for e in events["svc-2"]]
+    assert count < sum(map(len, events.values())) + len(ended)  # some messages carried several
+    await _each_ended_as_its_own_launch_would(stub, events, ended)
 
 
 async def test_a_launch_no_longer_followed_on_the_shared_stream_goes_on(stub) -> None:

@@ -206,6 +206,22 @@ def test_the_plan_of_a_pass(name, views, target, stopped, paused, want) -> None:
         assert p.again_in_s == again, name
 
 
+def test_a_pass_of_a_large_service_launches_a_share_of_it_not_50() -> None:
+    views = _views(*((i, 1, S.READY) for i in range(1, 4_001)))
+    p = planner.plan(
+        views,
+        policy=autoscaler.Policy(min_replicas=10_000, max_replicas=10_000),
+        adopted_target=10_000,
+        latest_version=1,
+        stopped=False,
+        blue_green=False,
+        backoff=failures.Backoff(),
+        now=0.0,
+        torn_down={},
+    )
+    assert (p.launch, p.again_in_s) == (200, 0.0)  # 4,000 records / 20; the rest next pass
+
+
 def test_blue_green_switch_removes_the_old_versions_kept_failures() -> None:
     views = _views((1, 1, S.FAILED), (2, 2, S.READY))
     p = planner.plan(

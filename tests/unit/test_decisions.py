@@ -146,6 +146,15 @@ def test_launches_now(plan: scaling.ScalePlan, pause: float, launches: scaling.L
     assert scaling.launches_now(plan, pause_s=pause) == launches
 
 
+@pytest.mark.parametrize(("records", "batch"), [(0, 50), (999, 50), (2_000, 100), (10_000, 500), (30_000, 1_500)])
+def test_a_pass_of_a_large_service_launches_a_share_of_it(records: int, batch: int) -> None:
+    # Passes of a large service are spaced by its size (passes.py): launches per second must
+    # not shrink as it grows (issue 24: 250 a second at 10,000 with a batch of 50).
+    assert scaling.launch_batch(records) == batch
+    wanted = scaling.ScalePlan(launch=100_000)
+    assert scaling.launches_now(wanted, batch=scaling.launch_batch(records)).regular == batch
+
+
 @pytest.mark.parametrize(
     ("active", "blue_green", "removed"),
     [
