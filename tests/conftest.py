@@ -1,4 +1,4 @@
-"""Fixtures every suite shares: the store backends.
+"""Fixtures every suite shares: the store backends, and short event batches for in-process controllers.
 
 `store_url` runs a test once per store backend: "" (the default SQLite file in the state
 directory) and a fresh database on a throwaway PostgreSQL server (tests/helpers/postgres.py),
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.controller import event_log
 from tests.helpers import postgres
 
 
@@ -38,3 +39,14 @@ def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
     url = server.database()
     yield url
     server.drop(url)
+
+
+@pytest.fixture(autouse=True)
+def _short_event_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process controllers gather events for 0.01 s, not 0.2 s, before writing them.
+
+    The event writer sleeps out its batch window before it sees the stop sentinel, so every
+    controller stopped in a test waited up to 0.2 s (about 50 s of `make test`). No test checks
+    the window; `raising=False` keeps the suite working if the name changes.
+    """
+    monkeypatch.setattr(event_log, "_BATCH_S", 0.01, raising=False)

@@ -4,7 +4,7 @@ small delays and a 1 s load window (controller settings) so each scenario takes 
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -25,13 +25,10 @@ FAST = {
 }
 
 
-@pytest.fixture
-async def cluster(tmp_path) -> AsyncIterator[cl.Cluster]:
-    c = cl.Cluster(str(tmp_path), controller_env=FAST)
-    try:
-        yield c
-    finally:
-        await c.close()
+@pytest.fixture(scope="module")
+def cluster_settings() -> dict[str, Any]:
+    """The module's tests share one cluster with these settings (tests/e2e/conftest.py)."""
+    return {"controller_env": FAST}
 
 
 def policy_yaml(name: str, tag: str, policy: str, *, spot: bool = False, setup: str = "") -> str:

@@ -23,36 +23,50 @@ pytestmark = pytest.mark.e2e
 READY = res.REPLICA_STATUS_READY
 
 
-@pytest.fixture
-def nodes() -> list[kube_emulator.Node] | None:
-    return None  # the emulator's default node
+@pytest.fixture(scope="module")
+def nodes(request: pytest.FixtureRequest) -> list[kube_emulator.Node] | None:
+    """The emulator's nodes: its default node unless a test's parameter (indirect) says."""
+    return getattr(request, "param", None)
 
 
-@pytest.fixture
-def emulator(tmp_path, nodes) -> Iterator[kube_emulator.Emulator]:
-    emu = kube_emulator.Emulator(str(tmp_path / "emu"), nodes=nodes).start()
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory, nodes) -> Iterator[kube_emulator.Emulator]:
+    emu = kube_emulator.Emulator(str(tmp_path_factory.mktemp("emu")), nodes=nodes).start()
     try:
         yield emu
     finally:
         emu.stop()
 
 
-@pytest.fixture
-async def kube_cluster(tmp_path, emulator: kube_emulator.Emulator) -> AsyncIterator[cl.Cluster]:
+@pytest.fixture(scope="module")
+def kube_shared(tmp_path_factory: pytest.TempPathFactory, emulator: kube_emulator.Emulator) -> Iterator[cl.Shared]:
+    """One cluster on one emulator for the module's tests (per `nodes`); after each test its
+    Pods are gone too."""
+    tmp = tmp_path_factory.mktemp("kube")
     env = {
         "REPLICAPLANE_PROVISIONER_BACKEND": "kubernetes",
-        "REPLICAPLANE_PROVISIONER_KUBERNETES_KUBECONFIG": emulator.kubeconfig(str(tmp_path / "kubeconfig")),
+        "REPLICAPLANE_PROVISIONER_KUBERNETES_KUBECONFIG": emulator.kubeconfig(str(tmp / "kubeconfig")),
         "REPLICAPLANE_PROVISIONER_KUBERNETES_NAMESPACE": emulator.namespace,
         "REPLICAPLANE_PROVISIONER_KUBERNETES_INSTANCE": f"e2e-{uuid.uuid4().hex[:8]}",
         "REPLICAPLANE_PROVISIONER_KUBERNETES_PORT_ANNOTATION": kube_emulator.PORT_ANNOTATION,
         "REPLICAPLANE_PROVISIONER_KUBERNETES_WATCH_IDLE_S": "5",
         "REPLICAPLANE_PROVISIONER_KUBERNETES_ALTERNATIVE_TIMEOUT_S": "0.5",
     }
-    c = cl.Cluster(str(tmp_path), provisioner_env=env)
+
+    async def no_pod() -> bool:
+        return not await emulator.names("pod")
+
+    shared = cl.Shared(lambda: cl.Cluster(str(tmp), provisioner_env=env, connect=False), settled=no_pod)
     try:
-        yield c
+        yield shared
     finally:
-        await c.close()
+        shared.stop()
+
+
+@pytest.fixture
+async def kube_cluster(kube_shared: cl.Shared) -> AsyncIterator[cl.Cluster]:
+    async with kube_shared.lend() as c:
+        yield c
 
 
 def _without_uid(names: list[str]) -> list[str]:
@@ -91,7 +105,7 @@ async def test_spot_pod_deleted_by_someone_else_is_preempted_and_replaced(kube_c
     w.cancel()
 
 
-@pytest.mark.parametrize("nodes", [[kube_emulator.gpu_node("h100-node", "H100", 1)]])
+@pytest.mark.parametrize("nodes", [[kube_emulator.gpu_node("h100-node", "H100", 1)]], indirect=True)
 async def test_any_of_runs_on_the_alternative_that_fits_and_endpoints_name_its_accelerator(
     kube_cluster: cl.Cluster, emulator
 ) -> None:

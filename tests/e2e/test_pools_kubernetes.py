@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import test_pools as local_scenarios
-from tests.e2e.test_kubernetes import emulator, kube_cluster, nodes
+from tests.e2e.test_kubernetes import emulator, kube_cluster, kube_shared, nodes
 from tests.helpers import cluster as cl
 from tests.helpers import kube_emulator
 
 pytestmark = pytest.mark.e2e
 
-__all__ = ["emulator", "kube_cluster", "nodes"]  # the fixtures
+__all__ = ["emulator", "kube_cluster", "kube_shared", "nodes"]  # the fixtures
 
 
 async def test_a_pool_of_pods_grows_with_its_queue_runs_every_job_and_shrinks_to_zero(

@@ -76,7 +76,7 @@ async def hits(client: aiohttp.ClientSession, url: str, n: int, *, workers: int 
 
 async def started(c: cl.Cluster, yaml_text: str) -> lb.Balancer:
     await c.stub.CreateService(api.CreateServiceRequest(yaml=yaml_text), timeout=10)
-    b = await lb.start(c.controller.addr, "web", os.path.join(c.tmp, "lb-web"))
+    b = await lb.start(c.controller.addr, "web", os.path.join(c.tmp, f"lb-web-{c.tag}"))
     await b.until(lambda s: sum(r.ready for r in s.replicas) == 2)
     return b
 

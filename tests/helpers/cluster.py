@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -100,8 +100,12 @@ class Cluster:
         controller_env: dict[str, str] | None = None,
         prober_env: dict[str, str] | None = None,
         api_token: str = "",
+        connect: bool = True,
     ) -> None:
+        """Start the services. `connect=False` opens no channel yet: `connect()` does, on the
+        event loop that will use it (a cluster shared by tests opens one per test)."""
         self.tmp = tmp
+        self.api_token = api_token
         self.prober_env = prober_env or {}
         self.provisioner_state_dir = os.path.join(tmp, "prov")
         self.controller_env = {**CONTROLLER_ENV, **(controller_env or {})}
@@ -110,6 +114,7 @@ class Cluster:
             # unless allowed: test clusters run on a machine no one else uses.
             self.controller_env.setdefault("REPLICAPLANE_CONTROLLER_ALLOW_OPEN_INTERNAL", "true")
         self.tag = uuid.uuid4().hex[:12]
+        self.tags = [self.tag]
         # Services are restarted on the address they had: on a loopback address of this test
         # process, the port a kill frees is not taken by the connections tests open meanwhile.
         self.host = ports.private_host()
@@ -118,28 +123,56 @@ class Cluster:
             "REPLICAPLANE_PROVISIONER_STATE_DIR": self.provisioner_state_dir,
             **(provisioner_env or {}),
         }
-        self.provisioner = self._start_provisioner()
-        self.probers = [self._start_prober(i) for i in range(probers)]
+        # The provisioner and the probers start side by side; the controller needs their ports.
+        starting = [self._spawn_provisioner(), *(self._spawn_prober(i) for i in range(probers))]
+        try:
+            started = [s.wait() for s in starting]
+        except BaseException:
+            for s in starting:
+                s.proc.kill()
+                s.proc.wait()
+            raise
+        self.provisioner, self.probers = started[0], started[1:]
         self.controller = self._start_controller()
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Open the channel to the controller (`stub`), on the running event loop."""
         self.channel = grpc.aio.insecure_channel(
-            self.controller.addr, interceptors=security.token_interceptors(api_token)
+            self.controller.addr, interceptors=security.token_interceptors(self.api_token)
         )
         self.stub = api_grpc.ControllerServiceStub(self.channel)
+
+    def new_tag(self) -> None:
+        """A new `tag` for the next test's replicas, so it sees only its own processes."""
+        self.tag = uuid.uuid4().hex[:12]
+        self.tags.append(self.tag)
+
+    def alive(self) -> bool:
+        """True while every service process of the cluster runs."""
+        return all(svc.proc.poll() is None for svc in [self.controller, *self.probers, self.provisioner])
 
     def _dir(self, name: str) -> str:
         path = os.path.join(self.tmp, name)
         os.makedirs(path, exist_ok=True)
         return path
 
-    def _start_provisioner(self, port: int = 0) -> procs.ServiceProcess:
-        return procs.start_service(
+    def _spawn_provisioner(self, port: int = 0) -> procs.Starting:
+        return procs.spawn_service(
             "provisioner", env=self.provisioner_env, workdir=self._dir("provisioner"), host=self.host, port=port
         )
 
-    def _start_prober(self, i: int, port: int = 0) -> procs.ServiceProcess:
-        return procs.start_service(
+    def _spawn_prober(self, i: int, port: int = 0) -> procs.Starting:
+        return procs.spawn_service(
             "prober", env=self.prober_env, workdir=self._dir(f"prober{i}"), host=self.host, port=port
         )
+
+    def _start_provisioner(self, port: int = 0) -> procs.ServiceProcess:
+        return self._spawn_provisioner(port).wait()
+
+    def _start_prober(self, i: int, port: int = 0) -> procs.ServiceProcess:
+        return self._spawn_prober(i, port).wait()
 
     def restart_provisioner(self, *, kill: bool = True) -> None:
         """Kill -9 (or SIGTERM) the provisioner and start it again on the same port."""
@@ -186,23 +219,88 @@ class Cluster:
             self.controller.stop()
         self.controller = self._start_controller(port)
 
-    async def close(self) -> None:
-        """Delete every service (so no replica leaks), stop the services, kill stragglers."""
+    async def delete_services(self, timeout: float = 10.0) -> bool:
+        """Delete every service and wait until none is left and no replica process of the
+        current tag runs. Returns whether that happened within `timeout`."""
+        deadline = asyncio.get_running_loop().time() + timeout
         with contextlib.suppress(grpc.aio.AioRpcError):
             services = (await self.stub.ListServices(api.ListServicesRequest(), timeout=5)).services
             for svc in services:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.stub.DeleteService(api.DeleteServiceRequest(service_name=svc.name), timeout=5)
-            for _ in range(100):
+            while asyncio.get_running_loop().time() < deadline:
                 left = (await self.stub.ListServices(api.ListServicesRequest(), timeout=5)).services
-                if not left:
-                    break
+                if not left and not replica_pids(self.tag):
+                    return True
                 await asyncio.sleep(0.1)
-        await self.channel.close()
+        return False
+
+    def stop(self) -> None:
+        """Stop the services and kill every replica process left (no channel is used)."""
         for svc in [self.controller, *self.probers, self.provisioner]:
             svc.stop()
-        kill_tagged(self.tag)
+        for tag in self.tags:
+            kill_tagged(tag)
         provisioner_procs.kill_replicas(self.provisioner_state_dir)
+
+    async def close(self) -> None:
+        """Delete every service (so no replica leaks), stop the services, kill stragglers."""
+        await self.delete_services()
+        await self.channel.close()
+        self.stop()
+
+
+class Shared:
+    """One cluster lent to one test after another (a module's tests), which saves starting
+    four processes per test. Each test gets a new tag, a channel on its own event loop, and a
+    cluster with no service left by the test before: after each test every service is deleted
+    and waited for. A cluster found with a dead process, or that did not clean up, is stopped
+    and the next test gets a new one."""
+
+    def __init__(self, make: Callable[[], Cluster], *, settled: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """`make` starts a cluster with `connect=False`; `settled`, if given, says whether what
+        else a test leaves behind (a backend's objects) is gone too, after its services."""
+        self._make = make
+        self._settled = settled
+        self._cluster: Cluster | None = None
+
+    @contextlib.asynccontextmanager
+    async def lend(self) -> AsyncIterator[Cluster]:
+        """The cluster for one test."""
+        c = self._cluster
+        if c is not None and not c.alive():
+            self.stop()
+            c = None
+        if c is None:
+            c = self._cluster = self._make()
+        c.new_tag()
+        c.connect()
+        clean = False
+        try:
+            yield c
+        finally:
+            try:
+                clean = c.alive() and await c.delete_services(timeout=30) and await self._until_settled(30)
+            finally:
+                await c.channel.close()
+                if not clean:
+                    self.stop()
+
+    async def _until_settled(self, timeout: float) -> bool:
+        if self._settled is None:
+            return True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not await self._settled():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def stop(self) -> None:
+        """Stop the cluster, if one runs."""
+        if self._cluster is not None:
+            self._cluster.stop()
+            self._cluster = None
 
 
 class Watch:

@@ -82,6 +82,53 @@ def start_service(
         port: 0 (the service picks); the old port only to restart a service on its address.
         timeout: seconds to wait for the port file.
     """
+    return spawn_service(name, env=env, workdir=workdir, host=host, port=port).wait(timeout)
+
+
+@dataclasses.dataclass
+class Starting:
+    """A service process started but maybe not serving yet: `wait()` for it. Starting several
+    before waiting for any overlaps their start-up (the imports take most of a second each)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port_file: str
+    metrics_port_file: str
+    log_path: str
+    host: str
+
+    def wait(self, timeout: float = 45.0) -> ServiceProcess:
+        """Wait until the service wrote its port file; kill it and raise if it exits first or
+        `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(self.port_file):
+                # The metrics port file is written before the gRPC one (when metrics are on).
+                with open(self.port_file, encoding="utf-8") as fh:
+                    port = int(fh.read())
+                metrics_port = 0
+                if os.path.exists(self.metrics_port_file):
+                    with open(self.metrics_port_file, encoding="utf-8") as fh:
+                        metrics_port = int(fh.read())
+                return ServiceProcess(self.name, self.proc, port, self.log_path, self.host, metrics_port)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.proc.kill()
+        self.proc.wait()
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            raise RuntimeError(f"{self.name} did not start:\n{fh.read()}")
+
+
+def spawn_service(
+    name: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> Starting:
+    """Start service `name` without waiting for it; the arguments are start_service's."""
     workdir = workdir or tempfile.mkdtemp(prefix=f"rp-{name}-")
     port_file = os.path.join(workdir, f"{name}.port")
     metrics_port_file = os.path.join(workdir, f"{name}.metrics.port")
@@ -110,23 +157,7 @@ def start_service(
         stderr=subprocess.STDOUT,
     )
     log_fh.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(port_file):
-            # The metrics port file is written before the gRPC one (when metrics are on).
-            with open(port_file, encoding="utf-8") as fh:
-                port = int(fh.read())
-            metrics_port = 0
-            if os.path.exists(metrics_port_file):
-                with open(metrics_port_file, encoding="utf-8") as fh:
-                    metrics_port = int(fh.read())
-            return ServiceProcess(name, proc, port, log_path, host, metrics_port)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    proc.kill()
-    with open(log_path, encoding="utf-8", errors="replace") as fh:
-        raise RuntimeError(f"{name} did not start:\n{fh.read()}")
+    return Starting(name, proc, port_file, metrics_port_file, log_path, host)
 
 
 @contextlib.contextmanager
