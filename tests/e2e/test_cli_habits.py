@@ -98,14 +98,15 @@ async def test_env_and_secret_flags_reach_the_replica_and_the_secret_is_shown_no
     assert "keyed is READY (1/1 ready)" in up.stdout
 
     shown = [up.stdout + up.stderr]
-    for argv in (
+    # Commands that change nothing, run side by side (each is a Python process start).
+    reads = (
         ("status", "--json"),
         ("status", "keyed", "-a", "-v"),
         ("logs", "keyed", "1", "--no-follow"),
         ("logs", "keyed", "1", "--launch", "--no-follow"),
-    ):
-        result = await asyncio.to_thread(run_cli, addr, *argv, env=env, timeout=60)
-        shown.append(result.stdout + result.stderr)
+    )
+    results = await asyncio.gather(*(asyncio.to_thread(run_cli, addr, *argv, env=env, timeout=60) for argv in reads))
+    shown += [r.stdout + r.stderr for r in results]
     shown.append(await first_watch_message(addr, "keyed", env=env))
     doc = json.loads(shown[1])
     assert doc["services"][0]["spec"]["envs"] == {"GREETING": "hello there"}

@@ -156,27 +156,27 @@ async def test_replicactl_errors_are_one_line_with_an_exit_code(cluster: cl.Clus
     addr = cluster.controller.addr
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nservice:\n  readiness_probe: /\n  replicas: -1\nresources:\n  ports: 8080\nrun: x\n")
-    result = await ctl(addr, "up", str(bad))
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: service.replicas: must be >= 0, got -1"]
-
     unparsable = tmp_path / "broken.yaml"
     unparsable.write_text("service: [\n")
-    result = await ctl(addr, "up", str(unparsable))
-    assert result.returncode == 2
-    assert result.stderr.startswith("error: yaml: ") and "Traceback" not in result.stderr
-
-    result = await ctl(addr, "status", "nope")
-    assert result.returncode == 3
-    assert result.stderr.strip() == "error: service 'nope' not found"
-    result = await ctl(addr, "down", "nope")
-    assert (result.returncode, result.stderr.strip()) == (3, "error: service 'nope' not found")
-    result = await ctl(addr, "logs", "nope", "--replica-id", "0")
-    assert result.returncode == 2 and "replica_id: must be >= 1, got 0" in result.stderr
-
-    result = await ctl("127.0.0.1:1", "--rpc-timeout", "2", "status")
-    assert result.returncode == 4
-    assert result.stderr.strip().startswith("error: cannot reach the controller at 127.0.0.1:1")
+    # Independent commands, run side by side (each is a Python process start).
+    invalid, broken, status, down, logs, unreachable = await asyncio.gather(
+        ctl(addr, "up", str(bad)),
+        ctl(addr, "up", str(unparsable)),
+        ctl(addr, "status", "nope"),
+        ctl(addr, "down", "nope"),
+        ctl(addr, "logs", "nope", "--replica-id", "0"),
+        ctl("127.0.0.1:1", "--rpc-timeout", "2", "status"),
+    )
+    assert invalid.returncode == 2
+    assert invalid.stderr.strip().splitlines() == ["error: service.replicas: must be >= 0, got -1"]
+    assert broken.returncode == 2
+    assert broken.stderr.startswith("error: yaml: ") and "Traceback" not in broken.stderr
+    assert status.returncode == 3
+    assert status.stderr.strip() == "error: service 'nope' not found"
+    assert (down.returncode, down.stderr.strip()) == (3, "error: service 'nope' not found")
+    assert logs.returncode == 2 and "replica_id: must be >= 1, got 0" in logs.stderr
+    assert unreachable.returncode == 4
+    assert unreachable.stderr.strip().startswith("error: cannot reach the controller at 127.0.0.1:1")
     assert (await ctl(addr, "status")).stdout.strip() == "No services."
 
 

@@ -4,6 +4,7 @@ error or watch event of the run."""
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import json
 import os
@@ -290,15 +291,16 @@ async def test_replicactl_output_never_shows_probe_header_secrets(cluster: cl.Cl
     bigger.write_text(spec.read_text().replace("replicas: 1", "replicas: 2"))
     addr = cluster.controller.addr
     runs = [await test_replicactl.ctl(addr, "up", str(spec), "--wait", "--timeout", "60")]
-    for args in (
+    # Commands that change nothing, run side by side (each is a Python process start).
+    reads = (
         ("status",),
         ("status", "clisecret", "--all"),
         ("status", "clisecret", "--json"),
         ("update", "clisecret", str(bigger), "--dry-run", "--json"),
         ("update", "clisecret", str(tmp_path / "missing.yaml")),
         ("logs", "clisecret", "--replica-id", "1", "--launch"),
-    ):
-        runs.append(await test_replicactl.ctl(addr, *args))
+    )
+    runs += await asyncio.gather(*(test_replicactl.ctl(addr, *args) for args in reads))
     assert runs[0].returncode == 0, runs[0].stdout + runs[0].stderr
     printed = "\n".join(r.stdout + r.stderr for r in runs)
     assert "clisecret" in printed

@@ -251,7 +251,7 @@ class Cluster:
 
 
 class Shared:
-    """One cluster lent to one test after another (a module's tests), which saves starting
+    """One cluster lent to one test after another (a module's or a session's), which saves starting
     four processes per test. Each test gets a new tag, a channel on its own event loop, and a
     cluster with no service left by the test before: after each test every service is deleted
     and waited for. A cluster found with a dead process, or that did not clean up, is stopped
