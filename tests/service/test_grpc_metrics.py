@@ -70,8 +70,16 @@ async def test_grpc_calls_are_counted_timed_by_method_and_code(prober: tuple[ser
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    scrape = await metrics.ascrape(url)
     check = {"grpc_service": HEALTH, "grpc_method": "Check", "grpc_type": "unary"}
+    # The server counts a call once its answer is sent: the client may see it a moment before.
+    scrape = await metrics.until(
+        url,
+        lambda s: (
+            s.value("grpc_server_handled_total", **check, grpc_code="OK") >= 2
+            and s.value("grpc_server_handled_total", **check, grpc_code="NOT_FOUND") >= 1
+        ),
+        what="the three calls counted",
+    )
     assert scrape.value("grpc_server_started_total", **check) == 3
     assert scrape.value("grpc_server_handled_total", **check, grpc_code="OK") == 2
     assert scrape.value("grpc_server_handled_total", **check, grpc_code="NOT_FOUND") == 1
