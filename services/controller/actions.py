@@ -199,6 +199,7 @@ async def _delete(rec: ServiceReconciler, *, purge: bool) -> None:
         else:
             events.ask_teardown(rec, rid, drain_s=0.0, purge=purge, reason="service deleted")
     await rec.write_now(undo)
+    rec.kick()  # with no replica, no teardown's end would: the service goes in this pass
 
 
 def continue_delete(rec: ServiceReconciler) -> None:

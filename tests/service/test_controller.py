@@ -154,6 +154,17 @@ async def test_a_deleted_service_goes_when_its_last_teardown_ends_not_at_the_nex
         w.cancel()
 
 
+async def test_a_deleted_service_with_no_replica_goes_at_once_not_at_the_next_sweep(tmp_path) -> None:
+    # No teardown ends to kick a pass: the delete itself must (it waited for the 5 s sweep).
+    async with started(tmp_path, sweep_interval_s=600.0) as env:
+        await env.stub.CreateService(api.CreateServiceRequest(yaml=spec(replicas=0)))
+        await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await env.stub.ListServices(api.ListServicesRequest())).services:
+            assert asyncio.get_running_loop().time() < deadline, "the service waits for the sweep"
+            await asyncio.sleep(0.05)
+
+
 async def test_api_errors_follow_the_aip_model(env: Env) -> None:
     err = await rpc_error(env.stub.GetService(api.GetServiceRequest(service_name="nope")))
     assert err.code == grpc.StatusCode.NOT_FOUND
