@@ -45,8 +45,7 @@ def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
 def _short_event_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process controllers gather events for 0.01 s, not 0.2 s, before writing them.
 
-    The event writer sleeps out its batch window before it sees the stop sentinel, so every
-    controller stopped in a test waited up to 0.2 s (about 50 s of `make test`). No test checks
-    the window; `raising=False` keeps the suite working if the name changes.
+    Tests that restart a controller read the events it stored. No test checks the window;
+    `raising=False` keeps the suite working if the name changes.
     """
     monkeypatch.setattr(event_log, "_BATCH_S", 0.01, raising=False)

@@ -67,6 +67,7 @@ class _Writer:
     def __init__(self, connect: Callable[[], store.Store]) -> None:
         self._connect = connect  # called on the writer thread, at its first batch
         self._queue: queue.Queue[tuple[str, res.Event, int | None] | None] = queue.Queue(_WRITE_BACKLOG)
+        self._closing = threading.Event()  # ends a batch window at once: a stop writes what is left
         self._thread = threading.Thread(target=self._run, name="event writer", daemon=True)
         self._thread.start()
 
@@ -77,6 +78,7 @@ class _Writer:
             log.warning("event writer is behind; an event of %s is kept in memory only", service)
 
     def close(self) -> None:
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=10)
 
@@ -86,7 +88,7 @@ class _Writer:
             while True:
                 item = self._queue.get()
                 if item is not None:
-                    time.sleep(_BATCH_S)  # gather what follows: one transaction for a burst
+                    self._closing.wait(_BATCH_S)  # gather what follows: one transaction for a burst
                 batch = [item]
                 while item is not None and not self._queue.empty() and len(batch) < 2000:
                     item = self._queue.get_nowait()

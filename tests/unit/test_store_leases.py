@@ -109,3 +109,17 @@ def test_the_event_log_of_a_deposed_leader_keeps_nothing(store: store_mod.Store)
     deposed.close()
     assert [e.reason for e in taker.list_events("svc")] == ["Leading"]
     taker.close()
+
+
+def test_closing_the_event_log_writes_what_is_pending_without_waiting_out_its_batch_window(
+    store: store_mod.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer gathers events for a while before a transaction; a stop used to sleep that out
+    # first (every controller stop waited 0.2 s, and a longer window outlasted close's bound).
+    monkeypatch.setattr(event_log, "_BATCH_S", 60.0)
+    store.create_service("svc", spec(), now=1.0)
+    events = event_log.Events(db=store)
+    events.open("svc", {})
+    events.record("svc", ev.Draft(ev.EventType.NORMAL, "Pending", "recorded just before the stop"))
+    events.close()
+    assert [e.reason for e in store.list_events("svc")] == ["Pending"]
