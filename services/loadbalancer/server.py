@@ -194,6 +194,13 @@ def api_token(settings: Settings) -> str:
     return security.client_token()
 
 
+def _http_unbindable(settings: Settings, exc: OSError) -> errors.StartupError:
+    return errors.StartupError(
+        f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
+        f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
+    )
+
+
 def _bind_error(exc: OSError) -> str:
     """Why a bind failed, in a few words (asyncio wraps the errno in a long message)."""
     return os.strerror(exc.errno).lower() if exc.errno else str(exc)
@@ -404,10 +411,7 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             first = first_port(settings)
         except OSError as exc:
             await channel.close()
-            raise errors.StartupError(
-                f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
-                f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
-            ) from None
+            raise _http_unbindable(settings, exc) from None
         if settings.http_port_file:
             grpc_server.write_port_file(settings.http_port_file, first)
         the_fleet = fleets.Fleet(
@@ -425,10 +429,7 @@ async def start(settings: Settings, *, start_admin: bool = True) -> Running:
             )
         except OSError as exc:
             await channel.close()
-            raise errors.StartupError(
-                f"could not serve HTTP on {settings.http_addr} ({_bind_error(exc)}); set "
-                f"{config.env_name('loadbalancer', 'http_addr')} to a free address (port 0 picks one)"
-            ) from None
+            raise _http_unbindable(settings, exc) from None
         if settings.http_port_file:
             grpc_server.write_port_file(settings.http_port_file, unit.http_port)
 
