@@ -31,14 +31,7 @@ LaunchMux = mux.Mux[prov_pb.LaunchRequest, prov_pb.LaunchManyRequest, prov_res.L
 
 def launch_mux(provisioner: prov_grpc.ProvisionerServiceStub) -> LaunchMux:
     """Every launch of the controller on one `LaunchBatches` stream."""
-    return mux.Mux(
-        provisioner.LaunchBatches,
-        batch=lambda items: prov_pb.LaunchBatchesRequest(requests=items),
-        start=lambda request: prov_pb.LaunchManyRequest(launch=request),
-        stop=lambda name: prov_pb.LaunchManyRequest(stop=name),
-        name_of=lambda request: request.name,
-        what="LaunchBatches",
-    )
+    return mux.Mux(provisioner.LaunchBatches, prov_pb.LaunchBatchesRequest, prov_pb.LaunchManyRequest, "launch")
 
 
 class Launches:

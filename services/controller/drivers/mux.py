@@ -51,7 +51,13 @@ class Response(Protocol):
     def event(self) -> Any: ...
 
 
-Req = TypeVar("Req")  # LaunchRequest / TerminateRequest
+class Named(Protocol):
+    """`LaunchRequest` and `TerminateRequest`: a request about one replica."""
+
+    name: str
+
+
+Req = TypeVar("Req", bound=Named)  # LaunchRequest / TerminateRequest
 Item = TypeVar("Item")  # LaunchManyRequest / TerminateManyRequest
 Event = TypeVar("Event")  # LaunchEvent / TerminateEvent
 
@@ -62,28 +68,23 @@ class Mux(Generic[Req, Item, Event]):
     def __init__(
         self,
         call: Callable[[AsyncIterator[Any]], AsyncIterable[Any]],
-        *,
-        batch: Callable[[list[Item]], Any],
-        start: Callable[[Req], Item],
-        stop: Callable[[str], Item],
-        name_of: Callable[[Req], str],
-        what: str,
+        batch_type: Callable[..., Any],
+        item_type: Callable[..., Item],
+        field: str,
     ) -> None:
         """
         Args:
             call: the RPC (`LaunchBatches` or `TerminateBatches` of a stub).
-            batch: the request message holding several items.
-            start: the item that starts following a request.
-            stop: the item that stops following a replica name.
-            name_of: the replica name of a request.
-            what: the RPC's name, for logs.
+            batch_type: its request message, holding several items in `requests`.
+            item_type: one item, whose oneof is `field` (a request, to start following it) or
+                `stop` (a replica name, to stop).
+            field: the name of the request in an item (`launch`, `terminate`).
         """
         self._call = call
-        self._batch = batch
-        self._start = start
-        self._stop = stop
-        self._name_of = name_of
-        self._what = what
+        self._batch_type = batch_type
+        self._item_type = item_type
+        self._field = field
+        self._what = batch_type.__name__.removesuffix("Request")
         self.supported = True
         self._outbox: asyncio.Queue[Item] | None = None
         self._followers: dict[str, asyncio.Queue[Response | BaseException]] = {}
@@ -102,7 +103,7 @@ class Mux(Generic[Req, Item, Event]):
                 batch = [await outbox.get()]
                 while not outbox.empty() and len(batch) < _BATCH_MAX:
                     batch.append(outbox.get_nowait())
-                yield self._batch(batch)
+                yield self._batch_type(requests=batch)
 
         error: BaseException = Broke(f"the {self._what} stream ended")
         try:
@@ -137,14 +138,14 @@ class Mux(Generic[Req, Item, Event]):
             Broke: the stream ended or broke first.
             Superseded: the same replica is followed again from another request.
         """
-        name = self._name_of(request)
+        name = request.name
         q: asyncio.Queue[Response | BaseException] = asyncio.Queue()
         old = self._followers.get(name)
         if old is not None:
             old.put_nowait(Superseded())
         self._followers[name] = q
         outbox = self._open()
-        outbox.put_nowait(self._start(request))
+        outbox.put_nowait(self._item_type(**{self._field: request}))
         ended = False
         try:
             while True:
@@ -162,7 +163,7 @@ class Mux(Generic[Req, Item, Event]):
             if self._followers.get(name) is q:
                 del self._followers[name]
                 if not ended and self._outbox is outbox:
-                    outbox.put_nowait(self._stop(name))  # the provisioner's side goes on
+                    outbox.put_nowait(self._item_type(stop=name))  # the provisioner's side goes on
 
     async def close(self) -> None:
         """Close the stream (what it followed goes on at the provisioner)."""

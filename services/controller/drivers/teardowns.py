@@ -31,12 +31,7 @@ TeardownMux = mux.Mux[prov_pb.TerminateRequest, prov_pb.TerminateManyRequest, pr
 def teardown_mux(provisioner: prov_grpc.ProvisionerServiceStub) -> TeardownMux:
     """Every teardown of the controller on one `TerminateBatches` stream."""
     return mux.Mux(
-        provisioner.TerminateBatches,
-        batch=lambda items: prov_pb.TerminateBatchesRequest(requests=items),
-        start=lambda request: prov_pb.TerminateManyRequest(terminate=request),
-        stop=lambda name: prov_pb.TerminateManyRequest(stop=name),
-        name_of=lambda request: request.name,
-        what="TerminateBatches",
+        provisioner.TerminateBatches, prov_pb.TerminateBatchesRequest, prov_pb.TerminateManyRequest, "terminate"
     )
 
 
