@@ -115,8 +115,9 @@ async def test_a_replica_killed_from_outside_is_replaced_at_once_not_after_its_p
     else:
         os.kill(pgid, signal.SIGKILL)
     await w.until(lambda w: w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING and w.count(READY) == 1)
+    # (A probe may still fail first, NOT_READY: the prober probes a target at once when it
+    # changes, as at READY. Its window of an hour is not what ended the replica.)
     assert w.replicas[1].failure_reason.startswith("replica vanished: "), w.replicas[1].failure_reason
-    assert res.REPLICA_STATUS_NOT_READY not in w.seen_statuses[1]  # no probe failed
     assert [rid for rid, r in w.replicas.items() if r.status == READY] == [2]
     # Its teardown killed what was left of it (the app, when only the wrapper was killed).
     assert sorted(rid for _, rid in cl.replica_processes(cluster.tag).values()) == [2]
