@@ -131,7 +131,7 @@ class Controller(replica_api.ReplicaCalls):
         await self._launch_mux.close()
         await self.watch.stop()
         await self.orphans.close()
-        await asyncio.to_thread(self.versions.close)
+        self.versions.close()
 
     def _records(self) -> orphans.Records:
         """Every replica record: service name -> replica id -> replica name."""

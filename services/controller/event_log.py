@@ -1,32 +1,30 @@
 """Every service's event log: recorded from published changes and controller actions, kept in
 the store, listed and streamed (ListEvents, WatchEvents).
 
-The log in memory is the one served; the store keeps a copy for restarts. Writes go through a
-thread with its own store connection, so the event loop never waits for the store's lock; a
-crash may lose the last events written in the moment before it.
+The log in memory is the one served; the store keeps a copy for restarts, written by the
+controller's writer in batches; a crash may lose the events of the last moment before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import errors, pagetoken, pbtime
-from services.controller import hub, store
+from services.controller import hub, store, writer
 from services.controller.domain import events as ev
 
 log = logging.getLogger(__name__)
 
 _MAX_PAGE = 1000
-# How many writes wait for the writer thread at most; beyond, events are kept in memory only.
+# How many events wait to be written at most; beyond, events are kept in memory only.
 _WRITE_BACKLOG = 10_000
-# How long the writer gathers events before it writes them, so a burst (a scale-up of a thousand
-# replicas) takes a few transactions instead of one each.
+# How long events are gathered before they go to the writer, so a burst (a scale-up of a
+# thousand replicas) takes a few units of work instead of one each.
 _BATCH_S = 0.2
 
 Draft = ev.Draft
@@ -61,81 +59,28 @@ def from_proto(event: res.Event) -> ev.Entry:
     )
 
 
-class _Writer:
-    """A thread that writes event batches through its own store connection."""
-
-    def __init__(self, connect: Callable[[], store.Store]) -> None:
-        self._connect = connect  # called on the writer thread, at its first batch
-        self._queue: queue.Queue[tuple[str, res.Event, int | None] | None] = queue.Queue(_WRITE_BACKLOG)
-        self._closing = threading.Event()  # ends a batch window at once: a stop writes what is left
-        self._thread = threading.Thread(target=self._run, name="event writer", daemon=True)
-        self._thread.start()
-
-    def put(self, service: str, event: res.Event, replaced: int | None) -> None:
-        try:
-            self._queue.put_nowait((service, event, replaced))
-        except queue.Full:
-            log.warning("event writer is behind; an event of %s is kept in memory only", service)
-
-    def close(self) -> None:
-        self._closing.set()
-        self._queue.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        db: store.Store | None = None
-        try:
-            while True:
-                item = self._queue.get()
-                if item is not None:
-                    self._closing.wait(_BATCH_S)  # gather what follows: one transaction for a burst
-                batch = [item]
-                while item is not None and not self._queue.empty() and len(batch) < 2000:
-                    item = self._queue.get_nowait()
-                    batch.append(item)
-                by_service: dict[str, tuple[list[res.Event], list[int]]] = {}
-                for entry in batch:
-                    if entry is None:
-                        continue
-                    events, replaced = by_service.setdefault(entry[0], ([], []))
-                    events.append(entry[1])
-                    if entry[2] is not None:
-                        replaced.append(entry[2])
-                if by_service:
-                    if db is None:
-                        db = self._connect()
-                    for service, (events, replaced) in by_service.items():
-                        try:
-                            db.put_events(service, events, replaced=replaced)
-                        except errors.UnavailableError:
-                            log.warning("could not keep %d events of %s in the store", len(events), service)
-                if batch[-1] is None:
-                    return
-        except Exception:
-            log.exception("the event writer stopped; events are kept in memory only")
-        finally:
-            if db is not None:
-                db.close()
-
-
 class Events:
     """The event logs of every service."""
 
-    def __init__(self, *, db: store.Store, clock: Callable[[], float] = time.time) -> None:
-        self._db = db
+    def __init__(self, *, db: store.Store, db_writer: writer.Writer, clock: Callable[[], float] = time.time) -> None:
+        self._db = db  # reads only
+        self._writer = db_writer
         self._clock = clock
         self._logs: dict[str, ev.EventLog] = {}
         self._watchers: dict[str, set[hub._Watcher[res.Event]]] = {}
         # What the last published change said, to tell what a new one changes.
         self._replicas: dict[str, dict[int, tuple[str, int]]] = {}
         self._service: dict[str, tuple[str, int, int]] = {}  # status message, target, status
-        # Events need no fsync each; the connection checks the leader's lease epoch like every
-        # other write, so a deposed leader's last events are not kept.
-        self._writer = _Writer(lambda: db.reopen(synchronous="NORMAL"))
+        # Recorded and not handed to the writer yet: gathered for _BATCH_S, so a burst takes one
+        # unit of work. The writer's connection is the only one that writes: a second one made
+        # every write wait for SQLite's lock (sleeping in steps of up to 100 ms).
+        self._pending: dict[str, tuple[list[res.Event], list[int]]] = {}
+        self._pending_count = 0
+        self._flush_at: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
-        """Finish writing; end every stream."""
-        self._writer.close()
+        """Hand what is pending to the writer now (it finishes it before it closes); end every stream."""
+        self._flush()
         for name in list(self._watchers):
             self._close_watchers(name)
 
@@ -181,11 +126,38 @@ class Events:
             return None
         entry, replaced = log_.record(draft, self._clock())
         event = to_proto(name, entry)
-        self._writer.put(name, event, replaced)
+        self._keep(name, event, replaced)
         for w in list(self._watchers.get(name, ())):
             if not w.offer(event):
                 self._watchers[name].discard(w)
         return event
+
+    def _keep(self, name: str, event: res.Event, replaced: int | None) -> None:
+        if self._pending_count >= _WRITE_BACKLOG:
+            log.warning("the store is behind on events; an event of %s is kept in memory only", name)
+            return
+        events, gone = self._pending.setdefault(name, ([], []))
+        events.append(event)
+        if replaced is not None:
+            gone.append(replaced)
+        self._pending_count += 1
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(_BATCH_S, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        batch, count = self._pending, self._pending_count
+        if not batch:
+            return
+        self._pending, self._pending_count = {}, 0
+
+        def written(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("could not keep %d events in the store (%s)", count, type(fut.exception()).__name__)
+
+        self._writer.submit(lambda db: db.put_events_of(batch)).add_done_callback(written)
 
     def observe(self, change: api.WatchServiceResponse) -> None:
         """Record the events of one published change of a service (a hub observer)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from replicaplane.common.v1 import spec_pb2
@@ -22,6 +22,9 @@ HISTORY_KEPT = 100
 """Versions kept in a service's history; older ones are dropped (their spec with them)."""
 EVENTS_KEPT = 500
 """Entries kept in a service's event log; the oldest go first."""
+
+_NAMES_PER_QUERY = 500  # names in one IN (...) at most
+_ROWS_PER_INSERT = 200  # rows in one INSERT at most (3 parameters each)
 
 
 def migrate_6(db: Any) -> None:
@@ -196,23 +199,49 @@ class HistoryTables:
             events: new entries, or entries counted again (under their new sequence).
             replaced: sequences of earlier entries that `events` carry on.
         """
+        self.put_events_of({name: (events, replaced)})
+
+    def put_events_of(self, batch: Mapping[str, tuple[Sequence[res.Event], Sequence[int]]]) -> None:
+        """`put_events` for several services at once, in a few statements for the whole batch
+        (the event log writes every service's events of the last moment together)."""
         with self.transaction():
             db = self._db
-            if db.execute("SELECT 1 FROM services WHERE name = ?", (name,)).fetchone() is None:
-                return
-            dropped = set(replaced)
-            events = [e for e in events if e.sequence not in dropped]  # replaced within the batch
-            gone = [*replaced, *(e.sequence for e in events)]
-            db.executemany("DELETE FROM events WHERE service = ? AND sequence = ?", [(name, s) for s in gone])
-            db.executemany(
-                "INSERT INTO events (service, sequence, data) VALUES (?, ?, ?)",
-                [(name, e.sequence, e.SerializeToString()) for e in events],
-            )
-            db.execute(
-                "DELETE FROM events WHERE service = ? AND sequence NOT IN "
-                "(SELECT sequence FROM events WHERE service = ? ORDER BY sequence DESC LIMIT ?)",
-                (name, name, EVENTS_KEPT),
-            )
+            names = list(batch)
+            live: set[str] = set()
+            for start in range(0, len(names), _NAMES_PER_QUERY):
+                chunk = names[start : start + _NAMES_PER_QUERY]
+                marks = ", ".join(["?"] * len(chunk))
+                live.update(r[0] for r in db.execute(f"SELECT name FROM services WHERE name IN ({marks})", chunk))
+            gone: list[tuple[str, int]] = []
+            rows: list[tuple[str, int, bytes]] = []
+            trim: list[str] = []
+            for name in names:
+                if name not in live:
+                    continue
+                events, replaced = batch[name]
+                dropped = set(replaced)
+                kept = [e for e in events if e.sequence not in dropped]  # replaced within the batch
+                gone.extend((name, s) for s in replaced)
+                rows.extend((name, e.sequence, e.SerializeToString()) for e in kept)
+                # Sequences count from 1, so a log whose newest is within EVENTS_KEPT needs no trim.
+                if kept and max(e.sequence for e in kept) > EVENTS_KEPT:
+                    trim.append(name)
+            if gone:
+                db.executemany("DELETE FROM events WHERE service = ? AND sequence = ?", gone)
+            for start in range(0, len(rows), _ROWS_PER_INSERT):
+                chunk_rows = rows[start : start + _ROWS_PER_INSERT]
+                db.execute(
+                    "INSERT INTO events (service, sequence, data) VALUES "
+                    + ", ".join(["(?, ?, ?)"] * len(chunk_rows))
+                    + " ON CONFLICT (service, sequence) DO UPDATE SET data = excluded.data",
+                    [v for row in chunk_rows for v in row],
+                )
+            for name in trim:
+                db.execute(
+                    "DELETE FROM events WHERE service = ? AND sequence NOT IN "
+                    "(SELECT sequence FROM events WHERE service = ? ORDER BY sequence DESC LIMIT ?)",
+                    (name, name, EVENTS_KEPT),
+                )
 
     def list_events(self, name: str) -> list[res.Event]:
         """A service's kept events, oldest first."""

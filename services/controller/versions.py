@@ -54,12 +54,12 @@ class Versions:
         self._loops = loops
         self._check = check
         self._budget = budget
-        self.event_log = event_log.Events(db=db)
+        self.event_log = event_log.Events(db=db, db_writer=db_writer)
         self._rollouts: dict[str, rollouts.Rollout] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
-        """Stop the timers and the event writer (blocking: call it off the loop)."""
+        """Stop the timers; hand the events not yet written to the writer (close it after)."""
         for rollout in self._rollouts.values():
             rollout.close()
         self.event_log.close()

@@ -4,13 +4,13 @@ resumes the same step), analysis fed by load report samples, the status shown.""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.common import spec
-from services.controller import event_log, rollouts, store
+from services.controller import event_log, rollouts, store, writer
 from services.controller.domain import analysis
 from services.controller.domain import rollout as ro
 from services.controller.domain import status as st
@@ -40,11 +40,13 @@ def db(tmp_path) -> Iterator[store.Store]:
 
 
 @pytest.fixture
-def log_(db: store.Store) -> Iterator[event_log.Events]:
-    e = event_log.Events(db=db)
+async def log_(db: store.Store) -> AsyncIterator[event_log.Events]:
+    db_writer = writer.Writer(db.path, db=db.reopen())
+    e = event_log.Events(db=db, db_writer=db_writer)
     e.open("svc", {})
     yield e
     e.close()
+    await db_writer.close()
 
 
 def test_config_of_the_spec_and_defaults() -> None:
@@ -61,7 +63,7 @@ def views(stable: int, canary: int) -> list[st.ReplicaView]:
     return out + [st.ReplicaView(100 + i, 2, READY) for i in range(canary)]
 
 
-def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log_: event_log.Events) -> None:
+async def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log_: event_log.Events) -> None:
     r = rollouts.Rollout("svc", db=db, log_=log_)
     r.set_spec(spec.parse(YAML))
     r.begin(1, 2, now=0.0)
@@ -91,7 +93,7 @@ def test_a_rollout_resumes_at_the_same_step_after_a_restart(db: store.Store, log
     assert reasons == ["RolloutStarted", "RolloutStep", "RolloutSucceeded"]
 
 
-def test_load_report_samples_fail_the_analysis_and_roll_back(db: store.Store, log_: event_log.Events) -> None:
+async def test_load_report_samples_fail_the_analysis_and_roll_back(db: store.Store, log_: event_log.Events) -> None:
     r = rollouts.Rollout("svc", db=db, log_=log_)
     r.set_spec(spec.parse(YAML))
     r.begin(1, 2, now=0.0)

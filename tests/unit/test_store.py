@@ -350,6 +350,22 @@ def test_put_replicas_is_one_transaction(store: store_mod.Store, svc: str) -> No
     assert store.list_replicas(svc) == good
 
 
+def test_put_replicas_of_many_services_past_one_statement_keeps_the_last_of_each(
+    store: store_mod.Store, svc: str
+) -> None:
+    # Rows go in multi-row statements of at most 100: a batch past that, over two services, with
+    # one record given twice (the last one counts) and ids never allocated (the counter moves).
+    store.create_service("other", make_spec(), now=NOW)
+    batch = [make_replica(svc, i) for i in range(1, 251)] + [make_replica("other", i) for i in (5, 7)]
+    batch.append(make_replica(svc, 3, status=resources_pb2.REPLICA_STATUS_READY))
+    store.put_replicas(batch)
+    stored = store.list_replicas(svc)
+    assert [r.replica_id for r in stored] == list(range(1, 251))
+    assert stored[2].status == resources_pb2.REPLICA_STATUS_READY
+    assert [r.replica_id for r in store.list_replicas("other")] == [5, 7]
+    assert (store.allocate_replica_id(svc), store.allocate_replica_id("other")) == (251, 8)
+
+
 def test_list_replicas_in_id_order_and_by_status(store: store_mod.Store, svc: str) -> None:
     ids = [store.allocate_replica_id(svc) for _ in range(5)]
     statuses = [

@@ -3,6 +3,7 @@ leader's writes do (nothing)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from replicaplane.common.v1 import spec_pb2
 from services.common import errors
-from services.controller import event_log
+from services.controller import event_log, writer
 from services.controller import store as store_mod
 from services.controller.domain import events as ev
 
@@ -89,24 +90,29 @@ def test_a_store_fenced_before_anyone_leads_writes_nothing(store: store_mod.Stor
     assert store.get_service("svc") is None
 
 
+async def _record_and_close(store: store_mod.Store, reason: str) -> None:
+    """Record one event through an event log writing by the controller's writer, then stop both
+    the way the controller does (the log first, then the writer)."""
+    db_writer = writer.Writer(store.path, db=store.reopen())
+    events = event_log.Events(db=store, db_writer=db_writer)
+    events.open("svc", {})
+    events.record("svc", ev.Draft(ev.EventType.NORMAL, reason, "recorded just before the stop"))
+    events.close()  # hands what is pending to the writer, which finishes it before it closes
+    await db_writer.close()
+
+
 def test_the_event_log_of_a_deposed_leader_keeps_nothing(store: store_mod.Store) -> None:
-    # The event log writes from a thread with its own connection: that one is fenced too.
+    # The event log writes through the writer's connection: it is fenced like every other write.
     store.acquire_lease("a", "addr-a", 0.2)
     store.fence("a", 1)
     store.create_service("svc", spec(), now=1.0)
-    events = event_log.Events(db=store)
-    events.open("svc", {})
-    events.record("svc", ev.Draft(ev.EventType.NORMAL, "Leading", "written while leading"))
-    events.close()  # flushes
+    asyncio.run(_record_and_close(store, "Leading"))
     assert [e.reason for e in store.list_events("svc")] == ["Leading"]
     time.sleep(0.3)
     taker = store.reopen(fenced=False)
     assert taker.acquire_lease("b", "addr-b", 30.0).epoch == 2
 
-    deposed = event_log.Events(db=store)
-    deposed.open("svc", {})
-    deposed.record("svc", ev.Draft(ev.EventType.NORMAL, "Stale", "written after the takeover"))
-    deposed.close()
+    asyncio.run(_record_and_close(store, "Stale"))
     assert [e.reason for e in taker.list_events("svc")] == ["Leading"]
     taker.close()
 
@@ -114,12 +120,34 @@ def test_the_event_log_of_a_deposed_leader_keeps_nothing(store: store_mod.Store)
 def test_closing_the_event_log_writes_what_is_pending_without_waiting_out_its_batch_window(
     store: store_mod.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The writer gathers events for a while before a transaction; a stop used to sleep that out
-    # first (every controller stop waited 0.2 s, and a longer window outlasted close's bound).
+    # Events are gathered for a while before they are written; a stop must not wait that out.
     monkeypatch.setattr(event_log, "_BATCH_S", 60.0)
     store.create_service("svc", spec(), now=1.0)
-    events = event_log.Events(db=store)
-    events.open("svc", {})
-    events.record("svc", ev.Draft(ev.EventType.NORMAL, "Pending", "recorded just before the stop"))
-    events.close()
+    started = time.monotonic()
+    asyncio.run(_record_and_close(store, "Pending"))
+    assert time.monotonic() - started < 30.0
     assert [e.reason for e in store.list_events("svc")] == ["Pending"]
+
+
+def test_the_event_log_opens_no_store_connection_of_its_own(
+    store: store_mod.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second connection writing the same SQLite file made the writer wait for SQLite's lock,
+    # which sleeps in steps of up to 100 ms: creates stalled for up to a second at 10,000
+    # replicas. Every write goes through the writer's connection now.
+    store.create_service("svc", spec(), now=1.0)
+
+    async def run() -> None:
+        db_writer = writer.Writer(store.path, db=store.reopen())
+        opened: list[bool] = []
+        monkeypatch.setattr(store_mod.Store, "reopen", lambda self, **kw: opened.append(True) or self)
+        events = event_log.Events(db=store, db_writer=db_writer)
+        events.open("svc", {})
+        for i in range(3):
+            events.record("svc", ev.Draft(ev.EventType.NORMAL, f"R{i}", "m"))
+        events.close()
+        await db_writer.close()
+        assert opened == []
+
+    asyncio.run(run())
+    assert [e.reason for e in store.list_events("svc")] == ["R0", "R1", "R2"]

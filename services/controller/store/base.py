@@ -32,6 +32,9 @@ DB_FILE = "state.db"
 LEASE = "controller"
 """The name of the lease the controllers sharing a store compete for."""
 
+_ROWS_PER_INSERT = 100
+"""Rows in one INSERT at most (5 parameters each: well under SQLite's limit of 32,766)."""
+
 
 class FencedError(errors.UnavailableError):
     """A write of a controller that no longer leads: another took the lease (a newer epoch)."""
@@ -671,27 +674,39 @@ class Store(store_history.HistoryTables, store_jobs.JobTables):
             errors.NotFoundError: a replica's service does not exist (nothing is written).
             ValueError: a replica_id < 1 (nothing is written).
         """
+        # Two statements for the whole batch, not two per replica: the writer thread gives up the
+        # GIL on every statement step and waits for it again behind the event loop.
+        # A record given twice: the last one counts (one statement may not touch a row twice).
+        top: dict[str, int] = {}
+        latest: dict[tuple[str, int], tuple[str, int, int, int, bytes]] = {}
+        for replica in replicas:
+            if replica.replica_id < 1:
+                raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
+            top[replica.service] = max(top.get(replica.service, 0), replica.replica_id)
+            latest[replica.service, replica.replica_id] = (
+                replica.service,
+                replica.replica_id,
+                int(replica.status),
+                replica.version,
+                replica.SerializeToString(),
+            )
+        values = list(latest.values())
         with self.transaction():
-            for replica in replicas:
-                if replica.replica_id < 1:
-                    raise ValueError(f"replica_id must be >= 1, got {replica.replica_id}")
+            for service, replica_id in top.items():
                 cur = self._db.execute(
                     f"UPDATE services SET next_replica_id = {self.greatest}(next_replica_id, ?) WHERE name = ?",
-                    (replica.replica_id + 1, replica.service),
+                    (replica_id + 1, service),
                 )
                 if cur.rowcount == 0:
-                    raise rows.not_found(replica.service)
+                    raise rows.not_found(service)
+            for start in range(0, len(values), _ROWS_PER_INSERT):
+                chunk = values[start : start + _ROWS_PER_INSERT]
                 self._db.execute(
-                    "INSERT INTO replicas (service, replica_id, status, version, data) VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT (service, replica_id) DO UPDATE SET "
+                    "INSERT INTO replicas (service, replica_id, status, version, data) VALUES "
+                    + ", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))
+                    + " ON CONFLICT (service, replica_id) DO UPDATE SET "
                     "status = excluded.status, version = excluded.version, data = excluded.data",
-                    (
-                        replica.service,
-                        replica.replica_id,
-                        int(replica.status),
-                        replica.version,
-                        replica.SerializeToString(),
-                    ),
+                    [v for row in chunk for v in row],
                 )
 
     def get_replica(self, name: str, replica_id: int) -> resources_pb2.Replica | None:
