@@ -36,11 +36,9 @@ def _time(facts: resources_pb2.ReplicaFacts, field: _TimeField) -> float | None:
     return pbtime.from_timestamp(getattr(facts, field)) if facts.HasField(field) else None
 
 
-def life_of(
-    replica: resources_pb2.Replica, *, pending_exit: lifecycle.AppExited | None = None, vanished: bool = False
-) -> lifecycle.Life:
-    """The lifecycle facts of a stored replica; `pending_exit` and `vanished` are kept in memory
-    only (the caller's)."""
+def life_of(replica: resources_pb2.Replica, *, pending_exit: lifecycle.AppExited | None = None) -> lifecycle.Life:
+    """The lifecycle facts of a stored replica; `pending_exit` is kept in memory only (the
+    caller's)."""
     f = replica.facts
     return lifecycle.Life(
         launch=st.LaunchPhase(f.launch_phase),
@@ -61,7 +59,6 @@ def life_of(
         drain_s=pbtime.seconds(f.drain),
         failure_reason=replica.failure_reason,
         pending_exit=pending_exit,
-        vanished=vanished,
     )
 
 

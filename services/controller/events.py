@@ -251,9 +251,7 @@ def on_provisioner_event(rec: ServiceReconciler, rid: int, ev: prov_res.ReplicaE
     if kind == RE.REPLICA_EVENT_TYPE_APP_EXITED:
         step(rec, rid, lifecycle.AppExited(p.exit_code, failures.Cause(ev.cause)))
     elif kind == RE.REPLICA_EVENT_TYPE_VANISHED:
-        step(rec, rid, lifecycle.Gone(preempted=False))
-        if rec.pool is not None:
-            pools.worker_gone(rec, rid, time.time())
+        step(rec, rid, lifecycle.Gone(preempted=False, message=ev.message))
     elif kind == RE.REPLICA_EVENT_TYPE_PREEMPTED:
         step(rec, rid, lifecycle.Gone(preempted=True))
 
@@ -263,7 +261,7 @@ def on_missing(rec: ServiceReconciler, names: set[str], generation: int) -> None
     finished after this watch started may be missing only because the snapshot was older."""
     for rid, r in list(rec.replicas.items()):
         if r.replica_name not in names and rec.launched_in.get(rid, -1) < generation:
-            step(rec, rid, lifecycle.Gone(preempted=False))
+            step(rec, rid, lifecycle.Gone(preempted=False, message="the provisioner no longer knows it"))
 
 
 def on_probe_result(rec: ServiceReconciler, rid: int, result: prober_pb.ProbeResult) -> None:

@@ -51,17 +51,15 @@ class ScalerState:
 
 @dataclasses.dataclass
 class Extra:
-    """Facts kept in memory only: an app exit seen before the launch said RUNNING, and a
-    vanished machine (so a never-ready replica's failure is not blamed on the user)."""
+    """Facts kept in memory only: an app exit seen before the launch said RUNNING."""
 
     pending_exit: lifecycle.AppExited | None = None
-    vanished: bool = False
 
 
 def life_of(r: res.Replica, extra: Extra | None = None) -> lifecycle.Life:
     """The lifecycle facts of a record, with the memory-only extras."""
     extra = extra or Extra()
-    return convert.life_of(r, pending_exit=extra.pending_exit, vanished=extra.vanished)
+    return convert.life_of(r, pending_exit=extra.pending_exit)
 
 
 _FLAGS = (
@@ -85,7 +83,7 @@ _TIMES = {
 def write_life(r: res.Replica, old: lifecycle.Life, new: lifecycle.Life, extra: Extra) -> bool:
     """Copy what changed from `old` to `new` into the record (and the memory-only extras);
     True when the record changed (it must be stored)."""
-    extra.pending_exit, extra.vanished = new.pending_exit, new.vanished
+    extra.pending_exit = new.pending_exit
     f = r.facts
     changed = False
     if new.launch != old.launch:

@@ -15,7 +15,6 @@ all answered here so the core only asks:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -194,26 +193,6 @@ def setup_done(rec: ServiceReconciler, rid: int, when: float) -> None:
     if rec.row.uptime_start is None and rid in rec.replicas:  # the pool's uptime starts here
         rec.row = dataclasses.replace(rec.row, uptime_start=when)
         rec.book.row(uptime_start=when)
-
-
-def worker_gone(rec: ServiceReconciler, rid: int, when: float) -> None:
-    """A READY worker vanished (not preempted): no probe will notice, so its failure window
-    starts now and a second report at its end replaces it (a spot worker is preempted at once
-    by the lifecycle itself)."""
-    from services.controller import events
-    from services.controller.domain import lifecycle
-
-    r = rec.replicas.get(rid)
-    if r is None or r.facts.teardown_phase != res.TEARDOWN_PHASE_UNSPECIFIED:
-        return
-    window = spec.failure_threshold_s(rec.spec(rec.row.latest_version))
-    events.step(rec, rid, lifecycle.Probed(False, when, "worker vanished", 0, True))
-
-    def later() -> None:
-        if rid in rec.replicas and not rec.gone:
-            events.step(rec, rid, lifecycle.Probed(False, when + window, "worker vanished", 0, True))
-
-    asyncio.get_running_loop().call_later(max(window, 0.0), later)
 
 
 def decide(rec: ServiceReconciler, before: autoscaler.Hysteresis, now: float) -> autoscaler.Decision | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import urllib.request
 
 import grpc
@@ -89,6 +91,36 @@ async def test_ready_replica_that_stops_answering_is_replaced(cluster: cl.Cluste
     assert w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING
     assert w.replicas[1].failure_reason.startswith("probe failed")
     assert w.service.status == res.SERVICE_STATUS_READY
+    w.cancel()
+
+
+@pytest.mark.parametrize("victim", ["group", "wrapper"])
+async def test_a_replica_killed_from_outside_is_replaced_at_once_not_after_its_probes(
+    cluster: cl.Cluster, victim: str
+) -> None:
+    """SIGKILL to the replica's process group (or to the wrapper that leads it, leaving the app
+    alive): the provisioner reports it vanished, and the controller replaces it on that word.
+    Probes come once an hour and fail only after an hour, so they cannot be what replaced it."""
+    probe = (
+        "    path: /health\n    initial_delay_seconds: 20\n"
+        "    consecutive_failure_threshold_timeout: 3600\n    endpoint_probe_interval_seconds: 3600\n"
+    )
+    name = f"killed-{victim}"
+    await _create(cluster, cl.app_yaml(name, cluster.tag, replicas=1, probe=probe))
+    w = cl.Watch(cluster.stub, name)
+    await w.until(lambda w: w.count(READY) == 1)
+    pgid = cluster.replica_pgid(w.replicas[1].replica_name)
+    if victim == "group":
+        os.killpg(pgid, signal.SIGKILL)
+    else:
+        os.kill(pgid, signal.SIGKILL)
+    await w.until(lambda w: w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING and w.count(READY) == 1)
+    # (A probe may still fail first, NOT_READY: the prober probes a target at once when it
+    # changes, as at READY. Its window of an hour is not what ended the replica.)
+    assert w.replicas[1].failure_reason.startswith("replica vanished: "), w.replicas[1].failure_reason
+    assert [rid for rid, r in w.replicas.items() if r.status == READY] == [2]
+    # Its teardown killed what was left of it (the app, when only the wrapper was killed).
+    assert sorted(rid for _, rid in cl.replica_processes(cluster.tag).values()) == [2]
     w.cancel()
 
 

@@ -3,6 +3,7 @@
 - `min_workers: 0, max_workers: 3`: 6 jobs submitted at once launch 3 workers, every job
   SUCCEEDS, no worker runs two jobs at once, and the pool scales back to 0.
 - A worker killed mid-job: its job runs again on another worker and succeeds.
+- A killed worker is replaced at once, even with an hour's failure window.
 - `kill -9` of the controller with jobs queued and running: after the restart no job is lost,
   none ran twice at once, finished jobs keep their results.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
 
@@ -82,9 +82,7 @@ async def test_a_pool_grows_with_its_queue_runs_every_job_and_shrinks_to_zero(cl
 
 
 def _kill_worker(cluster: cl.Cluster, name: str) -> None:
-    path = os.path.join(cluster.provisioner_state_dir, "local", name, "handle.json")
-    with open(path, encoding="utf-8") as fh:
-        os.killpg(int(json.load(fh)["pgid"]), signal.SIGKILL)
+    os.killpg(cluster.replica_pgid(name), signal.SIGKILL)
 
 
 async def test_a_worker_killed_mid_job_reruns_it_on_another_worker(cluster: cl.Cluster) -> None:
@@ -104,6 +102,25 @@ async def test_a_worker_killed_mid_job_reruns_it_on_another_worker(cluster: cl.C
     # The dead worker is replaced (its record kept as failed, as a service's): two READY workers again.
     failed = (res.REPLICA_STATUS_FAILED, res.REPLICA_STATUS_FAILED_PROBING)
     await w.until(lambda w: w.count(res.REPLICA_STATUS_READY) == 2 and w.replicas[victim].status in failed, 60)
+    w.cancel()
+
+
+async def test_a_killed_worker_is_replaced_at_once_not_after_its_failure_window(cluster: cl.Cluster) -> None:
+    """The provisioner's word that the worker's processes are gone replaces it: with an hour's
+    failure window, only that word can, and its job runs again on the replacement."""
+    spec = "  workers: 1\n  failure_threshold_seconds: 3600"
+    await cluster.stub.CreateService(api.CreateServiceRequest(yaml=pool_yaml("lone", spec)))
+    w = cl.Watch(cluster.stub, "lone")
+    await w.until(lambda w: w.count(res.REPLICA_STATUS_READY) == 1, timeout=60)
+    await cluster.stub.SubmitJob(api.SubmitJobRequest(pool="lone", run="sleep 1; echo done"))
+    await _until_jobs(cluster, "lone", lambda js: js[0].HasField("start_time"))
+    _kill_worker(cluster, w.replicas[1].replica_name)
+    done = await _until_jobs(cluster, "lone", lambda js: js[0].state in ENDED, 60)
+    assert (done[0].state, done[0].replica_id, done[0].recoveries) == (res.JOB_STATE_SUCCEEDED, 2, 1)
+    await w.until(lambda w: w.replicas[1].status == res.REPLICA_STATUS_FAILED_PROBING, timeout=30)
+    assert w.replicas[1].failure_reason.startswith("replica vanished: "), w.replicas[1].failure_reason
+    assert res.REPLICA_STATUS_NOT_READY not in w.seen_statuses[1]  # no window was waited out
+    assert w.replicas[2].status == res.REPLICA_STATUS_READY
     w.cancel()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -218,6 +219,12 @@ class Cluster:
         else:
             self.controller.stop()
         self.controller = self._start_controller(port)
+
+    def replica_pgid(self, name: str) -> int:
+        """The process group of the local backend's replica `name` (led by its wrapper)."""
+        path = os.path.join(self.provisioner_state_dir, "local", name, "handle.json")
+        with open(path, encoding="utf-8") as fh:
+            return int(json.load(fh)["pgid"])
 
     async def delete_services(self, timeout: float = 10.0) -> bool:
         """Delete every service and wait until none is left and no replica process of the

@@ -227,13 +227,25 @@ TABLE = [
         ),
     ),
     (
-        "on-demand vanished: the probes decide",
+        "on-demand vanished: fails at once, not after a probe window",
         READY,
-        lc.Gone(),
-        S.READY,
-        {"failure_reason": "replica vanished", "vanished": True},
-        (),
+        lc.Gone(message="its process group ended"),
+        S.SHUTTING_DOWN,
+        {"ready_now": False, "teardown": TP.SCHEDULED, "failure_reason": "replica vanished: its process group ended"},
+        (
+            failed(Kind.VANISHED, Cause.INFRASTRUCTURE, "replica vanished: its process group ended", ever_ready=True),
+            torn("replica vanished: its process group ended"),
+        ),
     ),
+    (
+        "on-demand vanished before it was ever ready: fails at once, not the user's fault",
+        dataclasses.replace(STARTING, first_failure_time=50.0),
+        lc.Gone(),
+        S.SHUTTING_DOWN,
+        {"initial_delay_exceeded": True, "teardown": TP.SCHEDULED, "failure_reason": "replica vanished"},
+        (failed(Kind.VANISHED, Cause.INFRASTRUCTURE, "replica vanished"), torn("replica vanished")),
+    ),
+    ("vanished while tearing down: the teardown owns it", DRAINING, lc.Gone(), S.SHUTTING_DOWN, {}, ()),
     ("vanished while launching: the launch stream reports", PROVISIONING, lc.Gone(), S.PROVISIONING, {}, ()),
     # ---- probes of a replica never ready
     (
@@ -265,25 +277,6 @@ TABLE = [
         (
             failed(Kind.NEVER_READY, Cause.USER, "not ready within the initial delay of 10 s (probe failed: HTTP 503)"),
             torn("not ready within the initial delay of 10 s (probe failed: HTTP 503)"),
-        ),
-    ),
-    (
-        "past the initial delay after its machine vanished: not the user's",
-        dataclasses.replace(STARTING, first_failure_time=50.0, vanished=True),
-        lc.Probed(False, 61.0, error="connection refused"),
-        S.SHUTTING_DOWN,
-        {
-            "initial_delay_exceeded": True,
-            "teardown": TP.SCHEDULED,
-            "failure_reason": "not ready within the initial delay of 10 s (probe failed: connection refused)",
-        },
-        (
-            failed(
-                Kind.NEVER_READY,
-                Cause.INFRASTRUCTURE,
-                "not ready within the initial delay of 10 s (probe failed: connection refused)",
-            ),
-            torn("not ready within the initial delay of 10 s (probe failed: connection refused)"),
         ),
     ),
     (
@@ -404,6 +397,15 @@ def test_failure_windows_reach_the_statuses_of_the_spec() -> None:
     assert [type(a) for a in actions] == [lc.Failed, lc.StartTeardown]
     life, _ = lc.step(life, lc.TeardownFinished(ok=True), W)
     assert life.status is S.FAILED_INITIAL_DELAY
+
+
+def test_a_vanished_replica_ends_in_the_status_its_window_would_have_given() -> None:
+    """Once ready: FAILED_PROBING; never ready: FAILED_INITIAL_DELAY; the record is kept."""
+    for life, status in ((READY, S.FAILED_PROBING), (STARTING, S.FAILED_INITIAL_DELAY)):
+        life, _ = lc.step(life, lc.Gone(message="gone"), W)
+        life, _ = lc.step(life, lc.TeardownFinished(ok=True), W)
+        assert life.status is status
+        assert not life.is_scale_down and not life.preempted
 
 
 def test_a_ready_replica_fails_probing_at_the_window() -> None:

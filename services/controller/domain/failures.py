@@ -60,8 +60,8 @@ _DEFAULT_CAUSE = {
 }
 
 # Kinds whose cause is fixed whatever a report says: a lack of capacity, a preemption or a
-# cancel is never the user's fault. (A replica never ready within its delay is the app's,
-# unless the caller knows its machine vanished meanwhile: NEVER_READY takes a report.)
+# cancel is never the user's fault. (A replica never ready within its delay is the app's
+# unless a caller reports otherwise: NEVER_READY takes a report.)
 _FIXED = frozenset({Kind.CAPACITY, Kind.PREEMPTED, Kind.LAUNCH_CANCELLED})
 
 # Infrastructure failures of these kinds pause the service's launches. A cancelled launch

@@ -21,7 +21,7 @@ import dataclasses
 import enum
 
 from services.controller.domain import status as st
-from services.controller.domain.failures import Cause, Failure, Kind
+from services.controller.domain.failures import Failure, Kind
 from services.controller.domain.replica_events import (
     Action,
     AppExited,
@@ -85,7 +85,6 @@ class Life:
         drain_s: the drain of the teardown asked.
         failure_reason: the replica's one-line failure reason ("" when well).
         pending_exit: an app exit seen before the launch said RUNNING (memory only).
-        vanished: the machine vanished (on-demand: the probes decide; never the user's fault).
     """
 
     launch: st.LaunchPhase = LP.SCHEDULED
@@ -106,7 +105,6 @@ class Life:
     drain_s: float = 0.0
     failure_reason: str = ""
     pending_exit: AppExited | None = None
-    vanished: bool = False
 
     def facts(self) -> st.Facts:
         """The facts the replica's status is derived from."""
@@ -236,8 +234,13 @@ def _gone(life: Life, event: Gone) -> tuple[Life, tuple[Action, ...]]:
         life, actions = _teardown(life, drain_s=0.0, keep_logs=False, reason="preempted", scale_down=True)
         failure = Failure.of(Kind.PREEMPTED, "preempted", ever_ready=life.first_ready_time is not None)
         return life, (MarkZone(preempted=True), Failed(failure), *actions)
-    # On-demand replicas that vanish go through the probe failure path (spec.md section 5).
-    return dataclasses.replace(life, failure_reason="replica vanished", vanished=True), ()
+    # The backend saw it go (its processes, its Pod): final, unlike a failed probe, so an
+    # on-demand replica or worker fails now instead of waiting out a probe window. The status is
+    # the one that window would have ended in; the cause is never the user's.
+    reason = f"replica vanished: {event.message}" if event.message else "replica vanished"
+    ever_ready = life.first_ready_time is not None
+    failure = Failure.of(Kind.VANISHED, reason, ever_ready=ever_ready)
+    return _fail(life, failure, ready_now=False, initial_delay_exceeded=not ever_ready, failure_reason=reason)
 
 
 def _probed(life: Life, event: Probed, windows: Windows) -> tuple[Life, tuple[Action, ...]]:
@@ -264,8 +267,7 @@ def _probed(life: Life, event: Probed, windows: Windows) -> tuple[Life, tuple[Ac
         return dataclasses.replace(life, first_failure_time=event.time), ()
     if event.time - life.first_failure_time > windows.initial_delay_s:  # strict, as SkyPilot
         reason = f"not ready within the initial delay of {windows.initial_delay_s:g} s ({reason})"
-        cause = Cause.INFRASTRUCTURE if life.vanished else Cause.USER
-        failure = Failure.of(Kind.NEVER_READY, reason, reported=cause)
+        failure = Failure.of(Kind.NEVER_READY, reason)
         return _fail(life, failure, initial_delay_exceeded=True, failure_reason=reason)
     return life, ()
 

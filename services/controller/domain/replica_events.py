@@ -61,9 +61,11 @@ class AppExited:
 
 @dataclasses.dataclass(frozen=True)
 class Gone:
-    """The replica vanished, or was preempted, without a teardown of ours."""
+    """The replica vanished, or was preempted, without a teardown of ours; `message` is the
+    provisioner's word on how (for the failure reason)."""
 
     preempted: bool = False
+    message: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 
 from services.controller.store import schema
-from services.controller.store.base import DB_FILE, LEASE, FencedError, Lease, Store
+from services.controller.store.base import DB_FILE, Store
+from services.controller.store.leases import LEASE, FencedError, Lease
+from services.controller.store.postgres import PostgresStore
 from services.controller.store.rows import ServiceRow
 from services.controller.store.schema import SchemaError
 from services.controller.store.sqlite import SqliteStore, migrate
@@ -26,6 +28,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "FencedError",
     "Lease",
+    "PostgresStore",
     "SchemaError",
     "ServiceRow",
     "SqliteStore",

@@ -90,6 +90,11 @@ class PostgresStore(base.Store):
     integrity_errors = (psycopg.IntegrityError,)
     greatest = "GREATEST"
 
+    @staticmethod
+    def opens(path: str) -> bool:
+        """A postgresql:// (or postgres://) URL."""
+        return is_url(path)
+
     def __init__(
         self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0, idle_timeout_s: float = 2.0
     ) -> None:

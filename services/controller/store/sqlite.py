@@ -50,6 +50,11 @@ class SqliteStore(base.Store):
     db_errors = (sqlite3.Error,)
     integrity_errors = (sqlite3.IntegrityError,)
 
+    @staticmethod
+    def opens(path: str) -> bool:
+        """A file path, or `sqlite:PATH`."""
+        return path.startswith("sqlite:") or "://" not in path
+
     def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 5.0) -> None:
         """Open (creating if needed) the database at `path` and migrate it.
 
