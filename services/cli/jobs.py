@@ -12,7 +12,7 @@ from typing import TextIO
 from replicaplane.controller.v1 import controller_service_pb2 as pb
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as client_mod
-from services.cli import exits, inputs, render
+from services.cli import exits, inputs, render, tables
 
 JOB_HEADERS = ("ID", "NAME", "STATE", "WORKER", "SUBMITTED", "DURATION", "RECOVERIES", "MESSAGE")
 _ENDED = (res.JOB_STATE_SUCCEEDED, res.JOB_STATE_FAILED, res.JOB_STATE_CANCELLED)
@@ -76,7 +76,7 @@ def job_row(job: res.Job, now: float) -> tuple[str, ...]:
 def jobs_text(jobs: Sequence[res.Job], *, tty: bool, now: float | None = None) -> str:
     """The jobs table."""
     now = time.time() if now is None else now
-    return render.table("Jobs", JOB_HEADERS, [job_row(j, now) for j in jobs], tty=tty)
+    return tables.table("Jobs", JOB_HEADERS, [job_row(j, now) for j in jobs], tty=tty)
 
 
 def list_jobs(client: client_mod.Client, pool: str) -> list[res.Job]:

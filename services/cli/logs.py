@@ -17,6 +17,44 @@ from services.cli import exits, stacklogs
 DEFAULT_LOG_DIR = os.path.join("~", "replicaplane-logs")
 
 
+def add_parser(p: argparse.ArgumentParser, default_state_dir: str) -> None:
+    """The logs command's options."""
+    p.add_argument("name", metavar="NAME", help="the service")
+    p.add_argument("replica", nargs="?", type=int, metavar="REPLICA_ID", help="the replica whose output to print")
+    p.add_argument("--replica-id", type=int, metavar="N", help="the same as REPLICA_ID")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep printing while it runs (default; --no-follow prints what there is and exits)",
+    )
+    p.add_argument("--launch", action="store_true", help="the replica's launch log (setup, provisioning), not its app")
+    p.add_argument(
+        "--controller",
+        dest="controller_log",
+        action="store_true",
+        help="the controller's log lines about this service (local stack)",
+    )
+    p.add_argument("--load-balancer", action="store_true", help="the log of this service's load balancer (local stack)")
+    p.add_argument(
+        "--sync-down",
+        action="store_true",
+        help="write the logs (every replica's, the controller's, the balancer's; or the one chosen) to files",
+    )
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help=f"folder --sync-down writes a <NAME>-<time> folder in (default {DEFAULT_LOG_DIR})",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=default_state_dir,
+        metavar="DIR",
+        help=f"the local stack's state dir, where its logs are (default {default_state_dir})",
+    )
+
+
 def _write(out: TextIO, chunk: bytes) -> None:
     binary = getattr(out, "buffer", None)
     if binary is not None:

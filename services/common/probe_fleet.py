@@ -2,9 +2,10 @@
 
 The fleet is a set of prober addresses (a fixed list, or every address a DNS name resolves to,
 re-resolved so that probers added later get work). Each prober gets several Probe streams; each
-target lives on exactly one live stream, chosen least-loaded. When a stream breaks, its targets
-move to the live streams at once and the stream reconnects with backoff. When no stream is
-live, targets get PROBE_UNAVAILABLE results (never a replica failure) and the fleet is stale.
+target lives on exactly one live stream, chosen least-loaded (probe_placement.py keeps that
+bookkeeping; this module runs the streams). When a stream breaks, its targets move to the live
+streams at once and the stream reconnects with backoff. When no stream is live, targets get
+PROBE_UNAVAILABLE results (never a replica failure) and the fleet is stale.
 
 We balance ourselves rather than through gRPC's round_robin policy: round_robin picks among
 the subchannels that happen to be READY when a stream opens, so streams opened during startup
@@ -15,7 +16,6 @@ exactly which prober each stream is on, so the spread is even and a lost prober 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -28,7 +28,7 @@ import grpc
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb
 from replicaplane.prober.v1 import prober_service_pb2_grpc
-from services.common import clients
+from services.common import clients, probe_placement
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +78,12 @@ def _join_host_port(host: str, port: int) -> str:
 
 
 @dataclasses.dataclass(eq=False)
-class _Stream:
-    """One Probe stream to one prober, and the targets assigned to it."""
-
-    addr: str
-    index: int
-    live: bool = False
-    prober_id: str = ""
-    targets: set[str] = dataclasses.field(default_factory=set)
-    upserts: dict[str, pb.ProbeTarget] = dataclasses.field(default_factory=dict)
-    removes: set[str] = dataclasses.field(default_factory=set)
-    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    call: grpc.aio.StreamStreamCall | None = None
-
-    def queue_upsert(self, target: pb.ProbeTarget) -> None:
-        self.removes.discard(target.target_id)
-        self.upserts[target.target_id] = target
-        self.wake.set()
-
-    def queue_remove(self, target_id: str) -> None:
-        self.upserts.pop(target_id, None)
-        self.removes.add(target_id)
-        self.wake.set()
-
-
-@dataclasses.dataclass(eq=False)
 class _Prober:
     """A prober address, its channel and its streams."""
 
     addr: str
     channel: grpc.aio.Channel
-    streams: list[_Stream]
+    streams: list[probe_placement.Stream]
 
 
 DEFAULT_LIVENESS_TIMEOUT_S = 5.0
@@ -170,12 +144,8 @@ class ProbeFleet:
         self._max_request_targets = max(1, max_request_targets)
         self._liveness_timeout_s = liveness_timeout_s
         self._make_channel = make_channel
-        self._targets: dict[str, pb.ProbeTarget] = {}
-        self._assigned: dict[str, _Stream] = {}
-        self._unassigned: set[str] = set()
+        self._placement = probe_placement.Placement()
         self._probers: dict[str, _Prober] = {}
-        self._live: list[_Stream] = []
-        self._prober_load: collections.Counter[str] = collections.Counter()
         self._stale = True
         self._reported_stale: bool | None = None
         self._started = False
@@ -203,8 +173,8 @@ class ProbeFleet:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._first_live.wait(), self._start_wait_s)
         self._started = True
-        if not self._live:
-            self._mark_unavailable(list(self._unassigned), "no prober reachable", "")
+        if not self._placement.live:
+            self._mark_unavailable(list(self._placement.unassigned), "no prober reachable", "")
         self._report_stale()
 
     async def stop(self) -> None:
@@ -231,10 +201,11 @@ class ProbeFleet:
         copy = pb.ProbeTarget()
         copy.CopyFrom(target)
         target_id = copy.target_id
-        if self._targets.get(target_id) == copy and target_id in self._assigned:
+        placement = self._placement
+        if placement.targets.get(target_id) == copy and target_id in placement.assigned:
             return  # unchanged: the prober already has it
-        self._targets[target_id] = copy
-        stream = self._assigned.get(target_id)
+        placement.targets[target_id] = copy
+        stream = placement.assigned.get(target_id)
         if stream is not None:
             stream.queue_upsert(copy)
             return
@@ -242,12 +213,7 @@ class ProbeFleet:
 
     def remove(self, target_id: str) -> None:
         """Stop probing `target_id`; no result for it is delivered after this returns."""
-        self._targets.pop(target_id, None)
-        self._unassigned.discard(target_id)
-        stream = self._assigned.get(target_id)
-        if stream is not None:
-            self._unassign(target_id, stream)
-            stream.queue_remove(target_id)
+        self._placement.remove(target_id)
         if self._pending_unavailable:
             self._pending_unavailable = [r for r in self._pending_unavailable if r.target_id != target_id]
 
@@ -255,86 +221,24 @@ class ProbeFleet:
         """Targets assigned to each prober address, for status pages and tests."""
         return {addr: sum(len(s.targets) for s in prober.streams if s.live) for addr, prober in self._probers.items()}
 
-    # Assignment ---------------------------------------------------------------------------
-
-    def _key(self, stream: _Stream) -> tuple[int, int]:
-        # Even over streams first, then over probers: ties go to the least-loaded prober.
-        return len(stream.targets), self._prober_load[stream.addr]
-
-    def _least_loaded(self) -> _Stream | None:
-        if not self._live:
-            return None
-        return min(self._live, key=self._key)
-
-    def _assign(self, target_id: str, stream: _Stream) -> None:
-        self._unassigned.discard(target_id)
-        self._assigned[target_id] = stream
-        stream.targets.add(target_id)
-        self._prober_load[stream.addr] += 1
-        stream.queue_upsert(self._targets[target_id])
-
-    def _unassign(self, target_id: str, stream: _Stream) -> None:
-        self._assigned.pop(target_id, None)
-        stream.targets.discard(target_id)
-        self._prober_load[stream.addr] -= 1
+    # Streams going live and dead ----------------------------------------------------------
 
     def _place(self, target_ids: list[str], *, reason: str, prober_id: str) -> None:
         """Put targets on the least-loaded live streams, or mark them unavailable."""
-        homeless = []
-        for target_id in target_ids:
-            if target_id not in self._targets:
-                continue
-            stream = self._least_loaded()
-            if stream is None:
-                self._unassigned.add(target_id)
-                homeless.append(target_id)
-            else:
-                self._assign(target_id, stream)
+        homeless = self._placement.place(target_ids)
         if homeless and self._started:
             self._mark_unavailable(homeless, reason, prober_id)
 
-    def _rebalance(self) -> None:
-        """Move targets until streams differ by at most one target, and probers too.
-
-        Each move lowers (spread over streams, spread over probers), so this ends.
-        """
-        while len(self._live) > 1:
-            most = max(self._live, key=self._key)
-            least = min(self._live, key=self._key)
-            gap = len(most.targets) - len(least.targets)
-            if gap >= 2:
-                count = gap // 2
-            elif gap == 1 and self._prober_load[most.addr] - self._prober_load[least.addr] >= 2:
-                count = 1
-            else:
-                return
-            for _ in range(count):
-                target_id = next(iter(most.targets))
-                self._unassign(target_id, most)
-                most.queue_remove(target_id)
-                self._assign(target_id, least)
-
-    def _went_live(self, stream: _Stream) -> None:
-        stream.live = True
-        # Interleave streams of different probers, so ties spread over probers.
-        self._live.append(stream)
-        self._live.sort(key=lambda s: (s.index, s.addr))
-        self._place(sorted(self._unassigned), reason="", prober_id="")
-        self._rebalance()
+    def _went_live(self, stream: probe_placement.Stream) -> None:
+        self._placement.went_live(stream)
         self._first_live.set()
         self._set_stale(False)
 
-    def _went_dead(self, stream: _Stream) -> None:
+    def _went_dead(self, stream: probe_placement.Stream) -> None:
         if not stream.live:
             return
-        stream.live = False
-        self._live.remove(stream)
-        moved = list(stream.targets)
-        for target_id in moved:
-            self._unassign(target_id, stream)
-        stream.upserts.clear()
-        stream.removes.clear()
-        if not self._live:
+        moved = self._placement.went_dead(stream)
+        if not self._placement.live:
             self._set_stale(True)
         self._place(moved, reason="prober went away", prober_id=stream.prober_id)
 
@@ -359,7 +263,7 @@ class ProbeFleet:
 
     def _flush_unavailable(self) -> None:
         self._flush_scheduled = False
-        batch = [r for r in self._pending_unavailable if r.target_id in self._unassigned]
+        batch = [r for r in self._pending_unavailable if r.target_id in self._placement.unassigned]
         self._pending_unavailable = []
         if batch and not self._stopping:
             self._deliver(batch)
@@ -396,7 +300,7 @@ class ProbeFleet:
             if addr in self._probers or self._stopping:
                 continue
             channel = self._make_channel(addr)
-            streams = [_Stream(addr=addr, index=i) for i in range(self._streams_per_prober)]
+            streams = [probe_placement.Stream(addr=addr, index=i) for i in range(self._streams_per_prober)]
             prober = _Prober(addr=addr, channel=channel, streams=streams)
             self._probers[addr] = prober
             for stream in streams:
@@ -408,7 +312,7 @@ class ProbeFleet:
                 if stream.task is not None:
                     stream.task.cancel()
                 self._went_dead(stream)
-            self._prober_load.pop(addr, None)
+            self._placement.prober_left(addr)
             closing = loop.create_task(prober.channel.close())
             self._background.add(closing)
             closing.add_done_callback(self._background.discard)
@@ -430,7 +334,7 @@ class ProbeFleet:
             await asyncio.sleep(self._resolve_interval_s)
             await self._resolve_once()
 
-    async def _run_stream(self, prober: _Prober, stream: _Stream) -> None:
+    async def _run_stream(self, prober: _Prober, stream: probe_placement.Stream) -> None:
         """Keep one stream open: connect, feed it targets, read results; on a break, hand its
         targets to the live streams and reconnect with backoff."""
         stub = prober_service_pb2_grpc.ProberServiceStub(prober.channel)
@@ -447,7 +351,7 @@ class ProbeFleet:
                 backoff = self._backoff_min_s
                 writer = asyncio.get_running_loop().create_task(self._write(stream, call))
                 while (response := await self._next_message(call)) is not None:
-                    results = [r for r in response.results if self._assigned.get(r.target_id) is stream]
+                    results = [r for r in response.results if self._placement.assigned.get(r.target_id) is stream]
                     if results:
                         self._deliver(results)
             except asyncio.CancelledError:
@@ -502,7 +406,7 @@ class ProbeFleet:
         value = dict(waiting.result() or ()).get(PROBER_ID_METADATA)
         return None if value is None else str(value)
 
-    async def _write(self, stream: _Stream, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, stream: probe_placement.Stream, call: grpc.aio.StreamStreamCall) -> None:
         """Send the stream's queued target changes, coalesced into few messages."""
         try:
             while True:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import yaml
 
 from services.common import config, errors, logs, specfile
-from services.stack import api, plan, runner
+from services.stack import api, output, plan, runner
 
 DEFAULT_STATE_DIR = ".state"
 
@@ -57,11 +57,11 @@ def _parser() -> argparse.ArgumentParser:
 async def _create(args: argparse.Namespace) -> int:
     client = api.Controller(args.controller)
     try:
-        name = await client.create(args.yaml, runner.say)
+        name = await client.create(args.yaml, output.say)
         if args.follow:
-            await client.follow(name, api.WatchPrinter(), runner.say)
+            await client.follow(name, api.WatchPrinter(), output.say)
     except api.StackError as exc:
-        runner.say(f"error: {exc}")
+        output.say(f"error: {exc}")
         return 1
     finally:
         await client.close()

@@ -1,4 +1,6 @@
-"""Runs the local stack: starts the service processes, creates the example, cleans up on stop.
+"""Runs the local stack: `up` (in the foreground or detached) and `down`.
+
+`up` starts the service processes (supervisor.py), creates the example and cleans up on stop.
 
 Children run in their own sessions, so Ctrl-C reaches only the stack, which then deletes every
 service (so the provisioner tears every replica down) before it stops the children. The stack
@@ -15,31 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import dataclasses
 import json
 import os
-import re
-import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from services.common import config, security
-from services.stack import api, plan, preflight
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-STOP_TIMEOUT_S = 10.0
-"""How long a service process gets to exit after SIGTERM before SIGKILL."""
-# The setting that names the service a load balancer process serves.
-_BALANCED = "REPLICAPLANE_LOADBALANCER_SERVICE_NAME"
-# Set on a balancer fleet: it serves every service, each on its own port.
-_FLEET = "REPLICAPLANE_LOADBALANCER_FLEET"
-
+from services.common import config
+from services.stack import api, output, plan, preflight, procs, statefiles, supervisor
 
 FOLLOW_MAX = 100
 """Services the stack's terminal follows at most; the rest are named once (the dashboard and
@@ -48,512 +35,7 @@ DISCOVER_INTERVAL_S = 1.0
 """How often the stack looks for services created or deleted through the API."""
 
 
-class _Output:
-    """Where progress lines go once stdout is gone (the file, else nowhere)."""
-
-    fallback = os.devnull
-
-
-def keep_output_in(path: str) -> None:
-    """Send progress lines to `path` if stdout goes away (a pipe's reader died, the terminal closed)."""
-    _Output.fallback = path
-
-
-def _lose_stdout() -> None:
-    """Point stdout and stderr at the fallback file, so every later write (ours, grpc's) works."""
-    fd = os.open(_Output.fallback, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def say(line: str) -> None:
-    """Print a progress line with the time of day.
-
-    Never raises for a dead stdout: Ctrl-C on `make up 2>&1 | tee FILE` stops tee as well, and the
-    stack must still delete its services and stop its processes, so the line goes to the
-    fallback file (keep_output_in) instead.
-    """
-    text = f"{time.strftime('%H:%M:%S')} {line}\n"
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except OSError:  # EPIPE (SIGPIPE is ignored in Python), EIO from a closed terminal
-        with contextlib.suppress(OSError):
-            _lose_stdout()
-            sys.stdout.write(text)  # the failed write left nothing buffered
-            sys.stdout.flush()
-
-
-def dashboard_line(url: str) -> str:
-    """The line that tells the operator where the web dashboard is."""
-    return f"dashboard at {url}/ (services, replicas and events, live; `replicactl dashboard --open`)"
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a child: ours, with the repo and generated code importable."""
-    path = [REPO, os.path.join(REPO, "gen", "python")]
-    if os.environ.get("PYTHONPATH"):
-        path.append(os.environ["PYTHONPATH"])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
-_HAVE_PROC = os.path.isdir("/proc/self")
-_PR_SET_PDEATHSIG = 1
-
-
-def _prctl() -> Any:
-    """libc's prctl, or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    with contextlib.suppress(OSError, AttributeError):
-        return ctypes.CDLL(None, use_errno=True).prctl
-    return None
-
-
-_PRCTL = _prctl()  # resolved here, so the forked child only calls it
-
-
-def die_with_this_process() -> Callable[[], None] | None:
-    """A preexec_fn that makes a child get SIGTERM when this process dies, even by SIGKILL.
-
-    Linux ties the signal to the thread that forked the child, so call Popen from the main thread
-    (the event loop's), never from a worker thread that may end first. The hook runs between fork
-    and exec and does no more than two system calls.
-    """
-    if _PRCTL is None:
-        return None
-    parent = os.getpid()
-    prctl = _PRCTL
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call above took effect
-            os._exit(1)
-
-    return hook
-
-
-def _cmdline(pid: int) -> str | None:
-    """The command line of a live process, "" if unknown, None if it is gone (zombies are gone)."""
-    if not _HAVE_PROC:  # not Linux: a signal-0 probe, without the command line
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            if fh.read().rpartition(")")[2].split()[0] == "Z":
-                return None
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except (OSError, IndexError):
-        return None
-
-
-def is_ours(pid: int, marker: str) -> bool:
-    """True when `pid` is alive and its command line contains `marker` (guards against pid reuse)."""
-    cmd = _cmdline(pid)
-    return cmd is not None and (cmd == "" or marker in cmd)
-
-
-def _wait_gone(pid: int, marker: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not is_ours(pid, marker):
-            return True
-        time.sleep(0.05)
-    return not is_ours(pid, marker)
-
-
-def terminate_pids(named_pids: Sequence[tuple[str, int, str]], out: api.Out) -> None:
-    """SIGTERM each (name, pid, marker) in order, wait for it, SIGKILL after STOP_TIMEOUT_S."""
-    for name, pid, marker in named_pids:
-        if not is_ours(pid, marker):
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        if not _wait_gone(pid, marker, STOP_TIMEOUT_S):
-            out(f"{name} (pid {pid}) did not stop in {STOP_TIMEOUT_S:.0f} s; killing it")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid, marker, 2.0)
-
-
-@dataclasses.dataclass
-class StateFiles:
-    """The stack's files under its state dir: pid file, state (JSON) and logs."""
-
-    state_dir: str
-
-    @property
-    def pid_path(self) -> str:
-        """Pid file of the running stack."""
-        return os.path.join(self.state_dir, "stack.pid")
-
-    @property
-    def state_path(self) -> str:
-        """JSON: the stack pid, readiness, controller address, children and created services."""
-        return os.path.join(self.state_dir, "stack.json")
-
-    @property
-    def log_dir(self) -> str:
-        """One log file per service process."""
-        return os.path.join(self.state_dir, "logs")
-
-    @property
-    def token_path(self) -> str:
-        """The API token the stack generates when the user set none."""
-        return os.path.join(self.state_dir, plan.TOKEN_FILE)
-
-    @property
-    def port_dir(self) -> str:
-        """Port files: each process writes the port it bound there (`<name>.port`, and
-        `<name>.http.port` for an HTTP port) once it serves."""
-        return os.path.join(self.state_dir, "ports")
-
-    @property
-    def targets_path(self) -> str:
-        """Every process's metrics address, in Prometheus' file_sd format (see deploy/prometheus/)."""
-        return os.path.join(self.state_dir, "prometheus", "targets.json")
-
-    @property
-    def result_path(self) -> str:
-        """JSON the stopping stack leaves for `down`: the services it could not delete."""
-        return os.path.join(self.state_dir, "stack.result.json")
-
-    def running_pid(self) -> int | None:
-        """Pid of a live stack using this state dir, if any."""
-        try:
-            with open(self.pid_path, encoding="utf-8") as fh:
-                pid = int(fh.read().strip() or 0)
-        except (FileNotFoundError, ValueError):
-            return None
-        return pid if pid and pid != os.getpid() and is_ours(pid, "services.stack") else None
-
-    def write(self, path: str, text: str) -> None:
-        """Write atomically, so a reader never sees half a file."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-
-    def read_state(self) -> dict[str, Any] | None:
-        """The state written by a stack, or None."""
-        try:
-            with open(self.state_path, encoding="utf-8") as fh:
-                return dict(json.load(fh))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def remove(self) -> None:
-        """Remove the pid, state, token and scrape target files."""
-        for path in (self.pid_path, self.state_path, self.token_path, self.targets_path):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-    def new_token(self) -> str:
-        """Generate the API token and write it, readable by this user only."""
-        token = secrets.token_urlsafe(32)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.token_path)  # never reuse a file someone else may hold open
-        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(f"{token}\n")
-        return token
-
-    def token(self) -> str:
-        """The generated API token, or "" when there is none."""
-        try:
-            with open(self.token_path, encoding="utf-8") as fh:
-                return fh.read().strip()
-        except FileNotFoundError:
-            return ""
-
-
-def private_dir(path: str, out: api.Out) -> bool:
-    """Create `path` as a directory only this user may enter (0700), or make it one.
-
-    Returns:
-        False when it belongs to another user (then nothing in it can be trusted).
-    """
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        out(f"error: {path} belongs to another user (uid {st.st_uid}); use a state dir of your own")
-        return False
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # sockets, token, stores and replica logs: this user only
-    return True
-
-
-class Stack:
-    """The service processes of one stack and the services it created."""
-
-    def __init__(
-        self,
-        specs: Sequence[plan.ProcessSpec],
-        files: StateFiles,
-        out: api.Out,
-        *,
-        token: str = "",
-        announce: bool = True,
-    ) -> None:
-        self.specs = list(specs)
-        self.files = files
-        self.out = out
-        # False: say nothing about where each process serves (a stack that only cleans up).
-        self.announce = announce
-        self.served: set[str] = set()  # processes that answered their health check
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.created: list[str] = []
-        self.ready = False
-        # Where each process listens and serves HTTP; a planned port 0 becomes the bound one.
-        self.addrs = {s.name: s.addr for s in self.specs}
-        self.urls = {s.name: s.url for s in self.specs if s.url}
-        self.metrics = {s.name: s.metrics_addr for s in self.specs if s.metrics_addr}
-        self._controller = next(s.name for s in self.specs if s.component == "controller")
-        self.generated_token = bool(token)
-        # The generated token, else the user's own (from the environment).
-        self.token = token or security.client_token()
-
-    @property
-    def controller_addr(self) -> str:
-        """Where clients dial the controller (known once it bound its port)."""
-        return plan.dial_addr(self.addrs[self._controller])
-
-    def save(self) -> None:
-        """Record what is running, for `down` and for a waiting `up --detach`."""
-        state = {
-            "pid": os.getpid(),
-            "ready": self.ready,
-            "metrics": {name: url for name in self.metrics if (url := self.metrics_url(name))},
-            "controller": self.controller_addr,
-            "token_file": self.files.token_path if self.generated_token else "",
-            "services": self.created,
-            # replicactl reads `component`, `pid`, `log` and a balancer's `service` to find logs.
-            "processes": [
-                {
-                    "name": s.name,
-                    "component": s.component,
-                    "pid": self.procs[s.name].pid,
-                    "addr": self.addrs[s.name],
-                    "log": os.path.abspath(os.path.join(self.files.log_dir, f"{s.name}.log")),
-                }
-                | ({"url": self.urls[s.name]} if s.name in self.urls else {})
-                | ({"service": s.env[_BALANCED]} if _BALANCED in s.env else {})
-                | ({"fleet": True} if s.env.get(_FLEET) == "true" else {})
-                for s in self.specs
-                if s.name in self.procs
-            ],
-        }
-        self.files.write(self.files.state_path, json.dumps(state, indent=2) + "\n")
-        self._write_targets()
-
-    def metrics_url(self, name: str) -> str:
-        """The metrics URL of process `name`; "" when it has none or its port is not known yet."""
-        addr = self.metrics.get(name, "")
-        return f"http://{plan.dial_addr(addr)}/metrics" if addr and plan.split_addr(addr)[1] else ""
-
-    def _write_targets(self) -> None:
-        """Tell a Prometheus that reads this file (file_sd) where to scrape, one job per component."""
-        groups = [
-            {
-                "targets": [plan.dial_addr(self.metrics[s.name])],
-                "labels": {"job": s.component, "process": s.name, "stack": "local"},
-            }
-            for s in self.specs
-            if self.metrics_url(s.name)
-        ]
-        os.makedirs(os.path.dirname(self.files.targets_path), exist_ok=True)
-        self.files.write(self.files.targets_path, json.dumps(groups, indent=2) + "\n")
-
-    def _port_files(self, spec: plan.ProcessSpec) -> dict[str, str]:
-        files = {config.env_name(spec.component, "port_file"): os.path.join(self.files.port_dir, f"{spec.name}.port")}
-        if spec.url:
-            http = os.path.join(self.files.port_dir, f"{spec.name}.http.port")
-            files[config.env_name(spec.component, "http_port_file")] = http
-        if spec.metrics_addr:
-            metrics = os.path.join(self.files.port_dir, f"{spec.name}.metrics.port")
-            files[config.env_name(spec.component, "metrics_port_file")] = metrics
-        return files
-
-    def _launch(self, spec: plan.ProcessSpec, env: dict[str, str]) -> None:
-        for path in self._port_files(spec).values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a stale port from an earlier run
-        log_path = os.path.join(self.files.log_dir, f"{spec.name}.log")
-        with open(log_path, "ab") as log:
-            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}\n".encode())
-            log.flush()
-            self.procs[spec.name] = subprocess.Popen(
-                spec.argv,
-                cwd=REPO,
-                env=child_env(env),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_this_process(),
-            )
-
-    async def start(self, timeout: float) -> None:
-        """Start every process, each in its own session, logging to the log dir.
-
-        A process that dials others starts once they have bound their TCP ports (with port 0 it
-        learns them from their port files); the others start at once. So the balancer and the
-        dashboard, which send tokens to the controller, start only once the stack's controller
-        holds its port, never while another process may hold it.
-
-        Raises:
-            api.StackError: a process it waits for exited or reported no port in `timeout` s.
-        """
-        os.makedirs(self.files.log_dir, exist_ok=True)
-        os.makedirs(self.files.port_dir, exist_ok=True)
-        for spec in self.specs:
-            for name in {n for names in spec.needs.values() for n in names}:
-                await self.bound(name, timeout)
-            self._launch(spec, {**plan.resolve(spec, self.addrs), **self._port_files(spec)})
-            self.save()
-
-    async def bound(self, name: str, timeout: float) -> None:
-        """Wait until process `name` has bound its TCP ports (its address, URL and metrics) and
-        serves, and take the ports it got for a planned port 0. Its port files prove it: a health answer
-        alone does not (another process may hold a fixed port, and would collect the token of
-        every client that connects). A Unix socket's address is known in advance.
-
-        Raises:
-            api.StackError: it exited first, or wrote no port file in `timeout` s.
-        """
-        spec = next(s for s in self.specs if s.name == name)
-        files = self._port_files(spec)
-        # Port file -> what it holds the port of; a Unix socket's address has nothing to wait for.
-        kinds = {} if plan.is_unix(self.addrs[name]) else {files[config.env_name(spec.component, "port_file")]: "addr"}
-        if spec.url:
-            kinds[files[config.env_name(spec.component, "http_port_file")]] = "url"
-        if spec.metrics_addr:
-            kinds[files[config.env_name(spec.component, "metrics_port_file")]] = "metrics"
-        deadline = time.monotonic() + timeout
-        while not _all_exist(list(kinds)):
-            if self.procs[name].poll() is not None:
-                raise api.StackError(self.failure(name))
-            if time.monotonic() > deadline:
-                raise api.StackError(f"{name} reported no port in {timeout:.0f} s (log: {self.log_path(name)})")
-            await asyncio.sleep(0.05)
-        changed = False
-        for path, kind in kinds.items():
-            port = int(await asyncio.to_thread(_read, path))
-            if kind == "addr":
-                host, planned = plan.split_addr(self.addrs[name])
-                self.addrs[name] = f"{host}:{port}"
-            elif kind == "metrics":
-                host, planned = plan.split_addr(self.metrics[name])
-                self.metrics[name] = f"{host}:{port}"
-            else:
-                host, planned = plan.split_addr(self.urls[name].removeprefix("http://"))
-                self.urls[name] = f"http://{host}:{port}"
-            changed = changed or planned != port
-        if changed:
-            self.save()
-
-    def log_path(self, name: str) -> str:
-        """The log file of process `name`."""
-        return os.path.join(self.files.log_dir, f"{name}.log")
-
-    def failure(self, name: str) -> str:
-        """One line on why process `name` exited: the error it logged last (the setting or port at
-        fault), its exit code otherwise, and its log."""
-        proc = self.procs[name]
-        log = self.log_path(name)
-        started = name in self.served
-        if reason := exit_reason(log):
-            return f"{name} {'stopped' if started else 'did not start'}: {reason} (log: {log})"
-        return f"{name} exited with code {proc.returncode}{'' if started else ' before it served'} (log: {log})"
-
-    def exited(self) -> str | None:
-        """A message naming the first process that exited, or None while all run."""
-        for spec in self.specs:
-            proc = self.procs.get(spec.name)
-            if proc is not None and proc.poll() is not None:
-                return self.failure(spec.name)
-        return None
-
-    async def wait_serving(self, timeout: float) -> None:
-        """Wait until every process's health check says SERVING."""
-        for spec in self.specs:
-            await self.bound(spec.name, timeout)
-            proc = self.procs[spec.name]
-            alive = lambda p=proc: p.poll() is None  # noqa: E731 - binds this loop's process
-            var = f"REPLICAPLANE_{spec.component.upper()}_TLS_CERT_FILE"
-            tls = spec.component != "controller" and bool(spec.env.get(var) or os.environ.get(var))
-            addr = self.addrs[spec.name]
-            try:
-                await api.wait_serving(plan.dial_addr(addr), spec.grpc_service, timeout=timeout, alive=alive, tls=tls)
-            except api.StackError:
-                if proc.poll() is not None:
-                    raise api.StackError(self.failure(spec.name)) from None
-                raise api.StackError(
-                    f"{spec.name} on {addr} was not serving after {timeout:.0f} s (log: {self.log_path(spec.name)})"
-                ) from None
-            self.served.add(spec.name)
-            if not self.announce:
-                continue
-            self.out(f"{spec.name} serving on {addr} (log: {self.log_path(spec.name)})")
-            if metrics_url := self.metrics_url(spec.name):
-                self.out(f"{spec.name} metrics: {metrics_url}")
-            if spec.component == "dashboard":
-                self.out(dashboard_line(self.urls[spec.name]))
-            elif spec.url and spec.env.get(_FLEET) == "true":
-                self.out(
-                    f"{spec.name}: every service gets its own URL, from {self.urls[spec.name]} up "
-                    "(`replicactl status` shows each)"
-                )
-            elif spec.url:
-                service = spec.env.get(_BALANCED, "")
-                self.out(f"{spec.name}: {service} at {self.urls[spec.name]}")
-
-    async def watch_exits(self) -> str:
-        """Return once a process exits (bounded by the caller's cancellation)."""
-        while (message := self.exited()) is None:
-            await asyncio.sleep(0.5)
-        return message
-
-    async def delete_services(self, delete_timeout: float) -> list[str]:
-        """Delete every service the controller has (not only the ones this stack created) and
-        wait until they are gone, so no replica is left.
-
-        Returns:
-            Services that could not be confirmed deleted.
-        """
-        controller = self.procs.get("controller")
-        if controller is not None and controller.poll() is None:
-            client = api.Controller(self.controller_addr, token=self.token)
-            try:
-                return await client.delete_everything(timeout=delete_timeout, out=self.out, also=self.created)
-            finally:
-                await client.close()
-        if self.created:
-            self.out("warning: the controller is not running, so services could not be deleted")
-        return list(self.created)
-
-    async def stop_processes(self) -> None:
-        """SIGTERM every process and wait for it (SIGKILL after STOP_TIMEOUT_S)."""
-        # The dashboard and the balancer, then the controller, so nothing calls a stopped service;
-        # the provisioner last.
-        rank = {"dashboard": -2, "loadbalancer": -1, "controller": 0, "prober": 1}
-        order = sorted(self.specs, key=lambda s: rank.get(s.component, 2))
-        pids = [(s.name, p.pid, f"services.{s.component}") for s in order if (p := self.procs.get(s.name))]
-        await asyncio.to_thread(terminate_pids, pids, self.out)
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(1.0)  # reap
-        self.out("stack stopped")
-
-
-async def _run(stack: Stack, example: str | None, ready_timeout: float, *, follow: bool = True) -> None:
+async def _run(stack: supervisor.Stack, example: str | None, ready_timeout: float, *, follow: bool = True) -> None:
     await stack.start(ready_timeout)
     await stack.wait_serving(ready_timeout)
     if not follow:  # a stack started only to clean up after a killed one
@@ -585,7 +67,7 @@ async def up(
     example: str | None,
     ready_timeout: float = 30.0,
     delete_timeout: float = 90.0,
-    out: api.Out = say,
+    out: api.Out = output.say,
     cleanup_only: bool = False,
 ) -> int:
     """Run the stack until SIGTERM, SIGINT or SIGHUP, then clean up.
@@ -606,8 +88,8 @@ async def up(
     Returns:
         The exit code: 0 after a requested stop, 1 if anything failed.
     """
-    files = StateFiles(state_dir)
-    if not private_dir(state_dir, out):
+    files = statefiles.StateFiles(state_dir)
+    if not statefiles.private_dir(state_dir, out):
         return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
@@ -615,7 +97,7 @@ async def up(
     if problem := await asyncio.to_thread(preflight.check_ports, specs):
         out(f"error: {problem}")
         return 1
-    keep_output_in(os.path.join(state_dir, "stack.log"))
+    output.keep_output_in(os.path.join(state_dir, "stack.log"))
     files.write(files.pid_path, f"{os.getpid()}\n")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(files.result_path)  # a stale report of an earlier stack
@@ -628,7 +110,7 @@ async def up(
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(files.token_path)  # the user's own tokens guard the API
-    stack = Stack(specs, files, out, token=token, announce=not cleanup_only)
+    stack = supervisor.Stack(specs, files, out, token=token, announce=not cleanup_only)
     stop = asyncio.Event()
 
     def on_signal() -> None:
@@ -678,7 +160,7 @@ def detach(
     *,
     state_dir: str,
     timeout: float,
-    out: api.Out = say,
+    out: api.Out = output.say,
     specs: Sequence[plan.ProcessSpec] = (),
 ) -> int:
     """Run `python -m services.stack <argv>` in the background and wait until it is ready.
@@ -693,8 +175,8 @@ def detach(
     Returns:
         0 once the background stack is ready; 1 if it failed or took longer than `timeout` s.
     """
-    files = StateFiles(state_dir)
-    if not private_dir(state_dir, out):
+    files = statefiles.StateFiles(state_dir)
+    if not statefiles.private_dir(state_dir, out):
         return 1
     if (other := files.running_pid()) is not None:
         out(f"a stack is already running from {state_dir} (pid {other}); stop it with `make down`")
@@ -707,7 +189,7 @@ def detach(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.stack", *argv],
-            env=child_env(),
+            env=procs.child_env(),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -735,7 +217,7 @@ def detach(
                 out(f"{name} metrics: {url}")
             for process in state.get("processes", []):
                 if process.get("name") == "dashboard" and process.get("url"):
-                    out(dashboard_line(process["url"]))
+                    out(output.dashboard_line(process["url"]))
             out(f"output: {log_path}; stop it with `make down` (python -m services.stack down)")
             return 0
         time.sleep(0.1)
@@ -746,7 +228,7 @@ def detach(
     return 1
 
 
-def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
+def down(*, state_dir: str, timeout: float, out: api.Out = output.say) -> int:
     """Stop the stack running from `state_dir`, the same way Ctrl-C does.
 
     Every service the controller has is deleted (not only the ones the stack created), and the
@@ -759,7 +241,7 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     Returns:
         0 when nothing of the stack is left running and every service was deleted, 1 otherwise.
     """
-    files = StateFiles(state_dir)
+    files = statefiles.StateFiles(state_dir)
     pid = files.running_pid()
     state = files.read_state() or {}
     if pid is None and not state:
@@ -771,13 +253,13 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     if pid is not None:
         out(f"stopping the stack (pid {pid})")
         os.kill(pid, signal.SIGTERM)
-        if not _wait_gone(pid, "services.stack", timeout):
+        if not procs.wait_gone(pid, "services.stack", timeout):
             out(f"the stack did not stop in {timeout:.0f} s; killing it and cleaning up after it")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            _wait_gone(pid, "services.stack", 2.0)
+            procs.wait_gone(pid, "services.stack", 2.0)
             crashed = True
-        result = None if crashed else _read_result(files)
+        result = None if crashed else statefiles.read_result(files)
         if crashed:
             pass  # cleaned up below
         elif result is None:
@@ -792,13 +274,13 @@ def down(*, state_dir: str, timeout: float, out: api.Out = say) -> int:
     left = [
         (p["name"], int(p["pid"]), f"services.{p['name'].split('-')[0]}")
         for p in state.get("processes", [])
-        if is_ours(int(p["pid"]), f"services.{p['name'].split('-')[0]}")
+        if procs.is_ours(int(p["pid"]), f"services.{p['name'].split('-')[0]}")
     ]
     if left:
         # A killed stack's processes got SIGTERM from the kernel already; wait for them (or end them).
         out("stopping what it left running: " + ", ".join(n for n, _, _ in left))
-        terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
-        if still := [n for n, p, m in left if is_ours(p, m)]:
+        procs.terminate_pids(sorted(left, key=lambda t: t[0] != "controller"), out)
+        if still := [n for n, p, m in left if procs.is_ours(p, m)]:
             out("still running: " + ", ".join(still))
             return 1
     if crashed:
@@ -831,58 +313,5 @@ def _clean_up_after_crash(state_dir: str, timeout: float, out: api.Out) -> int:
     out("starting its provisioner and controller again to delete every service")
     rc = asyncio.run(up(specs, state_dir=state_dir, example=None, delete_timeout=timeout, out=out, cleanup_only=True))
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(StateFiles(state_dir).result_path)
+        os.unlink(statefiles.StateFiles(state_dir).result_path)
     return rc
-
-
-# The line a service logs when a setting or port keeps it from starting (logs.setup).
-_CANNOT_START = re.compile(r" CRITICAL \S+: cannot start: (.*)$")
-# The last line of a Python traceback: `package.module.SomeError: message`.
-_EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
-# How much of a log's end is searched for the reason.
-_LOG_TAIL_BYTES = 64 * 1024
-
-
-def exit_reason(log_path: str) -> str:
-    """The error a service process logged as it stopped, in one line, or "" if none is found.
-
-    It is read from the end of the process's log (since its last start): the `cannot start:`
-    line a service writes for a bad setting or a taken port, else the last line of a traceback.
-    Logs are redacted as they are written, so the line holds no secret.
-    """
-    try:
-        with open(log_path, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - _LOG_TAIL_BYTES))
-            tail = fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-    lines = tail.rpartition("\n--- ")[2].splitlines()
-    for line in reversed(lines):
-        if match := _CANNOT_START.search(line):
-            return match.group(1).strip()
-    for line in reversed(lines):
-        if match := _EXCEPTION.match(line.strip()):
-            return f"{match.group(1)}: {match.group(2)}"
-    return ""
-
-
-def _all_exist(paths: Sequence[str]) -> bool:
-    return all(os.path.exists(p) for p in paths)
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as fh:
-        return fh.read().strip()
-
-
-def _read_result(files: StateFiles) -> list[str] | None:
-    """The services a stopped stack could not delete (read once, then removed), or None."""
-    try:
-        with open(files.result_path, encoding="utf-8") as fh:
-            left = json.load(fh).get("services_left")
-    except (FileNotFoundError, ValueError, AttributeError):
-        return None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(files.result_path)
-    return [str(n) for n in left] if isinstance(left, list) else None

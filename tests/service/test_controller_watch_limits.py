@@ -19,6 +19,7 @@ from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
 from services.cli import client as cli_client
 from services.cli import main as cli
+from services.cli import status as cli_status
 from services.common import grpc_errors
 from services.controller import hub
 from services.controller import server as controller_server
@@ -128,7 +129,7 @@ async def test_replicactl_watch_resumes_a_dropped_watch_and_misses_nothing(tmp_p
         client = cli_client.Client(env.addr, 10.0)
         out = io.StringIO()
         args = cli.parser().parse_args(["watch", "svc", "--json"])
-        watching = asyncio.ensure_future(asyncio.to_thread(cli.cmd_watch, args, client, out))
+        watching = asyncio.ensure_future(asyncio.to_thread(cli_status.cmd_watch, args, client, out))
         try:
             deadline = time.monotonic() + 10
             while not out.getvalue() and time.monotonic() < deadline:

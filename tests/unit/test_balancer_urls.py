@@ -11,7 +11,7 @@ import pytest
 from services.common import errors
 from services.controller import balancers as b
 from services.loadbalancer import fleet, link
-from services.loadbalancer import server as lb_server
+from services.loadbalancer import settings as lb_settings
 
 
 def report(bid: str = "a", url: str = "http://127.0.0.1:30001", version: int = 5, **in_flight: int) -> b.Report:
@@ -121,27 +121,27 @@ def test_a_bad_port_file_is_ignored(tmp_path) -> None:
 
 def test_a_fleet_on_port_0_counts_up_from_the_port_it_picked_and_keeps_earlier_ports(tmp_path) -> None:
     path = str(tmp_path / "ports.json")
-    settings = lb_server.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:0", fleet_ports_file=path)
-    ports = lb_server.fleet_ports(settings, 41000)
+    settings = lb_settings.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:0", fleet_ports_file=path)
+    ports = lb_settings.fleet_ports(settings, 41000)
     assert (ports.first, ports.last) == (41000, 41999)
     ports.assign("a", 41000)
     # The next start picks another first port: "a" keeps the port it had, a new service counts up.
-    again = lb_server.fleet_ports(settings, 45000)
+    again = lb_settings.fleet_ports(settings, 45000)
     assert (again.first, again.last) == (45000, 45999)
     assert next(again.candidates("a", in_use=set())) == 41000
     assert next(again.candidates("b", in_use=set())) == 45000
     # A fixed first port keeps its range and its bound.
-    fixed = lb_server.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:30001", fleet_port_max=30020)
-    assert (lb_server.fleet_ports(fixed, 30001).first, lb_server.fleet_ports(fixed, 30001).last) == (30001, 30020)
-    assert lb_server.fleet_ports(dataclasses.replace(fixed, fleet_port_max=0), 30001).last == 31000
+    fixed = lb_settings.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:30001", fleet_port_max=30020)
+    assert (lb_settings.fleet_ports(fixed, 30001).first, lb_settings.fleet_ports(fixed, 30001).last) == (30001, 30020)
+    assert lb_settings.fleet_ports(dataclasses.replace(fixed, fleet_port_max=0), 30001).last == 31000
 
 
 def test_a_fleet_port_max_with_a_picked_first_port_is_refused() -> None:
     with pytest.raises(errors.ValidationError) as err:
-        lb_server.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:0", fleet_port_max=30020)
+        lb_settings.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:0", fleet_port_max=30020)
     assert [v.field for v in err.value.violations] == ["loadbalancer.fleet_port_max"]
     with pytest.raises(errors.ValidationError) as err:
-        lb_server.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:30010", fleet_port_max=30001)
+        lb_settings.load_settings(environ={}, fleet=True, http_addr="127.0.0.1:30010", fleet_port_max=30001)
     assert [v.field for v in err.value.violations] == ["loadbalancer.fleet_port_max"]
 
 

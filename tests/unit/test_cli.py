@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import timestamp_pb2
 
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.cli import main, render
+from services.cli import lifecycle, main, render
 from services.common import spec, specfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -250,7 +250,7 @@ def test_update_sends_the_mode_asked_for_and_none_by_default(
         fh.write("service:\n  replicas: 1\nresources:\n  ports: 8080\nrun: serve\n")
     args = main.parser().parse_args(["update", "hello", path, "--json", *flags])
     client = _UpdateRecorder()
-    assert main.cmd_update(args, client, io.StringIO()) == main.OK  # type: ignore[arg-type]
+    assert lifecycle.cmd_update(args, client, io.StringIO()) == main.OK  # type: ignore[arg-type]
     (request,) = client.requests
     assert request.mode == mode  # type: ignore[attr-defined]
 

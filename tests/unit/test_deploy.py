@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from services.common import config
-from services.stack import runner
+from services.stack import statefiles
 from tests.helpers import metric_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,7 +154,7 @@ def test_local_scrape_config_reads_the_targets_file_the_stack_writes() -> None:
     (job,) = cfg["scrape_configs"]
     (sd,) = job["file_sd_configs"]
     (path,) = sd["files"]
-    written = runner.StateFiles(os.path.join(REPO, ".state")).targets_path  # make up's state dir
+    written = statefiles.StateFiles(os.path.join(REPO, ".state")).targets_path  # make up's state dir
     assert os.path.normpath(os.path.join(DEPLOY, "prometheus", path)) == written
 
 

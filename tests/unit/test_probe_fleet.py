@@ -8,7 +8,7 @@ import collections
 import pytest
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb
-from services.common import probe_fleet
+from services.common import probe_fleet, probe_placement
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ class Harness:
         )
         self.fleet._started = True
         self.streams = {
-            f"p{i}:1": [probe_fleet._Stream(addr=f"p{i}:1", index=j) for j in range(streams)] for i in range(probers)
+            f"p{i}:1": [probe_placement.Stream(addr=f"p{i}:1", index=j) for j in range(streams)] for i in range(probers)
         }
 
     def up(self, addr: str) -> None:
@@ -63,9 +63,9 @@ class Harness:
 
     def check_each_target_on_one_live_stream(self) -> None:
         seen = collections.Counter(t for streams in self.streams.values() for s in streams for t in s.targets)
-        assert set(seen) == set(self.fleet._targets)
+        assert set(seen) == set(self.fleet._placement.targets)
         assert all(count == 1 for count in seen.values())
-        for target_id, stream in self.fleet._assigned.items():
+        for target_id, stream in self.fleet._placement.assigned.items():
             assert stream.live
             assert target_id in stream.targets
 
@@ -160,4 +160,4 @@ async def test_the_fleet_keeps_its_own_copy_of_a_target() -> None:
     target = pb.ProbeTarget(target_id="a", url="http://127.0.0.1:1")
     h.fleet.upsert(target)
     target.url = "http://changed"
-    assert h.fleet._targets["a"].url == "http://127.0.0.1:1"
+    assert h.fleet._placement.targets["a"].url == "http://127.0.0.1:1"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.stack import plan, preflight, runner
+from services.stack import plan, preflight, procs
 
 PICKED = {
     "REPLICAPLANE_CONTROLLER_LISTEN_ADDR": "127.0.0.1:0",
@@ -101,7 +101,7 @@ def test_exit_reason_is_the_cannot_start_line(tmp_path) -> None:
         "2026-01-01 10:00:01,000 controller CRITICAL services.common.logs: cannot start: invalid controller "
         "settings: controller.max_replicas_total: REPLICAPLANE_CONTROLLER_MAX_REPLICAS_TOTAL: expected int, got 'x'\n",
     )
-    assert runner.exit_reason(log) == (
+    assert procs.exit_reason(log) == (
         "invalid controller settings: controller.max_replicas_total: "
         "REPLICAPLANE_CONTROLLER_MAX_REPLICAS_TOTAL: expected int, got 'x'"
     )
@@ -117,9 +117,9 @@ def test_exit_reason_falls_back_to_a_tracebacks_last_line_of_this_run_only(tmp_p
         '  File "x.py", line 1, in <module>\n'
         "sqlite3.OperationalError: database is locked\n",
     )
-    assert runner.exit_reason(log) == "OperationalError: database is locked"
+    assert procs.exit_reason(log) == "OperationalError: database is locked"
 
 
 def test_exit_reason_is_empty_without_an_error(tmp_path) -> None:
-    assert runner.exit_reason(write_log(tmp_path, "--- starting\nserving\nstopped\n")) == ""
-    assert runner.exit_reason(str(tmp_path / "missing.log")) == ""
+    assert procs.exit_reason(write_log(tmp_path, "--- starting\nserving\nstopped\n")) == ""
+    assert procs.exit_reason(str(tmp_path / "missing.log")) == ""
