@@ -1042,7 +1042,7 @@ class KubernetesBackend(backend.Backend):
         return await self._jobs.run(start, tracked.obj)
 
     async def cancel_job(self, token: str, *, grace_s: float) -> None:
-        """SIGTERM the job's process group in its Pod, SIGKILL after `grace_s`."""
+        """SIGTERM the job's processes in its Pod, SIGKILL after `grace_s`; see kube_jobs.py."""
         await self._jobs.cancel(token, grace_s=grace_s)
 
     def get_job(self, token: str) -> backend.BackendJob | None:

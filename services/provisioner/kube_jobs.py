@@ -8,10 +8,10 @@ One exec session (the pods/exec subresource over a websocket, through the offici
 job runs `JOB_SCRIPT` with `sh`:
 
 - Started for the first time (an atomic `mkdir` of `<jobs dir>/<token>/started`), it runs the
-  job in the background as a process group of its own, with its output to a file in the Pod
-  (`out`) and its exit code to another (`exit`), and says `started` on stderr. A second session
-  for the same token (a retry, a provisioner restart) finds the marker and says `attached`: a job
-  is never started twice.
+  job in the background in a session and process group of its own (`setsid`), with its output
+  to a file in the Pod (`out`) and its exit code to another (`exit`), and says `started` on
+  stderr. A second session for the same token (a retry, a provisioner restart) finds the marker
+  and says `attached`: a job is never started twice.
 - It streams `out` on stdout (`tail -f` from the byte the provisioner has) into the job's log,
   waits for the job (`wait` on its child; a re-attached session looks for `exit` once a second),
   and ends with `exit <code>`, or `killed` when the job ended without writing a code.
@@ -22,7 +22,9 @@ its last word, the job is attached to again (with backoff) as long as its worker
 once the Pod is gone, the job ended with it. Whatever a session's `tail` had not copied when the
 job ended is fetched with one more exec, so the log is complete.
 
-Cancel is an exec too: SIGTERM to the job's process group, SIGKILL after the grace.
+Cancel is an exec too (`CANCEL_SCRIPT`): SIGTERM to the job's process group and to every live
+process of its tree, SIGKILL after the grace, and it returns once none is left. The scripts are
+portable sh: they run alike under dash (Debian's /bin/sh), bash and busybox ash.
 """
 
 from __future__ import annotations
@@ -41,19 +43,25 @@ from services.provisioner import backend, kube_objects
 log = logging.getLogger(__name__)
 
 SAY = "[replicaplane-job] "
+_DIR = f'"${{{kube_objects.JOBS_DIR_ENV}:-{kube_objects.JOBS_DIR_PATH}}}/$token"'
 # $1 token, $2 first byte of `out` to stream, $3 the command; then the job's VAR=value pairs.
+# Portable sh (dash, bash, busybox ash): no `set -m` (dash ignores it without a terminal, so the
+# job would share the session's process group), no `kill --` (dash's kill refuses it). The job
+# gets a session and process group of its own from `setsid` (util-linux, busybox); the `&`
+# child is never a group leader, so setsid needs no fork and `$!` is the group's id. Without
+# setsid the job stays in the session's group and a cancel walks its process tree instead.
+# The exit-code writer runs inside the job's group: a job killed there says `killed`.
 JOB_SCRIPT = (
     "token=$1; from=$2; run=$3; shift 3\n"
-    f'd="${{{kube_objects.JOBS_DIR_ENV}:-{kube_objects.JOBS_DIR_PATH}}}/$token"\n'
+    f"d={_DIR}\n"
     f"say() {{ printf '{SAY}%s\\n' \"$*\" >&2; }}\n"
     "if command -v bash >/dev/null 2>&1; then RP_SH=bash; else RP_SH=sh; fi\n"
+    "if command -v setsid >/dev/null 2>&1; then RP_NEW=setsid; else RP_NEW=; fi\n"
     'mkdir -p "$d" || { say "failed cannot create $d"; exit 111; }\n'
     'if mkdir "$d/started" 2>/dev/null; then\n'
-    "  set -m\n"
-    '  ( env "$@" "$RP_SH" -c "$run"; echo "$?" > "$d/exit.tmp"; mv -f "$d/exit.tmp" "$d/exit" ) '
-    '> "$d/out" 2>&1 < /dev/null &\n'
+    '  $RP_NEW sh -c \'"$@"; echo "$?" > "$0/exit.tmp"; mv -f "$0/exit.tmp" "$0/exit"\' '
+    '"$d" env "$@" "$RP_SH" -c "$run" > "$d/out" 2>&1 < /dev/null &\n'
     "  pid=$!\n"
-    "  set +m\n"
     '  echo "$pid" > "$d/pid"\n'
     '  say "started $pid"\n'
     '  tail -c "+$from" -f "$d/out" & follower=$!\n'
@@ -67,16 +75,50 @@ JOB_SCRIPT = (
     'kill "$follower" 2>/dev/null\n'
     'if [ -f "$d/exit" ]; then say "exit $(cat "$d/exit")"; else say "killed"; fi\n'
 )
-# $1 token, $2 grace in tenths of a second.
+# $1 token, $2 grace in tenths of a second. The job is its process group (`-pid`, when setsid
+# made one) and every live process under it, found in /proc (zombies are dead already). The
+# tree is followed from every process seen so far, so a child whose parent died to the SIGTERM
+# still gets the SIGKILL. It returns once none is left (bounded), so the worker is free.
 CANCEL_SCRIPT = (
-    f'd="${{{kube_objects.JOBS_DIR_ENV}:-{kube_objects.JOBS_DIR_PATH}}}/$1"\n'
+    "token=$1; grace=$2\n"
+    f"d={_DIR}\n"
     'pid=$(cat "$d/pid" 2>/dev/null); [ -n "$pid" ] || exit 0\n'
-    'kill -TERM -- "-$pid" 2>/dev/null || exit 0\n'
-    'i=0; while [ "$i" -lt "$2" ] && kill -0 -- "-$pid" 2>/dev/null; do sleep 0.1; i=$((i + 1)); done\n'
-    'kill -KILL -- "-$pid" 2>/dev/null; exit 0\n'
+    "seen=$pid\n"
+    "table() {\n"
+    "  for s in /proc/[0-9]*/stat; do\n"
+    '    { read -r line < "$s"; } 2>/dev/null || continue\n'
+    "    set -- ${line##*') '}\n"
+    '    case "$1" in Z | X) ;; *) echo "${line%% *} $2 $3" ;; esac\n'
+    "  done\n"
+    "}\n"
+    "members() {\n"
+    '  rows=$(table); found=" $seen "; grew=1\n'
+    '  while [ -n "$grew" ]; do\n'
+    "    grew=\n"
+    "    while read -r p pp pg; do\n"
+    '      case "$found" in *" $p "*) continue ;; esac\n'
+    '      case "$found" in *" $pp "*) found="$found$p "; grew=1; continue ;; esac\n'
+    '      if [ "$pg" = "$pid" ]; then found="$found$p "; grew=1; fi\n'
+    "    done <<EOF\n"
+    "$rows\n"
+    "EOF\n"
+    "  done\n"
+    "  while read -r p pp pg; do\n"
+    '    case "$found" in *" $p "*) printf "%s " "$p" ;; esac\n'
+    "  done <<EOF\n"
+    "$rows\n"
+    "EOF\n"
+    "}\n"
+    'alive() { live=$(members); seen="$pid $live"; [ -n "$live" ]; }\n'
+    'signal() { kill -"$1" -"$pid" 2>/dev/null; alive && for p in $live; do kill -"$1" "$p" 2>/dev/null; done; }\n'
+    "signal TERM\n"
+    'i=0; while [ "$i" -lt "$grace" ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
+    "signal KILL\n"
+    'i=0; while [ "$i" -lt 50 ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
+    "exit 0\n"
 )
 # $1 token, $2 first byte: what the job wrote from there.
-REST_SCRIPT = f'tail -c "+$2" "${{{kube_objects.JOBS_DIR_ENV}:-{kube_objects.JOBS_DIR_PATH}}}/$1/out"\n'
+REST_SCRIPT = f'token=$1\ntail -c "+$2" {_DIR}/out\n'
 
 STDOUT, STDERR, STATUS = 1, 2, 3
 REATTACH_MAX_S = 10.0
@@ -158,7 +200,8 @@ class KubeJobs:
         return self.describe(job) if job else None
 
     async def cancel(self, token: str, *, grace_s: float) -> None:
-        """SIGTERM the job's process group, SIGKILL after `grace_s`; its session then ends."""
+        """SIGTERM the job's processes, SIGKILL after `grace_s`; returns once they are gone (the
+        script bounds its wait), and its session then ends."""
         job = self._jobs.get(token)
         if job is None or job.ended or not self._worker_alive(job.worker):
             return

@@ -15,7 +15,7 @@ import json
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -23,7 +23,7 @@ import pytest
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as pb_grpc
 from replicaplane.provisioner.v1 import resources_pb2
-from services.provisioner import server
+from services.provisioner import procs, server
 from tests.helpers import kube_emulator, provisioner_procs
 from tests.helpers import kube_provisioner as kp
 from tests.helpers import provisioner_client as client
@@ -169,6 +169,16 @@ async def _watch(b: Backend) -> grpc.aio.UnaryStreamCall:
 
 async def _replica(b: Backend, name: str) -> resources_pb2.ProvisionedReplica:
     return (await b.stub.GetReplica(pb.GetReplicaRequest(name=name))).replica
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until `check()`, run off the event loop (it may scan /proc)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not await asyncio.to_thread(check):
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}")
 
 
 async def _until_app_state(b: Backend, name: str, state: int, timeout: float = 10.0) -> None:
@@ -435,8 +445,11 @@ async def test_a_job_runs_in_the_workers_directory_and_environment_and_reports_i
 
 async def test_one_job_at_a_time_and_cancel_stops_it_and_frees_the_worker(backend: Backend) -> None:
     await _worker(backend)
-    first = backend.stub.RunJob(client.job_request("j-1", "pool-1", "echo working; sleep 30"))
+    mark = uuid.uuid4().hex  # in the environment of every process of the job
+    run = "echo working; sleep 30 & sh -c 'sleep 30'"  # a child in the background, one in the foreground
+    first = backend.stub.RunJob(client.job_request("j-1", "pool-1", run, envs={"JOB_MARK": mark}))
     await _started(first)
+    await _until(lambda: len(procs.pids_with_env("JOB_MARK", mark)) >= 2, "the job's processes")
     assert (await _replica(backend, "pool-1")).job_id == "j-1"
     with pytest.raises(grpc.aio.AioRpcError) as busy:
         await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "true")))
@@ -444,7 +457,10 @@ async def test_one_job_at_a_time_and_cancel_stops_it_and_frees_the_worker(backen
     assert "already runs job j-1" in (busy.value.details() or "")
     cancelled = await backend.stub.CancelJob(pb.CancelJobRequest(job_id="j-1", grace=client.duration(0.5)))
     assert cancelled.cancelled and cancelled.job.state == resources_pb2.JOB_STATE_CANCELLED
+    await _until(lambda: not procs.pids_with_env("JOB_MARK", mark), "the job's processes to be gone")
     assert client.types(await _rest(first)) == ["CANCELLED"]
+    got = (await backend.stub.GetJob(pb.GetJobRequest(job_id="j-1"))).job
+    assert got.state == resources_pb2.JOB_STATE_CANCELLED and got.end_time.seconds > 0
     again = await backend.stub.CancelJob(pb.CancelJobRequest(job_id="j-1"))
     assert not again.cancelled  # ended already
     events = await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "echo second")))
