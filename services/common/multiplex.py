@@ -1,5 +1,5 @@
 """Many server-streaming calls served over one bidirectional stream (the provisioner's
-`LaunchMany` and `LaunchBatches`): each request starts one inner stream (or stops one), each
+`LaunchMany`, `LaunchBatches` and `TerminateBatches`): each request starts one inner stream (or stops one), each
 response carries one item of one of them, tagged with its key, and a last response says how it
 ended; `LaunchBatches` carries several of each per message. The scripted provisioner of the
 tests serves both with the same code."""
@@ -160,3 +160,27 @@ def launch_response(name: str, item: resources_pb2.LaunchEvent | Ended) -> pb.La
     if isinstance(item, Ended):
         return pb.LaunchManyResponse(name=name, done=True, error_code=item.code, error_message=item.message)
     return pb.LaunchManyResponse(name=name, event=item)
+
+
+# ---- TerminateBatches -----------------------------------------------------------------------------
+
+
+async def terminate_batch_requests(
+    requests: AsyncIterable[pb.TerminateBatchesRequest],
+) -> AsyncIterator[tuple[str, pb.TerminateRequest | None]]:
+    """TerminateBatches' requests, one by one: (name, teardown request), or (name, None) to stop
+    following it."""
+    async for msg in requests:
+        for each in msg.requests:
+            which = each.WhichOneof("request")
+            if which == "terminate":
+                yield each.terminate.name, each.terminate
+            elif which == "stop":
+                yield each.stop, None
+
+
+def terminate_response(name: str, item: resources_pb2.TerminateEvent | Ended) -> pb.TerminateManyResponse:
+    """One event of the teardown of `name`, or how its events ended."""
+    if isinstance(item, Ended):
+        return pb.TerminateManyResponse(name=name, done=True, error_code=item.code, error_message=item.message)
+    return pb.TerminateManyResponse(name=name, event=item)

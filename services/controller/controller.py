@@ -35,7 +35,7 @@ from services.controller import (
     wiring,
     writer,
 )
-from services.controller.drivers import launches, probes
+from services.controller.drivers import launches, probes, teardowns
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class Controller(replica_api.ReplicaCalls):
         # Kept outside the store (identity.py), so a lost store still knows its replicas.
         self.controller_id = controller_id or db.controller_id()
         self._launch_slots = asyncio.Semaphore(tuning.max_launches_in_flight)
-        self._launch_mux = launches.Mux(provisioner)  # every service's launches on one stream
+        self._launch_mux = launches.launch_mux(provisioner)  # every service's launches on one stream
+        self._teardown_mux = teardowns.teardown_mux(provisioner)  # and every teardown on another
         policy = retries.STREAM.with_times(tuning.reconnect_initial_s, tuning.reconnect_max_s)
         self.watch = provisioner_watch.ProvisionerWatch(
             provisioner, controller_id=self.controller_id, services=lambda: self._services, policy=policy
@@ -129,6 +130,7 @@ class Controller(replica_api.ReplicaCalls):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(r.stop() for r in self._services.values()))
         await self._launch_mux.close()
+        await self._teardown_mux.close()
         await self.watch.stop()
         await self.orphans.close()
         self.versions.close()
@@ -151,6 +153,7 @@ class Controller(replica_api.ReplicaCalls):
             owner=self.controller_id,
             launch_slots=self._launch_slots,
             launch_mux=self._launch_mux,
+            teardown_mux=self._teardown_mux,
             traces=self.traces,
             held_changed=self.budget.touched,
         )

@@ -14,7 +14,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.controller import events, retries
-from services.controller.drivers.launches import Broke
+from services.controller.drivers.mux import Broke
 
 if TYPE_CHECKING:
     from services.controller.reconciler import ServiceReconciler

@@ -57,7 +57,7 @@ class ServiceReconciler:
         slots = deps.launch_slots or asyncio.Semaphore(deps.tuning.max_launches_in_flight)
         policy = retries.STREAM.with_times(deps.tuning.reconnect_initial_s, deps.tuning.reconnect_max_s)
         self.launches = launches.Launches(deps.provisioner, slots, policy=policy, mux=deps.launch_mux)
-        self.teardowns = teardowns.Teardowns(deps.provisioner, policy=policy)
+        self.teardowns = teardowns.Teardowns(deps.provisioner, policy=policy, mux=deps.teardown_mux)
         self.logs = logs.Logs(deps.provisioner)
         self.probes = probes.Probes(self.name, deps.probes)
         self.backoff = failures.Backoff()

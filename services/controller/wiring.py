@@ -15,7 +15,7 @@ from services.common import errors
 from services.controller import book, convert, facts, hooks, store, writer
 from services.controller import traces as replica_traces
 from services.controller.domain import autoscaler
-from services.controller.drivers import launches, probes
+from services.controller.drivers import launches, probes, teardowns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,8 @@ class Deps:
     zones: Callable[[], list[tuple[str, float]]] = list
     owner: str = ""
     launch_slots: asyncio.Semaphore | None = None
-    launch_mux: launches.Mux | None = None
+    launch_mux: launches.LaunchMux | None = None
+    teardown_mux: teardowns.TeardownMux | None = None
     traces: replica_traces.ReplicaTraces = dataclasses.field(default_factory=lambda: replica_traces.ReplicaTraces())
     # Called with the service's name whenever what it holds of the replica budget may have changed.
     held_changed: Callable[[str], None] = lambda _name: None

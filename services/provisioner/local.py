@@ -14,13 +14,9 @@ Zones and preemption are simulated (see zones.py).
 
 A pool worker has no port and no address. After its setup it runs a holder (a shell that sleeps
 until it is killed) under the same wrapper instead of `run`, so its process group lives until
-teardown and its end is noticed as an app's. Each job is a process group of its own (so it can
-be cancelled without the worker), in the worker's working directory with the worker's
-environment and venv, carrying the worker's token (teardown and preemption kill it with the
-worker) and its own job token. Under `<name>/jobs/<token>/` it keeps `job.json` (written before
-the process starts: a job without a pid there never ran, and starts when the provisioner resumes
-it) and `exit_code` (written by the wrapper), so a restarted provisioner re-finds running jobs and
-the codes of those that ended.
+teardown and its end is noticed as an app's. The jobs that run on workers are
+`local_jobs.LocalJobs`, mixed into `LocalBackend`; the markers and the wrapper are in
+`local_marks` (`OWNER_ENV`, `TOKEN_ENV` and `JOB_ENV` are re-exported here).
 """
 
 from __future__ import annotations
@@ -42,25 +38,27 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from services.common import errors, localpaths
-from services.provisioner import addresses, backend, capability, causes, copies, model, ports, procs, pyenvs, zones
+from services.provisioner import (
+    addresses,
+    backend,
+    capability,
+    causes,
+    copies,
+    local_jobs,
+    local_marks,
+    model,
+    ports,
+    procs,
+    pyenvs,
+    zones,
+)
 
 log = logging.getLogger(__name__)
 
-OWNER_ENV = "REPLICAPLANE_OWNER"
-"""Environment marker on every replica process: the owning provisioner's state dir."""
-TOKEN_ENV = "REPLICAPLANE_REPLICA_TOKEN"
-"""Environment marker on every replica process: the replica incarnation's token."""
-JOB_ENV = "REPLICAPLANE_JOB_TOKEN"
-"""Environment marker on every job process: the job incarnation's token."""
-
-# Runs the app as a child and records its exit code; killed together with it on teardown.
-_WRAPPER = 'bash -c "$1"; code=$?; printf "%s" "$code" > "$2"; exit "$code"'
-# A pool worker's process after setup: it sleeps until it is killed; SIGTERM ends it at once.
-HOLDER = "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"
-_EXIT_FILE = "exit_code"
+OWNER_ENV = local_marks.OWNER_ENV
+TOKEN_ENV = local_marks.TOKEN_ENV
+JOB_ENV = local_marks.JOB_ENV
 _HANDLE_FILE = "handle.json"
-_JOBS_DIR = "jobs"
-_JOB_FILE = "job.json"
 DEFAULT_COPY_LIMITS = copies.Limits(max_bytes=1024 << 20, max_entries=100_000)
 """What one replica's workdir and file mounts may take together, unless settings say otherwise."""
 
@@ -93,21 +91,7 @@ class _Handle:
         return "" if self.worker else f"http://{self.host}:{self.port}"
 
 
-@dataclasses.dataclass
-class _JobHandle:
-    """Persisted facts about one job incarnation on a worker."""
-
-    token: str
-    job_id: str
-    worker: str
-    pid: int = 0  # 0 until its process started: a job without a pid never ran
-    start_ticks: int = 0
-    start_time: float = 0.0
-    running: bool = False
-    exit_code: int | None = None
-
-
-class LocalBackend(backend.Backend):
+class LocalBackend(local_jobs.LocalJobs, backend.Backend):
     """Replicas as local process groups; see the module docstring."""
 
     name = "local"
@@ -152,7 +136,7 @@ class LocalBackend(backend.Backend):
             else None
         )
         self._handles: dict[str, _Handle] = {}
-        self._jobs: dict[str, _JobHandle] = {}  # by job token
+        self._jobs: dict[str, local_jobs.JobHandle] = {}  # by job token
         self._job_events: asyncio.Queue[backend.JobEnded] = asyncio.Queue()
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
@@ -183,7 +167,7 @@ class LocalBackend(backend.Backend):
             if handle.env_key and self._envs is not None:
                 self._envs.hold(handle.env_key)
             if handle.worker:
-                self._load_jobs(handle)
+                self._load_jobs(handle.name)
         if self._envs is not None:
             await asyncio.to_thread(self._envs.prune)
         known = {h.token for h in self._handles.values()}
@@ -269,15 +253,15 @@ class LocalBackend(backend.Backend):
                 if python_env is not None:
                     python_env.ready = True
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(root, _EXIT_FILE))
+                os.unlink(os.path.join(root, local_marks.EXIT_FILE))
             if spec.worker:
-                run = HOLDER
+                run = local_marks.HOLDER
                 _note(request.launch_log, f"worker ready for jobs in zone {zone.name} (setup done)")
             else:
                 run = ports.substitute(spec.run, port_map)
                 _note(request.launch_log, f"starting the app on port {port} in zone {zone.name}")
             wrapper = self._spawn(
-                ["bash", "-c", _WRAPPER, "replicaplane-run", run, os.path.join(root, _EXIT_FILE)],
+                ["bash", "-c", local_marks.WRAPPER, "replicaplane-run", run, os.path.join(root, local_marks.EXIT_FILE)],
                 work,
                 env,
                 request.app_log,
@@ -552,7 +536,7 @@ class LocalBackend(backend.Backend):
             return
         self._reap(handle.pgid)
         try:
-            with open(os.path.join(self._dir(name), _EXIT_FILE), encoding="utf-8") as fh:
+            with open(os.path.join(self._dir(name), local_marks.EXIT_FILE), encoding="utf-8") as fh:
                 code: int | None = int(fh.read().strip())
         except (OSError, ValueError):
             code = None
@@ -603,141 +587,6 @@ class LocalBackend(backend.Backend):
         else:
             ok = False
         return ok
-
-    # ---- jobs on pool workers ---------------------------------------------------------------
-
-    async def run_job(self, start: backend.JobStart) -> backend.BackendJob:
-        """Start the job as a process group of its own in the worker's directory and environment."""
-        known = self._jobs.get(start.token)
-        if known is not None:
-            return self._describe_job(known)  # started already: never twice
-        worker = start.job.replica
-        handle = self._handles.get(worker)
-        if handle is None or handle.token != start.worker_token:
-            raise backend.JobStartError(f"worker {worker} is gone")
-        if handle.app_state != model.AppState.RUNNING.value:
-            raise backend.JobStartError(f"worker {worker} is not running ({handle.app_state.lower()})")
-        job = _JobHandle(token=start.token, job_id=start.job.job_id, worker=worker)
-        jdir = self._job_dir(worker, start.token)
-        try:
-            os.makedirs(jdir, mode=0o700, exist_ok=True)
-            self._jobs[start.token] = job
-            self._save_job(job)  # before the process exists: a crash in between leaves "never ran"
-            spec = start.worker.spec
-            port_map = {int(k): v for k, v in handle.port_map.items()}
-            env = self._environment(start.worker, spec, port_map, handle.port, handle)
-            if handle.env_key and self._envs is not None:
-                env = self._envs.activate(handle.env_key, env)
-            env.update(start.job.envs)
-            env.update(backend.job_environment(start.job.job_id))
-            env.update({OWNER_ENV: self._state_dir, TOKEN_ENV: handle.token, JOB_ENV: start.token})
-            child = self._spawn(
-                ["bash", "-c", _WRAPPER, "replicaplane-job", start.job.run, os.path.join(jdir, _EXIT_FILE)],
-                os.path.join(self._dir(worker), "work"),
-                env,
-                start.log,
-            )
-        except OSError as exc:
-            self._jobs.pop(start.token, None)
-            raise backend.JobStartError(f"could not start the job: {exc}") from None
-        job.pid = child.pid
-        job.start_ticks = procs.start_ticks(child.pid)
-        job.start_time = self._clock()
-        job.running = True
-        self._save_job(job)
-        if not self._watcher.watch(child.pid, lambda: self._job_ended(start.token)):
-            self._job_ended(start.token)
-        return self._describe_job(job)
-
-    async def cancel_job(self, token: str, *, grace_s: float) -> None:
-        """SIGTERM the job's process group, SIGKILL after `grace_s`, and kill its strays."""
-        job = self._jobs.get(token)
-        if job is None or not job.pid:
-            return
-        if job.running:
-            reap = functools.partial(self._reap, job.pid)
-            await procs.kill_group(job.pid, grace_s=grace_s, alive=self._scanner.group_alive, reap=reap)
-        for _ in range(50):  # bounded: a process that left the group still carries the job's token
-            strays = [pid for pid, env in (await self._scanner.env_table()).items() if env.get(JOB_ENV) == token]
-            if not strays:
-                break
-            procs.signal_pids(strays, signal.SIGKILL)
-            await asyncio.sleep(0.02)
-
-    def get_job(self, token: str) -> backend.BackendJob | None:
-        """Job `token`, if this backend started it and its worker still exists."""
-        job = self._jobs.get(token)
-        return self._describe_job(job) if job else None
-
-    async def watch_jobs(self) -> AsyncIterator[backend.JobEnded]:
-        """Job ends, as they happen."""
-        while True:
-            yield await self._job_events.get()
-
-    def _job_dir(self, worker: str, token: str) -> str:
-        return os.path.join(self._dir(worker), _JOBS_DIR, token)
-
-    def _job_ended(self, token: str) -> None:
-        job = self._jobs.get(token)
-        if job is None or not job.running:
-            return
-        if job.pid in self._children:
-            # What the job left running goes with it. Only while its leader is our unreaped child
-            # is the group id surely still the job's.
-            procs.signal_group(job.pid, signal.SIGKILL)
-        self._reap(job.pid)
-        try:
-            with open(os.path.join(self._job_dir(job.worker, token), _EXIT_FILE), encoding="utf-8") as fh:
-                job.exit_code = int(fh.read().strip())
-        except (OSError, ValueError):
-            job.exit_code = None  # killed with its wrapper: no code
-        job.running = False
-        self._save_job(job)
-        ended = f"exited with code {job.exit_code}" if job.exit_code is not None else "was killed"
-        self._job_events.put_nowait(
-            backend.JobEnded(token, job.worker, job.exit_code, self._clock(), f"the job's process {ended}")
-        )
-
-    def _load_jobs(self, handle: _Handle) -> None:
-        """Re-find a worker's jobs after a restart: watch the running ones, report the ended ones."""
-        root = os.path.join(self._dir(handle.name), _JOBS_DIR)
-        with contextlib.suppress(FileNotFoundError):
-            for token in sorted(os.listdir(root)):
-                try:
-                    with open(os.path.join(root, token, _JOB_FILE), encoding="utf-8") as fh:
-                        job = _JobHandle(**json.load(fh))
-                except (OSError, ValueError, TypeError):
-                    log.warning("ignoring an unreadable job handle of worker %s", handle.name)
-                    continue
-                if not job.pid:
-                    # Never started (or its process was not recorded, and is killed as a stray):
-                    # forgotten, so the provisioner's resume starts it now.
-                    shutil.rmtree(os.path.join(root, token), ignore_errors=True)
-                    continue
-                self._jobs[job.token] = job
-                if job.running and not (
-                    procs.leader_alive(job.pid, job.start_ticks)
-                    and self._watcher.watch(job.pid, functools.partial(self._job_ended, job.token))
-                ):
-                    self._job_ended(job.token)
-
-    def _save_job(self, job: _JobHandle) -> None:
-        jdir = self._job_dir(job.worker, job.token)
-        os.makedirs(jdir, mode=0o700, exist_ok=True)
-        path = os.path.join(jdir, _JOB_FILE)
-        with open(f"{path}.tmp", "w", encoding="utf-8") as fh:
-            json.dump(dataclasses.asdict(job), fh)
-        os.replace(f"{path}.tmp", path)
-
-    @staticmethod
-    def _describe_job(job: _JobHandle) -> backend.BackendJob:
-        return backend.BackendJob(
-            token=job.token,
-            worker=job.worker,
-            running=job.running,
-            exit_code=None if job.running else job.exit_code,
-            start_time=job.start_time,
-        )
 
     def _describe(self, handle: _Handle) -> backend.BackendReplica:
         return backend.BackendReplica(

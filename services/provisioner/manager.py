@@ -6,12 +6,9 @@ so a client that goes away never stops the work, and a later call replays from a
 Records are persisted after every step, so a restarted provisioner finds its replicas again:
 running ones are watched, launches and teardowns that were in flight are resumed.
 
-Pool workers launch like replicas but end their launch with SETUP_DONE (no endpoint). Jobs run
-on them the same way: keyed by job id, one task per start, events in a log that RunJob streams
-follow, records persisted after every step; one job per worker at a time. A job whose worker
-dies, is preempted or is torn down ends FAILED with cause INFRASTRUCTURE ("worker died"), so
-the controller runs it again elsewhere; a job is never started twice (the backend keys starts by
-the job's token, and a restart starts only what never started).
+Pool workers launch like replicas but end their launch with SETUP_DONE (no endpoint). The jobs
+that run on them are `worker_jobs.WorkerJobs`, mixed into `Provisioner`; what is kept of a replica
+is `entries.Entry`.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ import dataclasses
 import logging
 import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import prometheus_client
@@ -32,14 +28,25 @@ import tenacity
 
 from services.common import errors, pagetoken
 from services.provisioner import backend as backend_mod
-from services.provisioner import capability, causes, events, jobs, logstore, metrics, model, retries, slots, store
+from services.provisioner import (
+    capability,
+    causes,
+    entries,
+    events,
+    jobs,
+    logstore,
+    metrics,
+    model,
+    retries,
+    slots,
+    store,
+    worker_jobs,
+)
 
 log = logging.getLogger(__name__)
 
 _SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MAX_OWNER = 128
-# A replica name as a single safe path component (it names log and work directories).
-_REPLICA_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,126}[a-z0-9])?$")
 MAX_PAGE_SIZE = 10_000
 _RESTARTED = "a provisioner restart"
 DEFAULT_PAGE_SIZE = 1_000
@@ -68,54 +75,6 @@ class Options:
     job_kill_settle_s: float = 1.0
 
 
-@dataclasses.dataclass
-class _Entry:
-    """Everything known of one replica."""
-
-    request: model.LaunchRequest
-    replica: model.Replica
-    launch: events.EventLog[model.LaunchEvent]
-    teardown: events.EventLog[model.TerminateEvent]
-    token: str = ""
-    teardown_start: int = 0
-    drain_s: float = 0.0
-    keep_logs: bool = True
-    launch_task: asyncio.Task[None] | None = None
-    teardown_task: asyncio.Task[None] | None = None
-    # Set when a later Terminate asks for a shorter drain than the one in progress.
-    drain_cut: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    # App events that arrived before the launch recorded RUNNING, by backend token.
-    pending: dict[str, backend_mod.BackendEvent] = dataclasses.field(default_factory=dict)
-    # When the current launch and teardown started (monotonic), for their durations.
-    launch_started: float = 0.0
-    teardown_started: float = 0.0
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "request": self.request.to_dict(),
-            "replica": self.replica.to_dict(),
-            "token": self.token,
-            "teardown_start": self.teardown_start,
-            "drain_s": self.drain_s,
-            "keep_logs": self.keep_logs,
-            "launch_events": [e.to_dict() for e in self.launch.events],
-            "teardown_events": [e.to_dict() for e in self.teardown.events],
-        }
-
-    @classmethod
-    def from_record(cls, data: dict[str, Any]) -> _Entry:
-        return cls(
-            request=model.LaunchRequest.from_dict(data["request"]),
-            replica=model.Replica.from_dict(data["replica"]),
-            launch=events.EventLog(model.LaunchEvent.from_dict(e) for e in data.get("launch_events", [])),
-            teardown=events.EventLog(model.TerminateEvent.from_dict(e) for e in data.get("teardown_events", [])),
-            token=data.get("token", ""),
-            teardown_start=data.get("teardown_start", 0),
-            drain_s=data.get("drain_s", 0.0),
-            keep_logs=data.get("keep_logs", True),
-        )
-
-
 def validate(request: model.LaunchRequest) -> None:
     """Check the shape of a launch request.
 
@@ -136,20 +95,7 @@ def validate(request: model.LaunchRequest) -> None:
     errors.require(violations, subject="launch request")
 
 
-def check_name(name: str) -> None:
-    """Check that `name` is a replica name (a safe file name, never a path).
-
-    Raises:
-        errors.ValidationError: it is not.
-    """
-    if not _REPLICA_NAME.fullmatch(name):
-        raise errors.ValidationError(
-            [errors.FieldViolation("name", "must be a replica name: lowercase letters, digits and '-'")],
-            subject="replica name",
-        )
-
-
-class Provisioner:
+class Provisioner(worker_jobs.WorkerJobs):
     """Launches and tears down replicas through a backend; see the module docstring."""
 
     def __init__(
@@ -172,7 +118,7 @@ class Provisioner:
         self._opts = options or Options()
         self._clock = clock
         self._slots = slots.Slots(self._opts.max_in_flight)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, entries.Entry] = {}
         self._job_records = job_records or records.sibling("jobs")
         self._jobs: dict[str, jobs.Entry] = {}
         self._job_tokens: dict[str, str] = {}  # backend token -> job id
@@ -191,7 +137,7 @@ class Provisioner:
         await self._backend.start()
         for data in self._records.load_all():
             try:
-                entry = _Entry.from_record(data)
+                entry = entries.Entry.from_record(data)
             except (KeyError, TypeError, ValueError):
                 log.warning("ignoring a malformed replica record")
                 continue
@@ -229,7 +175,7 @@ class Provisioner:
                 # runs is re-attached, one that never started starts now.
                 self._start_job(job)
 
-    def _resume(self, entry: _Entry) -> None:
+    def _resume(self, entry: entries.Entry) -> None:
         replica = entry.replica
         if replica.state in (model.ReplicaState.QUEUED, model.ReplicaState.PROVISIONING):
             self._logs.note(replica.name, "provisioner restarted during the launch; starting it again")
@@ -310,7 +256,7 @@ class Provisioner:
         async for event in entry.launch.follow(after_sequence):
             yield event
 
-    def _new_entry(self, request: model.LaunchRequest) -> _Entry:
+    def _new_entry(self, request: model.LaunchRequest) -> entries.Entry:
         replica = model.Replica(
             name=request.name,
             service=request.service,
@@ -323,13 +269,13 @@ class Provisioner:
             owner=request.owner,
             worker=request.spec.worker,
         )
-        entry = _Entry(request=request, replica=replica, launch=events.EventLog(), teardown=events.EventLog())
+        entry = entries.Entry(request=request, replica=replica, launch=events.EventLog(), teardown=events.EventLog())
         self._entries[request.name] = entry
         self._logs.prepare(request.name)
         self._logs.note(request.name, f"launch of replica {request.name} (version {request.version}) requested")
         return entry
 
-    def _start_launch(self, entry: _Entry, *, resumed: str = "") -> None:
+    def _start_launch(self, entry: entries.Entry, *, resumed: str = "") -> None:
         """Run the launch of `entry`; `resumed` says why an interrupted one starts again."""
         entry.launch.set_active(True)
         entry.launch_started = time.monotonic()
@@ -337,13 +283,13 @@ class Provisioner:
             self._emit_queued(entry, "accepted")  # at once: the caller's first event
         entry.launch_task = asyncio.get_running_loop().create_task(self._run_launch(entry, resumed=resumed))
 
-    def _emit_queued(self, entry: _Entry, message: str) -> None:
+    def _emit_queued(self, entry: entries.Entry, message: str) -> None:
         entry.replica.state = model.ReplicaState.QUEUED
         if self._slots.would_wait(slots.LAUNCH):
             message += f"; waiting for a launch slot ({self._slots.waiting} queued ahead)"
         self._emit_launch(entry, model.LaunchEventType.QUEUED, message=message)
 
-    async def _run_launch(self, entry: _Entry, *, resumed: str) -> None:
+    async def _run_launch(self, entry: entries.Entry, *, resumed: str) -> None:
         name = entry.request.name
         try:
             if resumed:
@@ -417,7 +363,7 @@ class Provisioner:
             if not self._closing:
                 entry.launch.set_active(False)
 
-    async def _launch_attempt(self, entry: _Entry, attempt: int) -> None:
+    async def _launch_attempt(self, entry: entries.Entry, attempt: int) -> None:
         if attempt > 1 and self._slots.would_wait(slots.LAUNCH):
             entry.replica.state = model.ReplicaState.QUEUED
             self._emit_launch(
@@ -496,7 +442,7 @@ class Provisioner:
             if early is not None:
                 self._app_changed(entry, early.app_state, early.exit_code, early.message, cause=early.cause)
 
-    async def _attempt_failed(self, entry: _Entry, attempt: int, exc: backend_mod.LaunchError) -> None:
+    async def _attempt_failed(self, entry: entries.Entry, attempt: int, exc: backend_mod.LaunchError) -> None:
         self._stats.attempt_finished("capacity_unavailable" if exc.capacity_unavailable else "failed")
         entry.replica.failure_reason = exc.message
         self._emit_launch(
@@ -510,10 +456,10 @@ class Provisioner:
         )
         await self._remove_leftovers(entry, grace_s=self._opts.kill_grace_s)
 
-    def _launch_finished(self, entry: _Entry, outcome: str) -> None:
+    def _launch_finished(self, entry: entries.Entry, outcome: str) -> None:
         self._stats.launch_finished(outcome, time.monotonic() - entry.launch_started)
 
-    def _launch_retrying(self, entry: _Entry, state: tenacity.RetryCallState) -> None:
+    def _launch_retrying(self, entry: entries.Entry, state: tenacity.RetryCallState) -> None:
         delay = state.next_action.sleep if state.next_action else 0.0
         self._emit_launch(
             entry,
@@ -523,14 +469,14 @@ class Provisioner:
             message=f"retrying in {delay:.1f} s",
         )
 
-    async def _remove_leftovers(self, entry: _Entry, *, grace_s: float) -> None:
+    async def _remove_leftovers(self, entry: entries.Entry, *, grace_s: float) -> None:
         try:
             await self._backend.delete(entry.request.name, grace_s=grace_s)
         except Exception as exc:  # the next attempt or the teardown tries again
             log.warning("could not remove leftovers of %s: %s", entry.request.name, exc)
             self._logs.note(entry.request.name, f"could not remove leftovers: {exc}")
 
-    def _emit_launch(self, entry: _Entry, type_: model.LaunchEventType, **fields: Any) -> None:
+    def _emit_launch(self, entry: entries.Entry, type_: model.LaunchEventType, **fields: Any) -> None:
         event = model.LaunchEvent(
             sequence=entry.launch.last_sequence + 1,
             time=self._clock(),
@@ -562,7 +508,7 @@ class Provisioner:
         await self._cancel_and_wait(entry)
         return True
 
-    async def _cancel_and_wait(self, entry: _Entry) -> None:
+    async def _cancel_and_wait(self, entry: entries.Entry) -> None:
         task = entry.launch_task
         if task is None or task.done():
             return
@@ -607,7 +553,7 @@ class Provisioner:
         async for event in log_.follow(after):
             yield event
 
-    def _start_teardown(self, entry: _Entry, *, drain_s: float, keep_logs: bool) -> None:
+    def _start_teardown(self, entry: entries.Entry, *, drain_s: float, keep_logs: bool) -> None:
         entry.teardown_start = entry.teardown.last_sequence + 1
         entry.drain_s = max(0.0, drain_s)
         entry.drain_cut = asyncio.Event()
@@ -615,7 +561,7 @@ class Provisioner:
         entry.teardown.set_active(True)
         entry.teardown_task = asyncio.get_running_loop().create_task(self._run_teardown(entry))
 
-    async def _run_teardown(self, entry: _Entry) -> None:
+    async def _run_teardown(self, entry: entries.Entry) -> None:
         name = entry.request.name
         try:
             await self._cancel_and_wait(entry)
@@ -683,13 +629,13 @@ class Provisioner:
             if not self._closing:
                 entry.teardown.set_active(False)
 
-    def _teardown_finished(self, entry: _Entry, outcome: str) -> None:
+    def _teardown_finished(self, entry: entries.Entry, outcome: str) -> None:
         # A teardown that failed before its drain ended has no start: it took no time of its own.
         started = entry.teardown_started or time.monotonic()
         self._stats.teardown_finished(outcome, time.monotonic() - started)
         entry.teardown_started = 0.0
 
-    async def _teardown_attempt(self, entry: _Entry) -> None:
+    async def _teardown_attempt(self, entry: entries.Entry) -> None:
         try:
             await self._backend.delete(entry.request.name, grace_s=self._opts.kill_grace_s)
         except backend_mod.TeardownError:
@@ -698,7 +644,7 @@ class Provisioner:
             log.exception("backend error tearing down %s", entry.request.name)
             raise backend_mod.TeardownError(f"backend error: {type(exc).__name__}") from exc
 
-    def _teardown_retrying(self, entry: _Entry, state: tenacity.RetryCallState) -> None:
+    def _teardown_retrying(self, entry: entries.Entry, state: tenacity.RetryCallState) -> None:
         delay = state.next_action.sleep if state.next_action else 0.0
         outcome = state.outcome.exception() if state.outcome else None
         self._emit_teardown(
@@ -709,7 +655,7 @@ class Provisioner:
             message=f"attempt {state.attempt_number} failed: {outcome}; retrying in {delay:.1f} s",
         )
 
-    def _emit_teardown(self, entry: _Entry, type_: model.TerminateEventType, **fields: Any) -> None:
+    def _emit_teardown(self, entry: entries.Entry, type_: model.TerminateEventType, **fields: Any) -> None:
         event = model.TerminateEvent(
             sequence=entry.teardown.last_sequence + 1, time=self._clock(), type=type_, **fields
         )
@@ -759,7 +705,7 @@ class Provisioner:
                 except Exception:
                     log.exception("resync of %s failed", entry.request.name)
 
-    def _resync(self, entry: _Entry) -> None:
+    def _resync(self, entry: entries.Entry) -> None:
         replica = entry.replica
         if self._closing or self._entries.get(replica.name) is not entry:
             return
@@ -781,7 +727,7 @@ class Provisioner:
 
     def _app_changed(
         self,
-        entry: _Entry,
+        entry: entries.Entry,
         app_state: model.AppState,
         exit_code: int,
         message: str,
@@ -839,366 +785,9 @@ class Provisioner:
         )
         return replica.copy()
 
-    # ---- jobs on pool workers ---------------------------------------------------------------
-
-    async def run_job(
-        self, request: model.JobRequest, *, after_sequence: int = 0, attach_only: bool = False
-    ) -> AsyncIterator[model.JobEvent]:
-        """Start (or attach to) job `request.job_id` on its worker and yield its events.
-
-        Args:
-            request: what to run; only `replica` is looked at when the job is known.
-            after_sequence: yield only events after this one.
-            attach_only: never start a job.
-
-        Raises:
-            errors.ValidationError: a malformed request for a new job, or a replica that is not a
-                pool worker.
-            errors.NotFoundError: no such worker (`attach_only`: no such job).
-            errors.AlreadyExistsError: the job id is known on another worker.
-            errors.FailedPreconditionError: the worker is not ready, or runs another job.
-        """
-        jobs.check_id(request.job_id)
-        entry = self._jobs.get(request.job_id)
-        if entry is None:
-            if attach_only:
-                message = f"job {request.job_id} not found"
-                raise errors.NotFoundError(message, reason="JOB_NOT_FOUND", job=request.job_id)
-            jobs.validate(request)
-            worker = self._ready_worker(request)
-            entry = self._new_job(request, worker)
-            self._start_job(entry)
-        elif request.replica and request.replica != entry.request.replica:
-            raise errors.AlreadyExistsError(
-                f"job {request.job_id} exists on worker {entry.request.replica}, not {request.replica}",
-                reason="JOB_EXISTS",
-                job=request.job_id,
-                replica=entry.request.replica,
-            )
-        async for event in entry.log.follow(after_sequence):
-            yield event
-
-    def _ready_worker(self, request: model.JobRequest) -> _Entry:
-        """The worker a new job runs on, checked: a pool worker, ready, free."""
-        entry = self._get_entry(request.replica)
-        replica = entry.replica
-        if not replica.worker:
-            raise errors.ValidationError(
-                [errors.FieldViolation("replica", f"replica {replica.name} is not a pool worker: it serves a service")],
-                subject="job",
-            )
-        ready = replica.state == model.ReplicaState.RUNNING and replica.app_state == model.AppState.RUNNING
-        if not ready:
-            where = replica.state.value.lower()
-            if replica.state == model.ReplicaState.RUNNING:
-                where = f"its process {replica.app_state.value.lower()}"
-            raise errors.FailedPreconditionError(
-                f"worker {replica.name} is not ready for jobs ({where})",
-                reason="WORKER_NOT_READY",
-                subject=replica.name,
-                replica=replica.name,
-            )
-        if replica.job_id:
-            raise errors.FailedPreconditionError(
-                f"worker {replica.name} already runs job {replica.job_id} (one job per worker at a time)",
-                reason="WORKER_BUSY",
-                subject=replica.name,
-                replica=replica.name,
-                job=replica.job_id,
-            )
-        return entry
-
-    def _new_job(self, request: model.JobRequest, worker: _Entry) -> jobs.Entry:
-        job = model.Job(
-            job_id=request.job_id,
-            replica=request.replica,
-            service=worker.replica.service,
-            create_time=self._clock(),
-        )
-        entry = jobs.Entry(request=request, job=job, log=events.EventLog(), token=uuid.uuid4().hex)
-        self._jobs[job.job_id] = entry
-        self._job_tokens[entry.token] = job.job_id
-        self._logs.prepare_job(request.replica, request.job_id)
-        # Not saved with the worker's record: a restart reads it off the job records (faster).
-        worker.replica.job_id = job.job_id
-        self._save_job(entry)  # before it starts: a restart then knows it was accepted
-        log.info("job %s accepted on worker %s", job.job_id, request.replica)
-        return entry
-
-    def _start_job(self, entry: jobs.Entry) -> None:
-        entry.log.set_active(True)
-        entry.task = asyncio.get_running_loop().create_task(self._run_job_start(entry))
-        self._job_tasks.add(entry.task)
-        entry.task.add_done_callback(self._job_tasks.discard)
-
-    async def _run_job_start(self, entry: jobs.Entry) -> None:
-        job = entry.job
-        worker = self._entries.get(entry.request.replica)
-        if worker is None or not worker.replica.worker:
-            self._end_job(entry, model.JobState.FAILED, "its worker is gone", cause=model.FailureCause.INFRASTRUCTURE)
-            return
-        start = backend_mod.JobStart(
-            job=entry.request,
-            token=entry.token,
-            worker=worker.request,
-            worker_token=worker.token,
-            log=self._logs.prepare_job(entry.request.replica, job.job_id),  # again after a restart: no harm
-        )
-        try:
-            found = await self._backend.run_job(start)
-        except backend_mod.JobStartError as exc:
-            self._end_job(entry, model.JobState.FAILED, exc.message, cause=exc.cause)
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("starting job %s failed unexpectedly", job.job_id)
-            self._end_job(
-                entry,
-                model.JobState.FAILED,
-                "internal error in the provisioner while starting the job",
-                cause=model.FailureCause.INFRASTRUCTURE,
-            )
-            return
-        if job.ended:
-            # Cancelled, or its worker died, while it started: nothing of it may run on.
-            if found.running:
-                await self._backend.cancel_job(entry.token, grace_s=0)
-            return
-        if job.state == model.JobState.STARTING:
-            job.state = model.JobState.RUNNING
-            job.start_time = found.start_time or self._clock()
-            self._emit_job(entry, model.JobEventType.STARTED, message=f"started on worker {job.replica}")
-        if not found.running:
-            self._job_finished(entry, found.exit_code)
-        elif entry.early_end is not None:
-            self._job_finished(entry, entry.early_end[0])
-
-    async def _consume_jobs(self) -> None:
-        """Apply the backend's job ends; an error on one never ends the stream."""
-        while True:
-            try:
-                async for ended in self._backend.watch_jobs():
-                    job_id = self._job_tokens.get(ended.token, "")
-                    entry = self._jobs.get(job_id)
-                    if entry is None or entry.token != ended.token:
-                        continue
-                    if ended.worker_gone and not entry.lost:
-                        entry.lost = f"worker died ({ended.message})"
-                    try:
-                        self._job_finished(entry, ended.exit_code)
-                    except Exception:
-                        log.exception("could not apply the end of job %s", job_id)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("the backend's job stream failed; following it again")
-                await asyncio.sleep(1.0)
-
-    def _job_finished(self, entry: jobs.Entry, exit_code: int | None, *, settled: bool = False) -> None:
-        """The job's processes ended: with `exit_code`, or killed (None)."""
-        if entry.job.ended:
-            return
-        if entry.cancel_grace_s is not None:
-            self._end_job(entry, model.JobState.CANCELLED, "cancelled")
-        elif entry.job.state == model.JobState.STARTING:
-            entry.early_end = (exit_code,)  # its start reports it once the backend answered
-        elif exit_code is not None:
-            self._end_job(entry, model.JobState.EXITED, f"exited with code {exit_code}", exit_code=exit_code)
-        elif entry.lost:
-            self._end_job(entry, model.JobState.FAILED, entry.lost, cause=model.FailureCause.INFRASTRUCTURE)
-        elif not settled and self._worker_up(entry.request.replica):
-            self._in_background(self._settle_kill(entry))
-        else:
-            worker = self._entries.get(entry.request.replica)
-            replica = worker.replica if worker else None
-            if replica is None or replica.state != model.ReplicaState.RUNNING:
-                reason = f"worker died ({entry.request.replica} is gone)"
-            elif replica.app_state != model.AppState.RUNNING:
-                reason = f"worker died ({entry.request.replica} {replica.app_state.value.lower()})"
-            else:
-                reason = "its processes were killed without an exit code"
-            self._end_job(entry, model.JobState.FAILED, reason, cause=model.FailureCause.INFRASTRUCTURE)
-
-    def _worker_up(self, name: str) -> bool:
-        worker = self._entries.get(name)
-        replica = worker.replica if worker else None
-        return (
-            replica is not None
-            and replica.state == model.ReplicaState.RUNNING
-            and replica.app_state == model.AppState.RUNNING
-        )
-
-    async def _settle_kill(self, entry: jobs.Entry) -> None:
-        """A job killed while its worker looks up: most often the worker is dying and its news is on
-        the way; wait for it (bounded), then say which it was."""
-        deadline = time.monotonic() + self._opts.job_kill_settle_s
-        while time.monotonic() < deadline and not entry.lost and self._worker_up(entry.request.replica):
-            await asyncio.sleep(0.05)
-        self._job_finished(entry, None, settled=True)
-
-    async def _end_worker_job(self, worker: _Entry, reason: str, *, grace_s: float) -> None:
-        """The worker's job cannot go on (the worker died or is torn down): kill what is left of
-        it and end it FAILED, the infrastructure's fault, so it is run again elsewhere."""
-        entry = self._jobs.get(worker.replica.job_id)
-        if entry is None or entry.job.ended:
-            return
-        entry.lost = entry.lost or reason
-        try:
-            await self._backend.cancel_job(entry.token, grace_s=grace_s)
-        except Exception:
-            log.exception("could not stop job %s of worker %s", entry.job.job_id, worker.replica.name)
-        if not entry.job.ended:
-            self._end_job(entry, model.JobState.FAILED, entry.lost, cause=model.FailureCause.INFRASTRUCTURE)
-
-    def _end_job(
-        self,
-        entry: jobs.Entry,
-        state: model.JobState,
-        message: str,
-        *,
-        exit_code: int = 0,
-        cause: model.FailureCause = model.FailureCause.UNSPECIFIED,
-    ) -> None:
-        job = entry.job
-        if job.ended:
-            return
-        job.state = state
-        job.exit_code = exit_code
-        job.cause = cause
-        job.end_time = self._clock()
-        if state != model.JobState.EXITED:
-            job.failure_reason = message
-        type_ = {
-            model.JobState.EXITED: model.JobEventType.EXITED,
-            model.JobState.FAILED: model.JobEventType.FAILED,
-            model.JobState.CANCELLED: model.JobEventType.CANCELLED,
-        }[state]
-        worker = self._entries.get(entry.request.replica)
-        if worker is not None and worker.replica.job_id == job.job_id:
-            worker.replica.job_id = ""  # free for the next job
-        self._emit_job(entry, type_, message=message, exit_code=exit_code, cause=cause)
-        if not self._closing:
-            entry.log.set_active(False)
-
-    def _emit_job(self, entry: jobs.Entry, type_: model.JobEventType, **fields: Any) -> None:
-        event = model.JobEvent(
-            sequence=entry.log.last_sequence + 1, time=self._clock(), type=type_, job=entry.job.copy(), **fields
-        )
-        entry.log.append(event)
-        self._save_job(entry)
-        detail = f": {event.message}" if event.message else ""
-        self._logs.note(entry.request.replica, f"job {entry.job.job_id} {type_.value.lower()}{detail}")
-        log.info("job %s on %s: %s%s", entry.job.job_id, entry.request.replica, type_.value, detail)
-
-    async def cancel_job(self, job_id: str, *, grace_s: float | None = None) -> tuple[bool, model.Job]:
-        """Cancel job `job_id`; returns once its processes are gone (bounded by the grace).
-
-        Returns:
-            Whether it was starting or running, and the job after the call.
-
-        Raises:
-            errors.ValidationError: `job_id` is not a job id.
-            errors.NotFoundError: no such job.
-        """
-        entry = self._job_entry(job_id)
-        if entry.job.ended:
-            return False, entry.job.copy()
-        grace = self._opts.kill_grace_s if grace_s is None else max(0.0, grace_s)
-        if entry.cancel_grace_s is None:
-            entry.cancel_grace_s = grace
-        if entry.job.state == model.JobState.STARTING and entry.task is not None and not entry.task.done():
-            # Its start kills it once the backend answered; no process of it may outlive this.
-            self._end_job(entry, model.JobState.CANCELLED, "cancelled before it started")
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(entry.task), self._opts.cancel_timeout_s)
-            return True, entry.job.copy()
-        await self._backend.cancel_job(entry.token, grace_s=grace)
-        self._end_job(entry, model.JobState.CANCELLED, "cancelled")
-        return True, entry.job.copy()
-
-    def get_job(self, job_id: str) -> model.Job:
-        """Job `job_id`.
-
-        Raises:
-            errors.ValidationError: `job_id` is not a job id.
-            errors.NotFoundError: no such job.
-        """
-        return self._job_entry(job_id).job.copy()
-
-    def _job_entry(self, job_id: str) -> jobs.Entry:
-        jobs.check_id(job_id)
-        entry = self._jobs.get(job_id)
-        if entry is None:
-            raise errors.NotFoundError(f"job {job_id} not found", reason="JOB_NOT_FOUND", job=job_id)
-        return entry
-
-    async def _stream_job_log(self, name: str, job_id: str, *, follow: bool) -> AsyncIterator[bytes]:
-        if not job_id:
-            raise errors.ValidationError(
-                [errors.FieldViolation("job_id", "a JOB log needs the job's id")], subject="log request"
-            )
-        jobs.check_id(job_id)
-        if name:
-            check_name(name)
-        entry = self._jobs.get(job_id)
-        if entry is None or (name and name != entry.request.replica):
-            raise errors.NotFoundError(f"no log for job {job_id}", reason="LOG_NOT_FOUND", job=job_id)
-
-        def live() -> bool:
-            return not (entry.job.ended or self._closing or self._streams_ended)
-
-        path = self._logs.job_path(entry.request.replica, job_id)
-        async for chunk in self._logs.stream_file(path, live=live if follow else None):
-            yield chunk
-
-    def _delete_job(self, job_id: str) -> bool:
-        entry = self._job_entry_or_none(job_id)
-        if entry is None:
-            return False
-        if not entry.job.ended:
-            raise errors.FailedPreconditionError(
-                f"job {job_id} is {entry.job.state.value.lower()}; cancel it first",
-                subject=job_id,
-                job=job_id,
-            )
-        self._forget_job(entry)
-        return True
-
-    def _job_entry_or_none(self, job_id: str) -> jobs.Entry | None:
-        jobs.check_id(job_id)
-        return self._jobs.get(job_id)
-
-    def _forget_job(self, entry: jobs.Entry) -> None:
-        job_id = entry.job.job_id
-        self._logs.delete_job(entry.request.replica, job_id)
-        self._job_records.delete(job_id)
-        self._job_tokens.pop(entry.token, None)
-        if self._jobs.get(job_id) is entry:
-            del self._jobs[job_id]
-
-    def _forget_jobs_of(self, worker: str) -> bool:
-        """Forget every ended job of a worker that is gone (its logs went with the worker's)."""
-        gone = [e for e in self._jobs.values() if e.request.replica == worker and e.job.ended]
-        for entry in gone:
-            self._forget_job(entry)
-        return bool(gone)
-
-    def _save_job(self, entry: jobs.Entry) -> None:
-        try:
-            self._job_records.save(entry.job.job_id, entry.to_record())
-        except Exception:
-            log.exception("could not persist job %s", entry.job.job_id)
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._job_tasks.add(task)
-        task.add_done_callback(self._job_tasks.discard)
-
     # ---- reads -----------------------------------------------------------------------------
 
-    def _get_entry(self, name: str) -> _Entry:
+    def _get_entry(self, name: str) -> entries.Entry:
         entry = self._entries.get(name)
         if entry is None:
             message = f"replica {name} not found"
@@ -1284,7 +873,7 @@ class Provisioner:
             async for chunk in self._stream_job_log(name, job_id, follow=follow):
                 yield chunk
             return
-        check_name(name)
+        entries.check_name(name)
         if not self._logs.exists(name, kind):
             raise errors.NotFoundError(f"no {kind.value} log for replica {name}", reason="LOG_NOT_FOUND", replica=name)
         live = (lambda: self._live(name, kind)) if follow else None
@@ -1313,7 +902,7 @@ class Provisioner:
         """
         if job_id:
             return self._delete_job(job_id)
-        check_name(name)
+        entries.check_name(name)
         if name in self._entries:
             raise errors.FailedPreconditionError(
                 f"replica {name} still exists; its logs go with its teardown", subject=name, replica=name
@@ -1331,7 +920,7 @@ class Provisioner:
             return entry.launch.active or entry.teardown.active
         return entry.replica.state == model.ReplicaState.RUNNING and entry.replica.app_state == model.AppState.RUNNING
 
-    def _save(self, entry: _Entry) -> None:
+    def _save(self, entry: entries.Entry) -> None:
         # Memory is the truth while the provisioner runs; a record that could not be written
         # only matters after a restart, which re-finds replicas through the backend anyway.
         try:

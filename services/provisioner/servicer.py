@@ -63,6 +63,22 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TerminateResponse]:
+        async for event in self._terminate_events(request):
+            yield pb.TerminateResponse(event=event)
+
+    async def TerminateBatches(
+        self, request_iterator: AsyncIterator[pb.TerminateBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TerminateBatchesResponse]:
+        batches = multiplex.serve_batches(
+            multiplex.terminate_batch_requests(request_iterator),
+            self._terminate_events,
+            multiplex.terminate_response,
+            domain=DOMAIN,
+        )
+        async for batch in batches:
+            yield pb.TerminateBatchesResponse(responses=batch)
+
+    async def _terminate_events(self, request: pb.TerminateRequest) -> AsyncIterator[resources_pb2.TerminateEvent]:
         events = self._p.terminate(
             request.name,
             drain_s=convert.seconds(request.drain),
@@ -70,7 +86,7 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
             after_sequence=request.after_sequence,
         )
         async for event in events:
-            yield convert.terminate_event(event)
+            yield convert.terminate_event(event).event
 
     async def CancelLaunch(
         self, request: pb.CancelLaunchRequest, context: grpc.aio.ServicerContext

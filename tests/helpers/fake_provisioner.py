@@ -28,9 +28,11 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
 
     def __init__(self, endpoint: str, *, endpoint_per_replica: bool = False, launch_many: bool = True) -> None:
         self.endpoint = endpoint
-        # False: LaunchMany and LaunchBatches are UNIMPLEMENTED (an older provisioner).
+        # False: LaunchMany, LaunchBatches and TerminateBatches are UNIMPLEMENTED (an older
+        # provisioner).
         self.launch_many = launch_many
         self.streams: collections.Counter[str] = collections.Counter()  # calls of each launch RPC
+        self.teardown_streams: collections.Counter[str] = collections.Counter()  # and teardown RPC
         # Each replica at `endpoint/r/<name>`, so the requests seen tell which replica was probed.
         self.endpoint_per_replica = endpoint_per_replica
         self.requests: dict[str, float] = {}  # request path -> time.monotonic() of its last request
@@ -155,11 +157,27 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
     async def Terminate(
         self, request: pb.TerminateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TerminateResponse]:
+        self.teardown_streams["Terminate"] += 1
+        async for event in self._terminate(request):
+            yield pb.TerminateResponse(event=event)
+
+    async def TerminateBatches(
+        self, request_iterator: AsyncIterator[pb.TerminateBatchesRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TerminateBatchesResponse]:
+        if not self.launch_many:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no TerminateBatches here")
+        self.teardown_streams["TerminateBatches"] += 1
+        requests = multiplex.terminate_batch_requests(request_iterator)
+        batches = multiplex.serve_batches(
+            requests, self._terminate, multiplex.terminate_response, domain="provisioner.test"
+        )
+        async for batch in batches:
+            yield pb.TerminateBatchesResponse(responses=batch)
+
+    async def _terminate(self, request: pb.TerminateRequest) -> AsyncIterator[res.TerminateEvent]:
         self.terminations[request.name] += 1
         now = pbtime.timestamp(time.time())
-        yield pb.TerminateResponse(
-            event=res.TerminateEvent(sequence=1, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATING)
-        )
+        yield res.TerminateEvent(sequence=1, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATING)
         drain = pbtime.seconds(request.drain) if request.HasField("drain") else 0.0
         if self.honour_drain and drain > 0:
             cut = self._drains.setdefault(request.name, asyncio.Event())
@@ -169,17 +187,13 @@ class FakeProvisioner(pb_grpc.ProvisionerServiceServicer):
         elif request.name in self._drains:
             self._drains[request.name].set()  # as the real provisioner: a second call ends the drain
         if request.name in self.fail_teardown:
-            yield pb.TerminateResponse(
-                event=res.TerminateEvent(
-                    sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_FAILED, message="cloud said no"
-                )
+            yield res.TerminateEvent(
+                sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_FAILED, message="cloud said no"
             )
             return
         await asyncio.sleep(self.teardown_s)
         self.running.pop(request.name, None)
-        yield pb.TerminateResponse(
-            event=res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
-        )
+        yield res.TerminateEvent(sequence=2, time=now, type=res.TERMINATE_EVENT_TYPE_TERMINATED)
 
     async def CheckSpec(self, request: pb.CheckSpecRequest, context: grpc.aio.ServicerContext) -> pb.CheckSpecResponse:
         return pb.CheckSpecResponse()  # it runs anything

@@ -470,13 +470,22 @@ async def test_zones_are_asked_once_not_before_every_create(tmp_path) -> None:
         assert env.provisioner.zone_lists == asked
 
 
-async def test_every_launch_goes_over_one_shared_provisioner_stream(env: Env) -> None:
-    # Issue 24: one LaunchMany stream for every launch of every service, not a stream each.
+async def test_every_launch_and_teardown_goes_over_one_shared_provisioner_stream(env: Env) -> None:
+    # Issue 24: one LaunchBatches stream for every launch of every service, not a stream each;
+    # and one TerminateBatches stream for every teardown (deleting 10,000 replicas took 10 s
+    # over a Terminate stream each).
     first, second = await create(env, spec("one", replicas=6)), await create(env, spec("two", replicas=6))
     await first.until(lambda w: w.count(READY) == 6)
     await second.until(lambda w: w.count(READY) == 6)
     assert env.provisioner.streams == {"LaunchBatches": 1}
     assert sum(env.provisioner.launches.values()) == 12
+    for name in ("one", "two"):
+        await env.stub.DeleteService(api.DeleteServiceRequest(service_name=name))
+    await first.until(lambda w: w.deleted)
+    await second.until(lambda w: w.deleted)
+    assert env.provisioner.teardown_streams == {"TerminateBatches": 1}
+    assert sorted(env.provisioner.terminations.values()) == [1] * 12  # each torn down once
+    assert env.provisioner.running == {}
 
 
 async def test_launches_get_streams_of_their_own_from_a_provisioner_without_launch_many(tmp_path) -> None:
@@ -485,3 +494,7 @@ async def test_launches_get_streams_of_their_own_from_a_provisioner_without_laun
         await w.until(lambda w: w.count(READY) == 4)
         assert env.provisioner.streams["Launch"] >= 4
         assert sum(env.provisioner.launches.values()) == 4  # each launched once
+        await env.stub.DeleteService(api.DeleteServiceRequest(service_name="svc"))
+        await w.until(lambda w: w.deleted)
+        assert env.provisioner.teardown_streams["Terminate"] >= 4  # and torn down on streams of their own
+        assert sorted(env.provisioner.terminations.values()) == [1] * 4

@@ -406,6 +406,42 @@ async def test_launch_batches_carry_many_launches_per_message_each_ending_as_its
     await _each_ended_as_its_own_launch_would(stub, events, ended)
 
 
+async def test_terminate_batches_tear_many_replicas_down_each_as_its_own_terminate_would(stub, state_dir) -> None:
+    # TerminateBatches (issue 24): the teardowns of many replicas on one stream, several per message.
+    for rid in (1, 2):
+        await _launch(stub, client.launch_request(rid))
+    outbox: asyncio.Queue[pb.TerminateBatchesRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.TerminateBatchesRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    names = ("svc-1", "svc-2", "svc-9")  # svc-9 never existed: TERMINATED at once, as Terminate says
+    outbox.put_nowait(
+        pb.TerminateBatchesRequest(
+            requests=[pb.TerminateManyRequest(terminate=pb.TerminateRequest(name=n)) for n in names]
+        )
+    )
+    call = stub.TerminateBatches(requests())
+    events: dict[str, list[resources_pb2.TerminateEvent]] = {n: [] for n in names}
+    ended: dict[str, pb.TerminateManyResponse] = {}
+    async with asyncio.timeout(60):
+        async for message in call:
+            for response in message.responses:
+                if response.done:
+                    ended[response.name] = response
+                else:
+                    events[response.name].append(response.event)
+            if len(ended) == len(names):
+                break
+    outbox.put_nowait(None)
+    call.cancel()
+    assert {n: e.error_code for n, e in ended.items()} == dict.fromkeys(names, 0)
+    assert client.types(events["svc-1"]) == client.types(events["svc-2"]) == ["TERMINATING", "TERMINATED"]
+    assert client.types(events["svc-9"]) == ["TERMINATED"] and events["svc-9"][0].message == "no such replica"
+    assert provisioner_procs.wait_no_replicas(state_dir) == []
+
+
 async def test_a_launch_no_longer_followed_on_the_shared_stream_goes_on(stub) -> None:
     outbox: asyncio.Queue[pb.LaunchManyRequest | None] = asyncio.Queue()
 

@@ -1,6 +1,6 @@
 """Launch driver: follows each replica's launch at the provisioner, re-attaching by name when its
 stream breaks, and hands every event back. Launches go over one shared `LaunchBatches` stream
-(`Mux`); a launch carrying a trace context, or any launch when the provisioner has no
+(`mux.Mux`); a launch carrying a trace context, or any launch when the provisioner has no
 `LaunchBatches`, gets a `Launch` stream of its own. Launches of the whole controller share a slot
 pool (`max_launches_in_flight`)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -17,7 +17,8 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as prov_pb
 from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grpc
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.controller import retries
-from services.controller.drivers import tasks
+from services.controller.drivers import mux, tasks
+from services.controller.drivers.mux import Broke, Refused, Superseded
 
 log = logging.getLogger(__name__)
 
@@ -25,123 +26,12 @@ log = logging.getLogger(__name__)
 PERMANENT_CODES = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED}
 )
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_BATCH_MAX = 500  # launch requests in one message at most
+LaunchMux = mux.Mux[prov_pb.LaunchRequest, prov_pb.LaunchManyRequest, prov_res.LaunchEvent]
 
 
-class Broke(Exception):
-    """A stream ended or broke before its last event: open it again."""
-
-
-class Superseded(Exception):
-    """The same launch is followed again elsewhere: this follower ends."""
-
-
-class Refused(Exception):
-    """The provisioner refused a launch on the shared stream (as `Launch` would have failed)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class Mux:
-    """Launches followed on one `LaunchBatches` stream of the provisioner instead of one `Launch`
-    stream each: at 10,000 replicas the per-replica streams, then a message per launch event,
-    were the largest cost left in the controller (docs/scaling.md). What is queued when the
-    stream writes goes in one message, both ways. The stream opens with the first launch and is
-    shared by every service; when it breaks, every launch on it breaks too and its driver
-    re-attaches. A provisioner without `LaunchBatches` (UNIMPLEMENTED) is remembered: launches
-    then go on streams of their own."""
-
-    def __init__(self, provisioner: prov_grpc.ProvisionerServiceStub) -> None:
-        self._prov = provisioner
-        self.supported = True
-        self._outbox: asyncio.Queue[prov_pb.LaunchManyRequest] | None = None
-        self._followers: dict[str, asyncio.Queue[prov_pb.LaunchManyResponse | BaseException]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    def _open(self) -> asyncio.Queue[prov_pb.LaunchManyRequest]:
-        if self._outbox is None:
-            outbox: asyncio.Queue[prov_pb.LaunchManyRequest] = asyncio.Queue()
-            self._outbox = outbox
-            self._reader = asyncio.create_task(self._read(outbox), name="launch stream")
-        return self._outbox
-
-    async def _read(self, outbox: asyncio.Queue[prov_pb.LaunchManyRequest]) -> None:
-        async def requests() -> AsyncIterator[prov_pb.LaunchBatchesRequest]:
-            while True:
-                batch = [await outbox.get()]
-                while not outbox.empty() and len(batch) < _BATCH_MAX:
-                    batch.append(outbox.get_nowait())
-                yield prov_pb.LaunchBatchesRequest(requests=batch)
-
-        error: BaseException = Broke("the launch stream ended")
-        try:
-            async for message in self._prov.LaunchBatches(requests()):
-                for response in message.responses:
-                    q = self._followers.get(response.name)
-                    if q is not None:
-                        q.put_nowait(response)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.supported = False
-                log.info("the provisioner has no LaunchBatches: one Launch stream per replica")
-            error = Broke(f"the launch stream broke ({exc.code().name})")
-        except asyncio.CancelledError:
-            error = Broke("the launch stream was closed")
-            raise
-        except Exception:
-            log.exception("the launch stream failed")
-            error = Broke("the launch stream failed")
-        finally:
-            if self._outbox is outbox:
-                self._outbox = None
-            followers, self._followers = self._followers, {}
-            for q in followers.values():
-                q.put_nowait(error)  # each of its launches re-attaches
-
-    async def follow(self, request: prov_pb.LaunchRequest) -> AsyncGenerator[prov_res.LaunchEvent, None]:
-        """The events of one launch, until its events end.
-
-        Raises:
-            Refused: the provisioner refused the request.
-            Broke: the stream ended or broke first.
-        """
-        name = request.name
-        q: asyncio.Queue[prov_pb.LaunchManyResponse | BaseException] = asyncio.Queue()
-        old = self._followers.get(name)
-        if old is not None:
-            old.put_nowait(Superseded())
-        self._followers[name] = q
-        outbox = self._open()
-        outbox.put_nowait(prov_pb.LaunchManyRequest(launch=request))
-        ended = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                if item.done:
-                    ended = True
-                    if item.error_code:
-                        raise Refused(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN), item.error_message)
-                    return
-                yield item.event
-        finally:
-            if self._followers.get(name) is q:
-                del self._followers[name]
-                if not ended and self._outbox is outbox:
-                    outbox.put_nowait(prov_pb.LaunchManyRequest(stop=name))  # the launch goes on
-
-    async def close(self) -> None:
-        """Close the stream (the launches go on at the provisioner)."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+def launch_mux(provisioner: prov_grpc.ProvisionerServiceStub) -> LaunchMux:
+    """Every launch of the controller on one `LaunchBatches` stream."""
+    return mux.Mux(provisioner.LaunchBatches, prov_pb.LaunchBatchesRequest, prov_pb.LaunchManyRequest, "launch")
 
 
 class Launches:
@@ -153,7 +43,7 @@ class Launches:
         slots: asyncio.Semaphore,
         *,
         policy: retries.Policy = retries.STREAM,
-        mux: Mux | None = None,
+        mux: LaunchMux | None = None,
     ) -> None:
         self._prov = provisioner
         self._slots = slots

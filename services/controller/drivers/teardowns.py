@@ -1,10 +1,14 @@
-"""Teardown driver: follows one `Provisioner.Terminate` stream per replica until the replica is
-gone or the teardown failed, re-opening it (without drain) when it breaks."""
+"""Teardown driver: follows each replica's teardown at the provisioner until the replica is gone or
+the teardown failed, following it again (without drain) when its stream breaks. Teardowns go over
+one shared `TerminateBatches` stream (`mux.Mux`); when the provisioner has none, each gets a
+`Terminate` stream of its own."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -13,22 +17,37 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2_grpc as prov_grp
 from replicaplane.provisioner.v1 import resources_pb2 as prov_res
 from services.common import pbtime
 from services.controller import retries
-from services.controller.drivers import tasks
-from services.controller.drivers.launches import Broke
+from services.controller.drivers import mux, tasks
+from services.controller.drivers.mux import Broke
 
 log = logging.getLogger(__name__)
 
 TE = prov_res.TerminateEventType
 
 
+TeardownMux = mux.Mux[prov_pb.TerminateRequest, prov_pb.TerminateManyRequest, prov_res.TerminateEvent]
+
+
+def teardown_mux(provisioner: prov_grpc.ProvisionerServiceStub) -> TeardownMux:
+    """Every teardown of the controller on one `TerminateBatches` stream."""
+    return mux.Mux(
+        provisioner.TerminateBatches, prov_pb.TerminateBatchesRequest, prov_pb.TerminateManyRequest, "terminate"
+    )
+
+
 class Teardowns:
-    """The teardown streams of one service."""
+    """The teardowns of one service."""
 
     def __init__(
-        self, provisioner: prov_grpc.ProvisionerServiceStub, *, policy: retries.Policy = retries.STREAM
+        self,
+        provisioner: prov_grpc.ProvisionerServiceStub,
+        *,
+        policy: retries.Policy = retries.STREAM,
+        mux: TeardownMux | None = None,
     ) -> None:
         self._prov = provisioner
         self._policy = policy
+        self._mux = mux
         self.tasks = tasks.Tasks()
 
     def start(
@@ -56,21 +75,57 @@ class Teardowns:
         keep_logs: bool,
         on_event: Callable[[prov_res.TerminateEvent], bool],
     ) -> None:
-        async for attempt in self._policy.retrying(Broke):
-            with attempt:
-                request = prov_pb.TerminateRequest(name=name, drain=pbtime.duration(drain_s), keep_logs=keep_logs)
-                drain_s = 0.0  # the replica already left the ready set; never drain twice
-                try:
-                    async for response in self._prov.Terminate(request):
-                        if on_event(response.event):
-                            return
-                except grpc.aio.AioRpcError as exc:
-                    log.info("teardown of %s broke (%s); retrying", name, exc.code().name)
-                    raise Broke from exc
-                except Exception as exc:
-                    log.exception("following the teardown of %s failed; retrying", name)
-                    raise Broke from exc
-                raise Broke
+        # The retries of `policy` without tenacity's machinery around the first attempt, which
+        # nearly always ends the teardown: deleting a service starts thousands at once.
+        tries = 0
+        while True:
+            request = prov_pb.TerminateRequest(name=name, drain=pbtime.duration(drain_s), keep_logs=keep_logs)
+            drain_s = 0.0  # the replica already left the ready set; never drain twice
+            try:
+                await self._attempt(request, on_event)
+                return
+            except Broke:
+                tries += 1
+                if self._policy.attempts and tries >= self._policy.attempts:
+                    raise
+            await asyncio.sleep(self._policy.delay(tries))
+
+    async def _attempt(
+        self, request: prov_pb.TerminateRequest, on_event: Callable[[prov_res.TerminateEvent], bool]
+    ) -> None:
+        """Follow the teardown once, until it ends.
+
+        Raises:
+            Broke: the stream broke (or the provisioner failed the call) first: follow it again.
+        """
+        try:
+            async with contextlib.aclosing(self._events(request)) as events:
+                async for event in events:
+                    if on_event(event):
+                        return
+        except mux.Superseded:
+            return
+        except mux.Refused as exc:
+            log.info("teardown of %s broke (%s); retrying", request.name, exc.code.name)
+            raise Broke from exc
+        except grpc.aio.AioRpcError as exc:
+            log.info("teardown of %s broke (%s); retrying", request.name, exc.code().name)
+            raise Broke from exc
+        except Broke:
+            raise
+        except Exception as exc:
+            log.exception("following the teardown of %s failed; retrying", request.name)
+            raise Broke from exc
+        raise Broke  # the stream ended without saying how the teardown ended
+
+    def _events(self, request: prov_pb.TerminateRequest) -> AsyncGenerator[prov_res.TerminateEvent, None]:
+        if self._mux is not None and self._mux.supported:
+            return self._mux.follow(request)
+        return self._own_stream(request)
+
+    async def _own_stream(self, request: prov_pb.TerminateRequest) -> AsyncGenerator[prov_res.TerminateEvent, None]:
+        async for response in self._prov.Terminate(request):
+            yield response.event
 
     async def end_drain(self, name: str) -> None:
         """Ask again without drain: the provisioner cuts the drain in progress short; the

@@ -299,6 +299,129 @@ class TerminateResponse(_message.Message):
 Global___TerminateResponse: _TypeAlias = TerminateResponse  # noqa: Y015
 
 @_typing.final
+class TerminateManyRequest(_message.Message):
+    """TerminateManyRequest starts following one teardown, or stops following one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TERMINATE_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    stop: _builtins.str
+    """Stop following the teardown of this replica name (the teardown itself goes on)."""
+    @_builtins.property
+    def terminate(self) -> Global___TerminateRequest:
+        """Start or re-attach to this teardown, as `Terminate` does; a teardown already followed on
+        this stream under the same name is followed again from this request.
+        """
+
+    def __init__(
+        self,
+        *,
+        terminate: Global___TerminateRequest | None = ...,
+        stop: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stop", b"stop", "terminate", b"terminate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stop", b"stop", "terminate", b"terminate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["terminate", "stop"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___TerminateManyRequest: _TypeAlias = TerminateManyRequest  # noqa: Y015
+
+@_typing.final
+class TerminateManyResponse(_message.Message):
+    """TerminateManyResponse is one event of one teardown, or the end of its events."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The replica name of the teardown."""
+    done: _builtins.bool
+    """The last response about `name`: its events ended, with `error_code` 0, or the teardown
+    failed as `Terminate` would have, with `error_code` (a `google.rpc.Code` value) and
+    `error_message`.
+    """
+    error_code: _builtins.int
+    """The `google.rpc.Code` `Terminate` would have ended with; 0 (OK) unless `done`."""
+    error_message: _builtins.str
+    """The message of that status."""
+    @_builtins.property
+    def event(self) -> _resources_pb2.TerminateEvent:
+        """One event, as `Terminate` streams it (unset on the last response)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        event: _resources_pb2.TerminateEvent | None = ...,
+        done: _builtins.bool = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error_code", b"error_code", "error_message", b"error_message", "event", b"event", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateManyResponse: _TypeAlias = TerminateManyResponse  # noqa: Y015
+
+@_typing.final
+class TerminateBatchesRequest(_message.Message):
+    """TerminateBatchesRequest is several `TerminateManyRequest`s, applied in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___TerminateManyRequest]:
+        """The requests."""
+
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___TerminateManyRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateBatchesRequest: _TypeAlias = TerminateBatchesRequest  # noqa: Y015
+
+@_typing.final
+class TerminateBatchesResponse(_message.Message):
+    """TerminateBatchesResponse is several `TerminateManyResponse`s, in the order they happened."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___TerminateManyResponse]:
+        """The responses."""
+
+    def __init__(
+        self,
+        *,
+        responses: _abc.Iterable[Global___TerminateManyResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["responses", b"responses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateBatchesResponse: _TypeAlias = TerminateBatchesResponse  # noqa: Y015
+
+@_typing.final
 class CancelLaunchRequest(_message.Message):
     """CancelLaunchRequest names the launch to cancel."""
 

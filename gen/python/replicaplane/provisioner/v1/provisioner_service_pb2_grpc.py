@@ -55,6 +55,11 @@ class ProvisionerServiceStub:
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.SerializeToString,
                 response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateResponse.FromString,
                 _registered_method=True)
+        self.TerminateBatches = channel.stream_stream(
+                '/replicaplane.provisioner.v1.ProvisionerService/TerminateBatches',
+                request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesRequest.SerializeToString,
+                response_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesResponse.FromString,
+                _registered_method=True)
         self.CancelLaunch = channel.unary_unary(
                 '/replicaplane.provisioner.v1.ProvisionerService/CancelLaunch',
                 request_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.CancelLaunchRequest.SerializeToString,
@@ -160,6 +165,19 @@ class ProvisionerServiceServicer:
     def Terminate(self, request, context):
         """Tears a replica down and streams its progress. A replica that does not exist is reported
         TERMINATED. An in-flight launch is cancelled first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TerminateBatches(self, request_iterator, context):
+        """Follows many teardowns on one stream, several requests and responses per message, as
+        `LaunchBatches` does for launches: a stream per replica was most of a controller's cost of
+        deleting a service of thousands. Each request starts (or re-attaches to) one teardown exactly
+        as `Terminate` does, or stops following one (the teardown goes on); each response carries
+        one event of one teardown, and a last response per teardown says how its events ended:
+        `Terminate`'s own status. Closing the stream stops following every teardown on it; none is
+        stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,6 +314,11 @@ def add_ProvisionerServiceServicer_to_server(servicer, server):
                     servicer.Terminate,
                     request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.FromString,
                     response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateResponse.SerializeToString,
+            ),
+            'TerminateBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.TerminateBatches,
+                    request_deserializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesRequest.FromString,
+                    response_serializer=replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesResponse.SerializeToString,
             ),
             'CancelLaunch': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelLaunch,
@@ -472,6 +495,33 @@ class ProvisionerService:
             '/replicaplane.provisioner.v1.ProvisionerService/Terminate',
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateRequest.SerializeToString,
             replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TerminateBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/replicaplane.provisioner.v1.ProvisionerService/TerminateBatches',
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesRequest.SerializeToString,
+            replicaplane_dot_provisioner_dot_v1_dot_provisioner__service__pb2.TerminateBatchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,15 @@ class ProvisionerServiceStub:
     """Tears a replica down and streams its progress. A replica that does not exist is reported
     TERMINATED. An in-flight launch is cancelled first.
     """
+    TerminateBatches: _grpc.StreamStreamMultiCallable[_provisioner_service_pb2.TerminateBatchesRequest, _provisioner_service_pb2.TerminateBatchesResponse]
+    """Follows many teardowns on one stream, several requests and responses per message, as
+    `LaunchBatches` does for launches: a stream per replica was most of a controller's cost of
+    deleting a service of thousands. Each request starts (or re-attaches to) one teardown exactly
+    as `Terminate` does, or stops following one (the teardown goes on); each response carries
+    one event of one teardown, and a last response per teardown says how its events ended:
+    `Terminate`'s own status. Closing the stream stops following every teardown on it; none is
+    stopped.
+    """
     CancelLaunch: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelLaunchRequest, _provisioner_service_pb2.CancelLaunchResponse]
     """Cancels an in-flight launch; returns once its leftovers are torn down (bounded wait)."""
     GetReplica: _grpc.UnaryUnaryMultiCallable[_provisioner_service_pb2.GetReplicaRequest, _provisioner_service_pb2.GetReplicaResponse]
@@ -135,6 +144,15 @@ class ProvisionerServiceAsyncStub(ProvisionerServiceStub):
     Terminate: _aio.UnaryStreamMultiCallable[_provisioner_service_pb2.TerminateRequest, _provisioner_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a replica down and streams its progress. A replica that does not exist is reported
     TERMINATED. An in-flight launch is cancelled first.
+    """
+    TerminateBatches: _aio.StreamStreamMultiCallable[_provisioner_service_pb2.TerminateBatchesRequest, _provisioner_service_pb2.TerminateBatchesResponse]  # type: ignore[assignment]
+    """Follows many teardowns on one stream, several requests and responses per message, as
+    `LaunchBatches` does for launches: a stream per replica was most of a controller's cost of
+    deleting a service of thousands. Each request starts (or re-attaches to) one teardown exactly
+    as `Terminate` does, or stops following one (the teardown goes on); each response carries
+    one event of one teardown, and a last response per teardown says how its events ended:
+    `Terminate`'s own status. Closing the stream stops following every teardown on it; none is
+    stopped.
     """
     CancelLaunch: _aio.UnaryUnaryMultiCallable[_provisioner_service_pb2.CancelLaunchRequest, _provisioner_service_pb2.CancelLaunchResponse]  # type: ignore[assignment]
     """Cancels an in-flight launch; returns once its leftovers are torn down (bounded wait)."""
@@ -236,6 +254,21 @@ class ProvisionerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.TerminateResponse], _abc.AsyncIterator[_provisioner_service_pb2.TerminateResponse]]:
         """Tears a replica down and streams its progress. A replica that does not exist is reported
         TERMINATED. An in-flight launch is cancelled first.
+        """
+
+    @_abc_1.abstractmethod
+    def TerminateBatches(
+        self,
+        request_iterator: _MaybeAsyncIterator[_provisioner_service_pb2.TerminateBatchesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_provisioner_service_pb2.TerminateBatchesResponse], _abc.AsyncIterator[_provisioner_service_pb2.TerminateBatchesResponse]]:
+        """Follows many teardowns on one stream, several requests and responses per message, as
+        `LaunchBatches` does for launches: a stream per replica was most of a controller's cost of
+        deleting a service of thousands. Each request starts (or re-attaches to) one teardown exactly
+        as `Terminate` does, or stops following one (the teardown goes on); each response carries
+        one event of one teardown, and a last response per teardown says how its events ended:
+        `Terminate`'s own status. Closing the stream stops following every teardown on it; none is
+        stopped.
         """
 
     @_abc_1.abstractmethod
