@@ -157,7 +157,7 @@ class KubeJobs:
     """The jobs of one kubernetes backend; see the module docstring.
 
     Args:
-        exec_: opens an exec session (kube.py's API client).
+        exec_: opens an exec session (kube_client.py's Api.exec).
         worker_alive: whether a worker's Pod still runs (the backend's Pod watch knows).
         clock: wall-clock time.
     """

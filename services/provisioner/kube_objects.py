@@ -2,7 +2,7 @@
 
 No client import here: object names, the Pod, Service and Secret manifests built from a launch
 request, and the reading of a Pod's phase and conditions are plain functions, unit-tested
-directly. `kube.py` sends these dicts through the official client.
+directly. `kube.py` sends these dicts through the official client (kube_client.py).
 
 A replica is one Pod (`restartPolicy: Never`: a replica that exits is replaced by the
 controller with a new id, never restarted in place), plus an optional Service and, when the

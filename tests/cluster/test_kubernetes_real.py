@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.provisioner import backend, kube, kube_objects, model
+from services.provisioner import backend, kube, kube_client, kube_objects, model
 
 pytestmark = [
     pytest.mark.kubernetes,
@@ -167,7 +167,7 @@ async def test_server_side_selectors_and_410_on_an_expired_watch(tmp_path, admin
         await admin.core.create_namespaced_pod_without_preload_content(namespace, foreign)
         request = _request(tmp_path, 1)
         await b.create(request)
-        api = kube._Api(opts)
+        api = kube_client.Api(opts)
         await api.open()
         try:
             items, version = await api.list(
@@ -175,7 +175,7 @@ async def test_server_side_selectors_and_410_on_an_expired_watch(tmp_path, admin
             )
             assert [i["metadata"]["name"] for i in items] == [kube_objects.object_name(request.launch.name)]
             assert version
-            with pytest.raises(kube._Gone):
+            with pytest.raises(kube_client.Gone):
                 async for _ in api.watch_pods(namespace, "", "1"):
                     pass
         finally:
