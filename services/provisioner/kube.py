@@ -37,23 +37,17 @@ import asyncio
 import builtins
 import collections
 import contextlib
-import dataclasses
-import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.provisioner import alternatives, backend, causes, kube_client, kube_jobs, kube_objects, model
+from services.provisioner import alternatives, backend, causes, kube_client, kube_jobs, kube_objects, kube_pods, model
 from services.provisioner.kube_client import ApiError, Options, describe
+from services.provisioner.kube_pods import Tracked
 
 log = logging.getLogger(__name__)
-
-LOG_SETTLE_S = 5.0
-"""How long an app's end (or a teardown) waits for the last lines of its Pod log."""
-POSITION_FILE = "kube-log-position.json"
 
 
 class _NotPlaced(backend.LaunchError):
@@ -71,43 +65,6 @@ class _NotPlaced(backend.LaunchError):
 
 class _DeleteFailed(Exception):
     """Deleting a replica's objects failed; the message says which and why."""
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """One replica incarnation's Pod, as last seen."""
-
-    name: str
-    obj: str
-    token: str
-    is_spot: bool
-    zone: str
-    created_at: float
-    port: int
-    uid: str = ""
-    has_setup: bool = False
-    pod: dict[str, Any] | None = None
-    status: kube_objects.PodStatus = dataclasses.field(default_factory=kube_objects.PodStatus)
-    gone: bool = False
-    launching: bool = False
-    deleting: bool = False
-    reported: bool = False
-    app_state: model.AppState = model.AppState.RUNNING
-    exit_code: int = 0
-    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    app_log: str = ""
-    launch_log: str = ""
-    accelerator: str = ""
-    resources_path: str = ""
-    splits_setup: bool = False
-    log_task: asyncio.Task[None] | None = None
-    service: dict[str, Any] | None = None
-    worker: bool = False
-
-    def touch(self) -> None:
-        """Wake whoever waits for a change."""
-        self.changed.set()
-        self.changed = asyncio.Event()
 
 
 class KubernetesBackend(backend.Backend):
@@ -137,7 +94,14 @@ class KubernetesBackend(backend.Backend):
         self._selector = kube_objects.selector_text(self._labels)
         self._clock = clock
         self._api = kube_client.Api(options)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self._logs = kube_pods.LogCopier(
+            self._api,
+            self._ns,
+            follow_logs=options.follow_logs,
+            reconnect_margin_s=options.log_reconnect_margin_s,
+            current=lambda name: self._tracked.get(name),
+        )
         self._events: asyncio.Queue[backend.BackendEvent] = asyncio.Queue()
         self._watcher: asyncio.Task[None] | None = None
         # Tokens of incarnations deleted here: a replayed event of theirs must not re-adopt them.
@@ -306,7 +270,7 @@ class KubernetesBackend(backend.Backend):
                 message = f"the earlier attempt's objects could not be removed: {exc}"
                 raise backend.LaunchError(message, cause=causes.kubernetes(causes.Kube.API_ERROR)) from None
         obj = pod["metadata"]["name"]
-        tracked = _Tracked(
+        tracked = Tracked(
             name=launch.name,
             obj=obj,
             token=token,
@@ -333,7 +297,7 @@ class KubernetesBackend(backend.Backend):
             _note(request.launch_log, f"creating Pod {self._ns}/{obj} (image {image})")
             created = await self._create("pod", pod, token)
             tracked.uid = str((created.get("metadata") or {}).get("uid") or "")
-            self._follow(tracked)
+            self._logs.follow(tracked)
             owner = kube_objects.owner_reference(created)
             if launch.spec.secrets and owner:
                 await self._own("secret", obj, owner, request.launch_log)
@@ -395,7 +359,7 @@ class KubernetesBackend(backend.Backend):
             _note(launch_log, f"{kind} {name} is not owned by its Pod ({describe(exc)}); teardown deletes it")
 
     async def _await_start(
-        self, tracked: _Tracked, launch_log: str, image: str, schedule_timeout_s: float
+        self, tracked: Tracked, launch_log: str, image: str, schedule_timeout_s: float
     ) -> backend.BackendReplica:
         start = time.monotonic()
         said: set[str] = set()
@@ -413,7 +377,7 @@ class KubernetesBackend(backend.Backend):
                     f"Pod {tracked.obj} was deleted during the launch", cause=causes.kubernetes(causes.Kube.DELETED)
                 )
             if st.finished:
-                await self._logs_settled(tracked)
+                await self._logs.settled(tracked)
                 if st.disruption:
                     raise backend.LaunchError(
                         f"Pod {tracked.obj} was {st.disruption} during the launch",
@@ -481,7 +445,7 @@ class KubernetesBackend(backend.Backend):
                             cause=causes.kubernetes(causes.Kube.API_ERROR, status=exc.status, message=exc.message),
                         ) from None
 
-    async def _await_load_balancer(self, tracked: _Tracked, say: Callable[[str, str], None]) -> None:
+    async def _await_load_balancer(self, tracked: Tracked, say: Callable[[str, str], None]) -> None:
         """Wait until the cloud gave the replica's LoadBalancer Service an address.
 
         Raises:
@@ -502,7 +466,7 @@ class KubernetesBackend(backend.Backend):
             except ApiError as exc:
                 log.debug("could not read Service %s: %s", tracked.obj, describe(exc))
 
-    async def _refresh(self, tracked: _Tracked) -> None:
+    async def _refresh(self, tracked: Tracked) -> None:
         pod = await self._api.get("pod", tracked.obj, self._ns)
         if pod is None:
             if tracked.pod is not None:  # seen before, gone now
@@ -547,7 +511,7 @@ class KubernetesBackend(backend.Backend):
                 await asyncio.sleep(0.5)
         if tracked is not None:
             # The container is dead: what it wrote last is on its way to the app log.
-            await self._logs_settled(tracked)
+            await self._logs.settled(tracked)
             if tracked.log_task is not None:
                 tracked.log_task.cancel()
             self._deleted.append(tracked.token)
@@ -713,7 +677,7 @@ class KubernetesBackend(backend.Backend):
         self._report(tracked)
         return name
 
-    def _adopt(self, name: str, token: str, pod: dict[str, Any]) -> _Tracked:
+    def _adopt(self, name: str, token: str, pod: dict[str, Any]) -> Tracked:
         meta = pod.get("metadata") or {}
         annotations = meta.get("annotations") or {}
         container: dict[str, Any] = next(iter((pod.get("spec") or {}).get("containers") or []), {})
@@ -725,7 +689,7 @@ class KubernetesBackend(backend.Backend):
             created = float(annotations.get(kube_objects.ANNOTATION_CREATED, "0"))
         except ValueError:
             created = 0.0
-        tracked = _Tracked(
+        tracked = Tracked(
             name=name,
             obj=str(meta.get("name", "")),
             token=token,
@@ -745,10 +709,10 @@ class KubernetesBackend(backend.Backend):
             tracked.app_log = self._log_path(name, model.LogKind.APP)
             tracked.launch_log = self._log_path(name, model.LogKind.LAUNCH)
         self._tracked[name] = tracked
-        self._follow(tracked)
+        self._logs.follow(tracked)
         return tracked
 
-    def _report(self, tracked: _Tracked) -> None:
+    def _report(self, tracked: Tracked) -> None:
         """Turn a finished, evicted or deleted Pod into one backend event per incarnation."""
         if tracked.launching or tracked.deleting or tracked.reported:
             return
@@ -787,93 +751,16 @@ class KubernetesBackend(backend.Backend):
 
         async def after_logs() -> None:
             # Reported once the app's last lines are in its log, so a follower sees them all.
-            await self._logs_settled(tracked)
+            await self._logs.settled(tracked)
             self._events.put_nowait(event)
 
         task = asyncio.get_running_loop().create_task(after_logs())
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    # ---- the Pod log -----------------------------------------------------------------------
-
-    def _follow(self, tracked: _Tracked) -> None:
-        """Start copying the Pod's log into the replica's logs (once per incarnation)."""
-        if not self._opts.follow_logs or not tracked.app_log or tracked.log_task is not None:
-            return
-        tracked.log_task = asyncio.get_running_loop().create_task(self._copy_log(tracked))
-
-    async def _logs_settled(self, tracked: _Tracked, timeout: float = LOG_SETTLE_S) -> None:
-        """Wait (bounded) until the log copy of a finished or deleted Pod has ended."""
-        task = tracked.log_task
-        if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=timeout)
-
-    async def _copy_log(self, tracked: _Tracked) -> None:
-        """Copy the Pod's log (setup's part to the launch log, the rest to the app log) until the
-        container has ended and everything it wrote is copied, or the Pod is gone. Reads that
-        end early start again from the last line's time; lines already copied are skipped."""
-        position = _load_position(tracked)
-        delay = 0.2
-        while True:
-            st = tracked.status
-            if tracked.gone or self._tracked.get(tracked.name) not in (tracked, None):
-                return
-            if not (st.running or st.exit_code is not None):
-                changed = tracked.changed
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 2.0)
-                continue
-            since = None
-            if position.time_ns:
-                since = int((time.time_ns() - position.time_ns) / 1e9 + self._opts.log_reconnect_margin_s)
-            position.restart()
-            try:
-                await self._copy_stream(tracked, position, since)
-            except ApiError as exc:
-                if exc.status == 404:
-                    return  # the Pod is gone, and its log with it
-                log.debug("log of Pod %s: %s; reading again in %.1f s", tracked.obj, describe(exc), delay)
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
-                continue
-            except TimeoutError:
-                continue  # the stream's time was up: read on from where it was
-            except OSError as exc:
-                log.warning("could not write the log of replica %s: %s", tracked.name, exc)
-                return
-            finally:
-                _save_position(tracked, position)
-            if tracked.status.finished or tracked.status.deleting or tracked.deleting or tracked.gone:
-                return
-            # It ended while the Pod looks alive: the container just exited, or a proxy cut it.
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
-
-    async def _copy_stream(self, tracked: _Tracked, position: kube_objects.LogPosition, since: int | None) -> None:
-        with contextlib.ExitStack() as files:
-            app = files.enter_context(open(tracked.app_log, "ab"))  # noqa: ASYNC230 - local file, appends
-            launch = files.enter_context(open(tracked.launch_log, "ab"))  # noqa: ASYNC230
-            saved = time.monotonic()
-            async for line in self._api.pod_log(self._ns, tracked.obj, since_s=since):
-                if time.monotonic() - saved > 1.0:  # a provisioner killed mid-stream repeats little
-                    saved = time.monotonic()
-                    _save_position(tracked, position)
-                text = position.take(line)
-                if text is None:
-                    continue
-                if tracked.splits_setup and not position.setup_done:
-                    if text.rstrip(b"\n") == kube_objects.SETUP_FINISHED_LINE.encode():
-                        position.setup_done = True
-                        continue
-                    launch.write(text)
-                    launch.flush()
-                else:
-                    app.write(text)
-                    app.flush()
-
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _endpoint(self, tracked: _Tracked) -> str:
+    def _endpoint(self, tracked: Tracked) -> str:
         if tracked.worker:
             return ""  # a pool worker serves nothing
         port = tracked.port
@@ -889,7 +776,7 @@ class KubernetesBackend(backend.Backend):
                 port = int(annotations[self._opts.port_annotation])
         return kube_objects.endpoint(tracked.status.pod_ip, port) if tracked.status.pod_ip else ""
 
-    def _describe(self, tracked: _Tracked) -> backend.BackendReplica:
+    def _describe(self, tracked: Tracked) -> backend.BackendReplica:
         return backend.BackendReplica(
             name=tracked.name,
             token=tracked.token,
@@ -909,28 +796,6 @@ def _app_started(status: kube_objects.PodStatus) -> bool:
     """A container that ended after setup (the setup marker exists only inside it): the exit
     is the app's when the termination message is not setup's own."""
     return status.exit_code is not None and not status.termination_message.startswith(kube_objects.SETUP_FAILED_PREFIX)
-
-
-def _position_file(tracked: _Tracked) -> str:
-    return os.path.join(os.path.dirname(tracked.app_log), POSITION_FILE)
-
-
-def _load_position(tracked: _Tracked) -> kube_objects.LogPosition:
-    """Where an earlier provisioner left off copying this incarnation's log, if it did."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        with open(_position_file(tracked), encoding="utf-8") as fh:
-            found = kube_objects.LogPosition.from_dict(json.load(fh))
-        if found.token == tracked.token:
-            return found
-    return kube_objects.LogPosition(token=tracked.token)
-
-
-def _save_position(tracked: _Tracked, position: kube_objects.LogPosition) -> None:
-    path = _position_file(tracked)
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(position.to_dict(), fh)
-        os.replace(path + ".tmp", path)
 
 
 def _token(pod: dict[str, Any]) -> str:
