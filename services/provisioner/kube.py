@@ -43,7 +43,17 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.provisioner import alternatives, backend, causes, kube_client, kube_jobs, kube_objects, kube_pods, model
+from services.provisioner import (
+    alternatives,
+    backend,
+    causes,
+    kube_client,
+    kube_jobs,
+    kube_objects,
+    kube_pods,
+    kube_status,
+    model,
+)
 from services.provisioner.kube_client import ApiError, Options, describe
 from services.provisioner.kube_pods import Tracked
 
@@ -670,7 +680,7 @@ class KubernetesBackend(backend.Backend):
             return ""  # an older incarnation's Pod (its last events)
         tracked.pod = pod
         tracked.uid = str((pod.get("metadata") or {}).get("uid") or tracked.uid)
-        tracked.status = kube_objects.read_status(pod)
+        tracked.status = kube_status.read_status(pod)
         if kind == "DELETED":
             tracked.gone = True
         tracked.touch()
@@ -729,7 +739,7 @@ class KubernetesBackend(backend.Backend):
             message = f"the worker's container exited with code {code}"
             cause = causes.kubernetes(causes.Kube.WORKER_EXITED)
         elif st.finished:
-            state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_objects.exit_message(st)
+            state, code, message = model.AppState.EXITED, st.exit_code or 0, kube_status.exit_message(st)
             cause = causes.kubernetes(causes.Kube.APP_EXITED)
         else:
             return
@@ -766,15 +776,15 @@ class KubernetesBackend(backend.Backend):
         port = tracked.port
         if self._opts.endpoint == "service":
             host = f"{tracked.obj}.{self._ns}.svc.{self._opts.cluster_domain}"
-            return kube_objects.endpoint(host, port)
+            return kube_status.endpoint(host, port)
         if self._opts.endpoint in ("node_port", "load_balancer"):
             node_host = self._opts.node_address or tracked.status.host_ip
-            return kube_objects.service_endpoint(tracked.service, port, mode=self._opts.endpoint, node_host=node_host)
+            return kube_status.service_endpoint(tracked.service, port, mode=self._opts.endpoint, node_host=node_host)
         if self._opts.port_annotation and tracked.pod is not None:
             annotations = (tracked.pod.get("metadata") or {}).get("annotations") or {}
             with contextlib.suppress(KeyError, ValueError):
                 port = int(annotations[self._opts.port_annotation])
-        return kube_objects.endpoint(tracked.status.pod_ip, port) if tracked.status.pod_ip else ""
+        return kube_status.endpoint(tracked.status.pod_ip, port) if tracked.status.pod_ip else ""
 
     def _describe(self, tracked: Tracked) -> backend.BackendReplica:
         return backend.BackendReplica(
@@ -792,7 +802,7 @@ class KubernetesBackend(backend.Backend):
         )
 
 
-def _app_started(status: kube_objects.PodStatus) -> bool:
+def _app_started(status: kube_status.PodStatus) -> bool:
     """A container that ended after setup (the setup marker exists only inside it): the exit
     is the app's when the termination message is not setup's own."""
     return status.exit_code is not None and not status.termination_message.startswith(kube_objects.SETUP_FAILED_PREFIX)

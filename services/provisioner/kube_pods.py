@@ -3,7 +3,7 @@
 The Pod log holds setup's output, then the app's: `LogCopier` copies it into the replica's launch
 log and app log (kept apart at `kube_objects.SETUP_FINISHED_LINE`, as the local backend keeps
 them) for as long as the container runs. Where it got to is saved next to the logs, so a
-restarted provisioner reads on from there and repeats nothing (`kube_objects.LogPosition`).
+restarted provisioner reads on from there and repeats nothing (`kube_status.LogPosition`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.provisioner import kube_client, kube_objects, model
+from services.provisioner import kube_client, kube_objects, kube_status, model
 from services.provisioner.kube_client import ApiError, describe
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Tracked:
     uid: str = ""
     has_setup: bool = False
     pod: dict[str, Any] | None = None
-    status: kube_objects.PodStatus = dataclasses.field(default_factory=kube_objects.PodStatus)
+    status: kube_status.PodStatus = dataclasses.field(default_factory=kube_status.PodStatus)
     gone: bool = False
     launching: bool = False
     deleting: bool = False
@@ -144,7 +144,7 @@ class LogCopier:
             await asyncio.sleep(delay)
             delay = min(5.0, delay * 2)
 
-    async def _copy_stream(self, tracked: Tracked, position: kube_objects.LogPosition, since: int | None) -> None:
+    async def _copy_stream(self, tracked: Tracked, position: kube_status.LogPosition, since: int | None) -> None:
         with contextlib.ExitStack() as files:
             app = files.enter_context(open(tracked.app_log, "ab"))  # noqa: ASYNC230 - local file, appends
             launch = files.enter_context(open(tracked.launch_log, "ab"))  # noqa: ASYNC230
@@ -171,17 +171,17 @@ def _position_file(tracked: Tracked) -> str:
     return os.path.join(os.path.dirname(tracked.app_log), POSITION_FILE)
 
 
-def _load_position(tracked: Tracked) -> kube_objects.LogPosition:
+def _load_position(tracked: Tracked) -> kube_status.LogPosition:
     """Where an earlier provisioner left off copying this incarnation's log, if it did."""
     with contextlib.suppress(OSError, ValueError, TypeError):
         with open(_position_file(tracked), encoding="utf-8") as fh:
-            found = kube_objects.LogPosition.from_dict(json.load(fh))
+            found = kube_status.LogPosition.from_dict(json.load(fh))
         if found.token == tracked.token:
             return found
-    return kube_objects.LogPosition(token=tracked.token)
+    return kube_status.LogPosition(token=tracked.token)
 
 
-def _save_position(tracked: Tracked, position: kube_objects.LogPosition) -> None:
+def _save_position(tracked: Tracked, position: kube_status.LogPosition) -> None:
     path = _position_file(tracked)
     with contextlib.suppress(OSError):
         with open(path + ".tmp", "w", encoding="utf-8") as fh:

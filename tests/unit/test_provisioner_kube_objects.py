@@ -9,6 +9,7 @@ import pytest
 
 from services.common import errors
 from services.provisioner import kube_objects as ko
+from services.provisioner import kube_status as ks
 from services.provisioner import model, server
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -132,7 +133,7 @@ def test_status_reading() -> None:
             "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no gpu"}],
         }
     }
-    assert ko.read_status(pending).unschedulable == "no gpu"
+    assert ks.read_status(pending).unschedulable == "no gpu"
     pulling = {
         "status": {
             "phase": "Pending",
@@ -141,15 +142,15 @@ def test_status_reading() -> None:
             ],
         }
     }
-    assert ko.read_status(pulling).waiting_reason == "ErrImagePull"
+    assert ks.read_status(pulling).waiting_reason == "ErrImagePull"
     setup = {"status": {"phase": "Running", "containerStatuses": [{"state": {"running": {}}, "started": False}]}}
-    assert ko.read_status(setup).running and not ko.read_status(setup).started
+    assert ks.read_status(setup).running and not ks.read_status(setup).started
     evicted = {"status": {"phase": "Failed", "reason": "Evicted", "message": "low memory"}}
-    assert ko.read_status(evicted).disruption == "evicted: low memory"
+    assert ks.read_status(evicted).disruption == "evicted: low memory"
     target = {
         "status": {"conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}
     }
-    assert ko.read_status(target).disruption == "PreemptionByScheduler"
+    assert ks.read_status(target).disruption == "PreemptionByScheduler"
     oom = {
         "metadata": {"deletionTimestamp": "x"},
         "status": {
@@ -157,10 +158,10 @@ def test_status_reading() -> None:
             "containerStatuses": [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}],
         },
     }
-    status = ko.read_status(oom)
+    status = ks.read_status(oom)
     assert status.deleting and status.finished and status.exit_code == 137
-    assert ko.exit_message(status) == "app exited with code 137 (OOMKilled)"
-    assert ko.endpoint("fd00::1", 80) == "http://[fd00::1]:80"
+    assert ks.exit_message(status) == "app exited with code 137 (OOMKilled)"
+    assert ks.endpoint("fd00::1", 80) == "http://[fd00::1]:80"
 
 
 def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
@@ -222,22 +223,22 @@ def test_pod_carries_its_owner_in_an_annotation() -> None:
 
 
 def test_log_times_are_read_to_the_nanosecond_whatever_their_precision() -> None:
-    assert ko.log_time_ns("2026-01-02T03:04:05.000000007Z") == 1767323045_000000007
-    assert ko.log_time_ns("2026-01-02T03:04:05.1Z") == 1767323045_100000000
-    assert ko.log_time_ns("2026-01-02T03:04:05Z") == 1767323045_000000000
-    assert ko.log_time_ns("not a time") is None
+    assert ks.log_time_ns("2026-01-02T03:04:05.000000007Z") == 1767323045_000000007
+    assert ks.log_time_ns("2026-01-02T03:04:05.1Z") == 1767323045_100000000
+    assert ks.log_time_ns("2026-01-02T03:04:05Z") == 1767323045_000000000
+    assert ks.log_time_ns("not a time") is None
 
 
 def test_log_position_copies_each_line_once_across_reads_even_lines_sharing_a_time() -> None:
     t1, t2 = "2026-01-02T03:04:05.1Z", "2026-01-02T03:04:05.2Z"
     lines = [f"{t1} a\n".encode(), f"{t2} b\n".encode(), f"{t2} c\n".encode()]
-    position = ko.LogPosition(token="x")
+    position = ks.LogPosition(token="x")
     assert [position.take(line) for line in lines[:2]] == [b"a\n", b"b\n"]
     # The stream was cut after b; the next read starts earlier and sees a, b again, then c.
     position.restart()
     assert [position.take(line) for line in lines] == [None, None, b"c\n"]
     # Kept across a provisioner restart.
-    again = ko.LogPosition.from_dict(position.to_dict())
+    again = ks.LogPosition.from_dict(position.to_dict())
     again.restart()
     assert [again.take(line) for line in [*lines, f"{t2} d\n".encode()]] == [None, None, None, b"d\n"]
     assert again.take(b"unstamped\n") == b"unstamped\n"  # never dropped
