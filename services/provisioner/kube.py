@@ -43,6 +43,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from services.common import waits
 from services.provisioner import (
     alternatives,
     backend,
@@ -441,9 +442,7 @@ class KubernetesBackend(backend.Backend):
             pause = 2.0
             if st.unschedulable:
                 pause = min(pause, max(0.05, schedule_timeout_s - waited + 0.01))
-            try:
-                await asyncio.wait_for(changed.wait(), pause)
-            except TimeoutError:
+            if not await waits.wait_event(changed, pause):
                 try:
                     await self._refresh(tracked)  # the watch may be reconnecting: look directly
                 except ApiError as exc:
@@ -515,8 +514,7 @@ class KubernetesBackend(backend.Backend):
                     f"node: {(pod.get('spec') or {}).get('nodeName') or 'none'})"
                 )
             if tracked is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(tracked.changed.wait(), 0.5)
+                await waits.wait_event(tracked.changed, 0.5)
             else:
                 await asyncio.sleep(0.5)
         if tracked is not None:
