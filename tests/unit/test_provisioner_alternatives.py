@@ -9,6 +9,7 @@ from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from services.common import errors, spec
 from services.provisioner import alternatives as alt
 from services.provisioner import convert, model, server
+from services.provisioner import kube_manifests as km
 from services.provisioner import kube_objects as ko
 
 USER = model.FailureCause.USER
@@ -103,7 +104,7 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
     cfg = ko.PodConfig(
         accelerator_label="cloud.google.com/gke-accelerator", accelerator_label_values={"a100": "nvidia-tesla-a100"}
     )
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=gpu)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=gpu)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"cpu": "4", "nvidia.com/gpu": "2"}}
     assert pod["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"}
@@ -114,16 +115,16 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
         "A100:2",
     )
 
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=cpu)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=cpu)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
     assert container["image"] == "cpu:1"  # each alternative's own image
     assert pod["spec"]["nodeSelector"] == {ko.ZONE_LABEL: "zone-b"}  # its own zone, unless the launch has one
     assert pod["metadata"]["annotations"][ko.ANNOTATION_ZONE] == "zone-b"
-    pod, _ = ko.pod_manifest(_launch(replica, zone="zone-a"), cfg, token="t", created_at=1.0, alternative=gpu)
+    pod, _ = km.pod_manifest(_launch(replica, zone="zone-a"), cfg, token="t", created_at=1.0, alternative=gpu)
     assert pod["spec"]["nodeSelector"][ko.ZONE_LABEL] == "zone-a"
     # Without an alternative, the first one of the spec.
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0)
     assert pod["metadata"]["annotations"][ko.ANNOTATION_RESOURCES] == "resources.any_of[0]"
 
 
@@ -133,10 +134,10 @@ def test_the_placement_key_tells_apart_what_the_scheduler_would_place_differentl
         "    - accelerators: H100\n"
     )
     cfg = ko.PodConfig()
-    a, same, other = (ko.placement(_launch(replica), a, cfg).key for a in alt.of_spec(replica))
+    a, same, other = (km.placement(_launch(replica), a, cfg).key for a in alt.of_spec(replica))
     assert a == same  # another image schedules alike
     assert a != other
-    spot = ko.placement(
+    spot = km.placement(
         _launch(replica, use_spot=True), alt.of_spec(replica)[0], ko.PodConfig(spot_node_selector={"s": "1"})
     )
     assert spot.key != a

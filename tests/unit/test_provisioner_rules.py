@@ -11,7 +11,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import resources_pb2
 from services.common import errors
-from services.provisioner import convert, manager, model, ports, retries, server, zones
+from services.provisioner import convert, launches, model, ports, retries, server, zones
 
 # ---- ports ------------------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ def test_launch_request_conversion_records_hardware_and_picks_serving_port() -> 
 def test_validation_reports_every_bad_field() -> None:
     bad = model.LaunchRequest(name="x", service="Bad_Name", replica_id=0, version=1, spec=model.ReplicaSpec())
     with pytest.raises(errors.ValidationError) as info:
-        manager.validate(bad)
+        launches.validate(bad)
     assert {v.field for v in info.value.violations} == {"service", "replica_id", "name"}
 
 
