@@ -114,7 +114,7 @@ class Toleration:
 
 @dataclasses.dataclass(frozen=True)
 class PodConfig:
-    """What the backend's settings say about every Pod it creates (see server.Settings)."""
+    """What the backend's settings say about every Pod it creates (see settings.Settings)."""
 
     namespace: str = "default"
     instance: str = "replicaplane"

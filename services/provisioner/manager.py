@@ -51,7 +51,7 @@ DEFAULT_PAGE_SIZE = 1_000
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Tuning of the provisioner core (see server.Settings for each field's meaning)."""
+    """Tuning of the provisioner core (see settings.Settings for each field's meaning)."""
 
     max_in_flight: float = 8
     launch_attempts: int = 3

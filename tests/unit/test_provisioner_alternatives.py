@@ -8,9 +8,10 @@ import pytest
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from services.common import errors, spec
 from services.provisioner import alternatives as alt
-from services.provisioner import convert, model, server
+from services.provisioner import convert, model
 from services.provisioner import kube_manifests as km
 from services.provisioner import kube_objects as ko
+from services.provisioner import settings as provisioner_settings
 
 USER = model.FailureCause.USER
 INFRA = model.FailureCause.INFRASTRUCTURE
@@ -144,10 +145,12 @@ def test_the_placement_key_tells_apart_what_the_scheduler_would_place_differentl
 
 
 def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
-    opts = server.kube_options(server.Settings(kubernetes_accelerator_label_values="A100=nvidia-tesla-a100"))
+    opts = provisioner_settings.kube_options(
+        provisioner_settings.Settings(kubernetes_accelerator_label_values="A100=nvidia-tesla-a100")
+    )
     assert opts.pods.accelerator_label_values == {"a100": "nvidia-tesla-a100"}
     assert (opts.alternative_timeout_s, opts.alternative_retry_s) == (45.0, 300.0)
-    bad = server.Settings(
+    bad = provisioner_settings.Settings(
         kubernetes_accelerator_label="not a label",
         kubernetes_accelerator_label_values="A100=not a value",
         kubernetes_gpu_resource="gpu",
@@ -155,7 +158,7 @@ def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
         kubernetes_alternative_retry_s=-1,
     )
     with pytest.raises(errors.ValidationError) as caught:
-        server.kube_options(bad)
+        provisioner_settings.kube_options(bad)
     assert {v.field for v in caught.value.violations} == {
         f"provisioner.kubernetes_{f}"
         for f in (
@@ -167,6 +170,11 @@ def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
         )
     }
     # An empty label means no node selector for accelerators at all.
-    assert server.kube_options(server.Settings(kubernetes_accelerator_label="")).pods.accelerator_label == ""
+    assert (
+        provisioner_settings.kube_options(
+            provisioner_settings.Settings(kubernetes_accelerator_label="")
+        ).pods.accelerator_label
+        == ""
+    )
     assert not ko.is_resource_name("kubernetes.io/gpu")
     assert ko.is_resource_name("amd.com/gpu") and ko.is_resource_name("google.com/tpu")

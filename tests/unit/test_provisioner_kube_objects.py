@@ -12,6 +12,7 @@ from services.provisioner import kube_manifests as km
 from services.provisioner import kube_objects as ko
 from services.provisioner import kube_status as ks
 from services.provisioner import model, server
+from services.provisioner import settings as provisioner_settings
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -166,7 +167,7 @@ def test_status_reading() -> None:
 
 
 def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
-    settings = server.Settings(
+    settings = provisioner_settings.Settings(
         backend="kubernetes",
         kubernetes_labels="team=a b",
         kubernetes_annotations="no-equals",
@@ -200,8 +201,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
 
 
 def test_parsed_settings_reach_the_pod_config() -> None:
-    opts = server.kube_options(
-        server.Settings(
+    opts = provisioner_settings.kube_options(
+        provisioner_settings.Settings(
             kubernetes_labels="team=ml",
             kubernetes_spot_node_selector="cloud.google.com/gke-spot=true",
             kubernetes_spot_tolerations="cloud.google.com/gke-spot=true:NoSchedule",
