@@ -9,10 +9,15 @@ with jitter and a cap).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import types
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import tenacity
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,37 @@ class Policy:
         return tenacity.AsyncRetrying(
             wait=self.wait(), stop=self.stop(), retry=tenacity.retry_if_exception_type(retry_on), reraise=True
         )
+
+    async def run(
+        self,
+        attempt: Callable[[int], Awaitable[T]],
+        *retry_on: type[Exception],
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> T:
+        """Await `attempt(n)` (n counts from 1) until it returns, waiting `delay` after each of the
+        exceptions `retry_on`. A plain loop rather than `retrying`: tenacity's machinery around a
+        first attempt that nearly always succeeds costs too much when thousands start at once.
+
+        Args:
+            attempt: one try; its argument is the try's number.
+            retry_on: the exceptions that mean "try again"; any other passes through at once.
+            sleep: waits between tries (tests pass their own).
+
+        Returns:
+            What the first successful try returned.
+
+        Raises:
+            Exception: the last `retry_on` exception once `attempts` tries failed.
+        """
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return await attempt(tries)
+            except retry_on:
+                if self.attempts and tries >= self.attempts:
+                    raise
+            await sleep(self.delay(tries))
 
 
 STREAM = Policy(initial_s=0.1, max_s=2.0, jitter_s=0.1)

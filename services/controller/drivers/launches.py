@@ -93,19 +93,8 @@ class Launches:
         on_refused: Callable[[str], None],
         metadata: Callable[[prov_pb.LaunchRequest], tuple[tuple[str, str], ...]],
     ) -> None:
-        # The retries of `policy`, without tenacity's machinery around the first attempt, which
-        # nearly always ends the launch: thousands of launches start at once at scale.
         async with self._slots:
-            tries = 0
-            while True:
-                try:
-                    await self._attempt(request, on_event, on_refused, metadata)
-                    return
-                except Broke:
-                    tries += 1
-                    if self._policy.attempts and tries >= self._policy.attempts:
-                        raise
-                await asyncio.sleep(self._policy.delay(tries))
+            await self._policy.run(lambda _: self._attempt(request, on_event, on_refused, metadata), Broke)
 
     async def _attempt(
         self,

@@ -5,7 +5,6 @@ one shared `TerminateBatches` stream (`mux.Mux`); when the provisioner has none,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -75,20 +74,12 @@ class Teardowns:
         keep_logs: bool,
         on_event: Callable[[prov_res.TerminateEvent], bool],
     ) -> None:
-        # The retries of `policy` without tenacity's machinery around the first attempt, which
-        # nearly always ends the teardown: deleting a service starts thousands at once.
-        tries = 0
-        while True:
-            request = prov_pb.TerminateRequest(name=name, drain=pbtime.duration(drain_s), keep_logs=keep_logs)
-            drain_s = 0.0  # the replica already left the ready set; never drain twice
-            try:
-                await self._attempt(request, on_event)
-                return
-            except Broke:
-                tries += 1
-                if self._policy.attempts and tries >= self._policy.attempts:
-                    raise
-            await asyncio.sleep(self._policy.delay(tries))
+        async def attempt(n: int) -> None:
+            # The replica already left the ready set on the first try: never drain twice.
+            drain = pbtime.duration(drain_s if n == 1 else 0.0)
+            await self._attempt(prov_pb.TerminateRequest(name=name, drain=drain, keep_logs=keep_logs), on_event)
+
+        await self._policy.run(attempt, Broke)
 
     async def _attempt(
         self, request: prov_pb.TerminateRequest, on_event: Callable[[prov_res.TerminateEvent], bool]
