@@ -24,10 +24,7 @@ import subprocess
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from services.provisioner import backend, local_marks, model, procs, pyenvs
-
-if TYPE_CHECKING:
-    from services.provisioner import local
+from services.provisioner import backend, local_handles, local_marks, model, procs, pyenvs
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +52,7 @@ class LocalJobs:
     _state_dir: str
     _clock: Callable[[], float]
     _envs: pyenvs.PythonEnvs | None
-    _handles: dict[str, local._Handle]
+    _handles: dict[str, local_handles.Handle]
     _jobs: dict[str, JobHandle]  # by job token
     _job_events: asyncio.Queue[backend.JobEnded]
     _children: dict[int, subprocess.Popen[bytes]]
@@ -78,7 +75,7 @@ class LocalJobs:
             spec: model.ReplicaSpec,
             port_map: dict[int, int],
             port: int,
-            handle: local._Handle,
+            handle: local_handles.Handle,
         ) -> dict[str, str]: ...
 
     async def run_job(self, start: backend.JobStart) -> backend.BackendJob:
