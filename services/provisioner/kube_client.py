@@ -32,7 +32,7 @@ TRANSIENT = frozenset({0, 429, 500, 502, 503, 504})
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Settings of the kubernetes backend (see server.Settings, `kubernetes_*`, for each)."""
+    """Settings of the kubernetes backend (see settings.Settings, `kubernetes_*`, for each)."""
 
     pods: kube_objects.PodConfig = dataclasses.field(default_factory=kube_objects.PodConfig)
     kubeconfig: str = ""

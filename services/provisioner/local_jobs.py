@@ -28,10 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from services.provisioner import backend, local_marks, model, procs, pyenvs
-
-if TYPE_CHECKING:
-    from services.provisioner import local
+from services.provisioner import backend, local_handles, local_marks, model, procs, pyenvs
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ class LocalJobs:
     _state_dir: str
     _clock: Callable[[], float]
     _envs: pyenvs.PythonEnvs | None
-    _handles: dict[str, local._Handle]
+    _handles: dict[str, local_handles.Handle]
     _jobs: dict[str, JobHandle]  # by job token
     _job_events: asyncio.Queue[backend.JobEnded]
     _job_endings: dict[str, asyncio.Task[None]]  # by job token: stopping what a job left running
@@ -84,7 +81,7 @@ class LocalJobs:
             spec: model.ReplicaSpec,
             port_map: dict[int, int],
             port: int,
-            handle: local._Handle,
+            handle: local_handles.Handle,
         ) -> dict[str, str]: ...
 
     async def run_job(self, start: backend.JobStart) -> backend.BackendJob:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -14,6 +15,22 @@ from services.common import multiplex
 from services.provisioner import convert, manager
 
 DOMAIN = "provisioner.replicaplane"
+
+Req = TypeVar("Req")
+Item = TypeVar("Item")
+Out = TypeVar("Out")
+Batch = TypeVar("Batch")
+
+
+async def _batches(
+    requests: AsyncIterable[tuple[str, Req | None]],
+    start: Callable[[Req], AsyncIterator[Item]],
+    wrap: Callable[[str, Item | multiplex.Ended], Out],
+    message: Callable[..., Batch],
+) -> AsyncIterator[Batch]:
+    """One `*Batches` stream: the inner streams `requests` start, each batch of responses in one `message`."""
+    async for batch in multiplex.serve_batches(requests, start, wrap, domain=DOMAIN):
+        yield message(responses=batch)
 
 
 class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
@@ -44,14 +61,11 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def LaunchBatches(
         self, request_iterator: AsyncIterator[pb.LaunchBatchesRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LaunchBatchesResponse]:
-        batches = multiplex.serve_batches(
-            multiplex.launch_batch_requests(request_iterator),
-            self._launch_events,
-            multiplex.launch_response,
-            domain=DOMAIN,
-        )
-        async for batch in batches:
-            yield pb.LaunchBatchesResponse(responses=batch)
+        requests = multiplex.launch_batch_requests(request_iterator)
+        async for response in _batches(
+            requests, self._launch_events, multiplex.launch_response, pb.LaunchBatchesResponse
+        ):
+            yield response
 
     async def _launch_events(self, request: pb.LaunchRequest) -> AsyncIterator[resources_pb2.LaunchEvent]:
         events = self._p.launch(
@@ -69,14 +83,11 @@ class ProvisionerServicer(pb_grpc.ProvisionerServiceServicer):
     async def TerminateBatches(
         self, request_iterator: AsyncIterator[pb.TerminateBatchesRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TerminateBatchesResponse]:
-        batches = multiplex.serve_batches(
-            multiplex.terminate_batch_requests(request_iterator),
-            self._terminate_events,
-            multiplex.terminate_response,
-            domain=DOMAIN,
-        )
-        async for batch in batches:
-            yield pb.TerminateBatchesResponse(responses=batch)
+        requests = multiplex.terminate_batch_requests(request_iterator)
+        async for response in _batches(
+            requests, self._terminate_events, multiplex.terminate_response, pb.TerminateBatchesResponse
+        ):
+            yield response
 
     async def _terminate_events(self, request: pb.TerminateRequest) -> AsyncIterator[resources_pb2.TerminateEvent]:
         events = self._p.terminate(

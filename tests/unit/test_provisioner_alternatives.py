@@ -8,8 +8,10 @@ import pytest
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from services.common import errors, spec
 from services.provisioner import alternatives as alt
-from services.provisioner import convert, model, server
+from services.provisioner import convert, model
+from services.provisioner import kube_manifests as km
 from services.provisioner import kube_objects as ko
+from services.provisioner import settings as provisioner_settings
 
 USER = model.FailureCause.USER
 INFRA = model.FailureCause.INFRASTRUCTURE
@@ -103,7 +105,7 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
     cfg = ko.PodConfig(
         accelerator_label="cloud.google.com/gke-accelerator", accelerator_label_values={"a100": "nvidia-tesla-a100"}
     )
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=gpu)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=gpu)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"cpu": "4", "nvidia.com/gpu": "2"}}
     assert pod["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"}
@@ -114,16 +116,16 @@ def test_an_alternative_becomes_pod_resources_a_node_selector_and_annotations() 
         "A100:2",
     )
 
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=cpu)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0, alternative=cpu)
     container = pod["spec"]["containers"][0]
     assert container["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
     assert container["image"] == "cpu:1"  # each alternative's own image
     assert pod["spec"]["nodeSelector"] == {ko.ZONE_LABEL: "zone-b"}  # its own zone, unless the launch has one
     assert pod["metadata"]["annotations"][ko.ANNOTATION_ZONE] == "zone-b"
-    pod, _ = ko.pod_manifest(_launch(replica, zone="zone-a"), cfg, token="t", created_at=1.0, alternative=gpu)
+    pod, _ = km.pod_manifest(_launch(replica, zone="zone-a"), cfg, token="t", created_at=1.0, alternative=gpu)
     assert pod["spec"]["nodeSelector"][ko.ZONE_LABEL] == "zone-a"
     # Without an alternative, the first one of the spec.
-    pod, _ = ko.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(_launch(replica), cfg, token="t", created_at=1.0)
     assert pod["metadata"]["annotations"][ko.ANNOTATION_RESOURCES] == "resources.any_of[0]"
 
 
@@ -133,20 +135,22 @@ def test_the_placement_key_tells_apart_what_the_scheduler_would_place_differentl
         "    - accelerators: H100\n"
     )
     cfg = ko.PodConfig()
-    a, same, other = (ko.placement(_launch(replica), a, cfg).key for a in alt.of_spec(replica))
+    a, same, other = (km.placement(_launch(replica), a, cfg).key for a in alt.of_spec(replica))
     assert a == same  # another image schedules alike
     assert a != other
-    spot = ko.placement(
+    spot = km.placement(
         _launch(replica, use_spot=True), alt.of_spec(replica)[0], ko.PodConfig(spot_node_selector={"s": "1"})
     )
     assert spot.key != a
 
 
 def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
-    opts = server.kube_options(server.Settings(kubernetes_accelerator_label_values="A100=nvidia-tesla-a100"))
+    opts = provisioner_settings.kube_options(
+        provisioner_settings.Settings(kubernetes_accelerator_label_values="A100=nvidia-tesla-a100")
+    )
     assert opts.pods.accelerator_label_values == {"a100": "nvidia-tesla-a100"}
     assert (opts.alternative_timeout_s, opts.alternative_retry_s) == (45.0, 300.0)
-    bad = server.Settings(
+    bad = provisioner_settings.Settings(
         kubernetes_accelerator_label="not a label",
         kubernetes_accelerator_label_values="A100=not a value",
         kubernetes_gpu_resource="gpu",
@@ -154,7 +158,7 @@ def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
         kubernetes_alternative_retry_s=-1,
     )
     with pytest.raises(errors.ValidationError) as caught:
-        server.kube_options(bad)
+        provisioner_settings.kube_options(bad)
     assert {v.field for v in caught.value.violations} == {
         f"provisioner.kubernetes_{f}"
         for f in (
@@ -166,6 +170,11 @@ def test_accelerator_settings_are_checked_and_reach_the_pod_config() -> None:
         )
     }
     # An empty label means no node selector for accelerators at all.
-    assert server.kube_options(server.Settings(kubernetes_accelerator_label="")).pods.accelerator_label == ""
+    assert (
+        provisioner_settings.kube_options(
+            provisioner_settings.Settings(kubernetes_accelerator_label="")
+        ).pods.accelerator_label
+        == ""
+    )
     assert not ko.is_resource_name("kubernetes.io/gpu")
     assert ko.is_resource_name("amd.com/gpu") and ko.is_resource_name("google.com/tpu")

@@ -8,9 +8,11 @@ import re
 import pytest
 
 from services.common import errors
+from services.provisioner import kube_manifests as km
 from services.provisioner import kube_objects as ko
 from services.provisioner import kube_status as ks
 from services.provisioner import model, server
+from services.provisioner import settings as provisioner_settings
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -39,7 +41,7 @@ def test_short_valid_names_are_kept_and_long_ones_get_distinct_hashes() -> None:
 
 
 def test_pod_manifest_carries_labels_env_command_and_ports() -> None:
-    pod, _ = ko.pod_manifest(_launch(setup="pip install x", envs={"A": "b"}), ko.PodConfig(), token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(_launch(setup="pip install x", envs={"A": "b"}), ko.PodConfig(), token="t", created_at=1.0)
     labels = pod["metadata"]["labels"]
     assert labels[ko.LABEL_SERVICE] == "web" and labels[ko.LABEL_VERSION] == "2" and labels[ko.LABEL_REPLICA_ID] == "1"
     assert labels[ko.MANAGED_BY] == "replicaplane" and labels[ko.LABEL_INSTANCE] == "replicaplane"
@@ -56,27 +58,27 @@ def test_pod_manifest_carries_labels_env_command_and_ports() -> None:
 
 def test_a_pool_workers_pod_opens_no_port_and_runs_the_holder_after_setup() -> None:
     launch = _launch("pool-1", run="", ports=(), serving_port=0, setup="pip install x", worker=True)
-    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
     (container,) = pod["spec"]["containers"]
     assert container["command"][-2:] == ["pip install x", ko.HOLDER]
     assert container["ports"] == [] and "startupProbe" in container  # ready once setup is done
     env = {e["name"]: e["value"] for e in container["env"]}
     assert "PORT" not in env and env[ko.JOBS_DIR_ENV] == ko.JOBS_DIR_PATH
     assert pod["metadata"]["annotations"][ko.ANNOTATION_WORKER] == "true"
-    assert ko.serving_port(launch.spec) == 0
-    service, _ = ko.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
+    assert km.serving_port(launch.spec) == 0
+    service, _ = km.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
     assert ko.ANNOTATION_WORKER not in service["metadata"]["annotations"]
 
 
 def test_no_setup_means_no_startup_probe() -> None:
-    pod, _ = ko.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(_launch(), ko.PodConfig(), token="t", created_at=1.0)
     assert "startupProbe" not in pod["spec"]["containers"][0]
 
 
 def test_resources_become_requests_limits_and_node_selectors() -> None:
     spec = _launch(resources={"cpus": "2+", "memory": "16", "accelerators": "A100:2", "image_id": "docker:img:1"})
     cfg = ko.PodConfig(spot_node_selector={"spot": "yes"}, spot_tolerations=(ko.Toleration("spot", "", "NoSchedule"),))
-    pod, notes = ko.pod_manifest(spec, cfg, token="t", created_at=1.0)
+    pod, notes = km.pod_manifest(spec, cfg, token="t", created_at=1.0)
     container = pod["spec"]["containers"][0]
     assert container["image"] == "img:1"
     assert container["resources"] == {
@@ -88,7 +90,7 @@ def test_resources_become_requests_limits_and_node_selectors() -> None:
     assert notes == []
 
     spot = model.LaunchRequest(**{**_launch().__dict__, "use_spot": True, "zone": "z1"})
-    pod, _ = ko.pod_manifest(spot, cfg, token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(spot, cfg, token="t", created_at=1.0)
     assert pod["spec"]["nodeSelector"] == {"spot": "yes", ko.ZONE_LABEL: "z1"}
     assert pod["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["metadata"]["labels"][ko.LABEL_SPOT] == "true"
@@ -96,34 +98,34 @@ def test_resources_become_requests_limits_and_node_selectors() -> None:
 
 def test_requests_kubernetes_cannot_express_are_errors_or_notes() -> None:
     with pytest.raises(ko.ManifestError):
-        ko.pod_manifest(_launch(resources={"accelerators": "T4:0.5"}), ko.PodConfig(), token="t", created_at=1)
+        km.pod_manifest(_launch(resources={"accelerators": "T4:0.5"}), ko.PodConfig(), token="t", created_at=1)
     with pytest.raises(ko.ManifestError):
-        ko.pod_manifest(_launch(num_nodes=2), ko.PodConfig(), token="t", created_at=1)
+        km.pod_manifest(_launch(num_nodes=2), ko.PodConfig(), token="t", created_at=1)
     launch = _launch(resources={"memory": "4x", "cloud": "gcp"})
-    _, notes = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1)
+    _, notes = km.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1)
     assert any("memory 4x" in n for n in notes) and any("cloud=gcp" in n for n in notes)
 
 
 def test_secrets_are_referenced_from_a_secret_never_inlined() -> None:
     launch = _launch(secrets={"TOKEN": "hunter2"})
-    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
     assert "hunter2" not in repr(pod)
     ref = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "TOKEN")
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "web-1", "key": "TOKEN"}
-    secret = ko.secret_manifest(launch, ko.PodConfig(), token="t")
+    secret = km.secret_manifest(launch, ko.PodConfig(), token="t")
     assert secret["data"] == {"TOKEN": "aHVudGVyMg=="}
     assert secret["metadata"]["annotations"][ko.ANNOTATION_TOKEN] == "t"
 
 
 def test_service_selects_exactly_its_pod_and_is_owned_by_it() -> None:
     pod = {"metadata": {"name": "web-1", "uid": "u-1", "namespace": "ns"}}
-    owner = ko.owner_reference(pod)
+    owner = km.owner_reference(pod)
     assert owner == {"apiVersion": "v1", "kind": "Pod", "name": "web-1", "uid": "u-1"}
-    svc = ko.service_manifest(_launch(), ko.PodConfig(service_type="ClusterIP", instance="i1"), token="t", owner=owner)
+    svc = km.service_manifest(_launch(), ko.PodConfig(service_type="ClusterIP", instance="i1"), token="t", owner=owner)
     assert svc["spec"]["selector"] == {ko.MANAGED_BY: "replicaplane", ko.LABEL_INSTANCE: "i1", ko.LABEL_POD: "web-1"}
     assert svc["spec"]["ports"][0]["port"] == 8080
     assert svc["metadata"]["ownerReferences"] == [owner]
-    assert ko.owner_reference({"metadata": {"name": "web-1"}}) is None  # no uid: nothing to own it by
+    assert km.owner_reference({"metadata": {"name": "web-1"}}) is None  # no uid: nothing to own it by
 
 
 def test_status_reading() -> None:
@@ -165,7 +167,7 @@ def test_status_reading() -> None:
 
 
 def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
-    settings = server.Settings(
+    settings = provisioner_settings.Settings(
         backend="kubernetes",
         kubernetes_labels="team=a b",
         kubernetes_annotations="no-equals",
@@ -199,8 +201,8 @@ def test_kubernetes_settings_are_validated_with_every_field_named() -> None:
 
 
 def test_parsed_settings_reach_the_pod_config() -> None:
-    opts = server.kube_options(
-        server.Settings(
+    opts = provisioner_settings.kube_options(
+        provisioner_settings.Settings(
             kubernetes_labels="team=ml",
             kubernetes_spot_node_selector="cloud.google.com/gke-spot=true",
             kubernetes_spot_tolerations="cloud.google.com/gke-spot=true:NoSchedule",
@@ -218,7 +220,7 @@ def test_parsed_settings_reach_the_pod_config() -> None:
 
 def test_pod_carries_its_owner_in_an_annotation() -> None:
     launch = dataclasses.replace(_launch(), owner="ctl-a")
-    pod, _ = ko.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
+    pod, _ = km.pod_manifest(launch, ko.PodConfig(), token="t", created_at=1.0)
     assert pod["metadata"]["annotations"][ko.ANNOTATION_OWNER] == "ctl-a"
 
 

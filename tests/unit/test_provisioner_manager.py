@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.common import errors
-from services.provisioner import backend, logstore, manager, model, store
+from services.provisioner import backend, launches, logstore, manager, model, store
 from tests.helpers.provisioner_fakes import FakeBackend
 
 L = model.LaunchEventType
@@ -494,6 +494,6 @@ async def test_owner_is_kept_across_a_restart_and_old_records_load_unowned(fake:
 def test_an_overlong_or_unprintable_owner_is_invalid() -> None:
     for owner in ("x" * 129, "a\nb"):
         with pytest.raises(errors.ValidationError) as info:
-            manager.validate(dataclasses.replace(_request(1), owner=owner))
+            launches.validate(dataclasses.replace(_request(1), owner=owner))
         assert [v.field for v in info.value.violations] == ["owner"]
-    manager.validate(dataclasses.replace(_request(1), owner="x" * 128))
+    launches.validate(dataclasses.replace(_request(1), owner="x" * 128))

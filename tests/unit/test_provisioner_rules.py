@@ -11,7 +11,8 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.provisioner.v1 import provisioner_service_pb2 as pb
 from replicaplane.provisioner.v1 import resources_pb2
 from services.common import errors
-from services.provisioner import convert, manager, model, ports, retries, server, zones
+from services.provisioner import convert, launches, model, ports, retries, server, zones
+from services.provisioner import settings as provisioner_settings
 
 # ---- ports ------------------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ def test_launch_request_conversion_records_hardware_and_picks_serving_port() -> 
 def test_validation_reports_every_bad_field() -> None:
     bad = model.LaunchRequest(name="x", service="Bad_Name", replica_id=0, version=1, spec=model.ReplicaSpec())
     with pytest.raises(errors.ValidationError) as info:
-        manager.validate(bad)
+        launches.validate(bad)
     assert {v.field for v in info.value.violations} == {"service", "replica_id", "name"}
 
 
@@ -173,18 +174,18 @@ def test_enum_names_match_protos() -> None:
 
 
 def test_settings_out_of_range_are_reported_together() -> None:
-    settings = server.Settings(max_in_flight=0, launch_attempts=0, kill_grace_s=-1)
+    settings = provisioner_settings.Settings(max_in_flight=0, launch_attempts=0, kill_grace_s=-1)
     with pytest.raises(errors.ValidationError) as info:
-        server.options(settings)
+        provisioner_settings.options(settings)
     fields = {v.field for v in info.value.violations}
     assert fields == {"provisioner.max_in_flight", "provisioner.launch_attempts", "provisioner.kill_grace_s"}
 
 
 def test_settings_come_from_the_environment() -> None:
     env = {"REPLICAPLANE_PROVISIONER_MAX_IN_FLIGHT": "2.5", "REPLICAPLANE_PROVISIONER_ZONES": "x:1,y:2"}
-    settings = server.load_settings(environ=env)
+    settings = provisioner_settings.load_settings(environ=env)
     assert settings.max_in_flight == 2.5
     assert [z.name for z in zones.parse(settings.zones)] == ["x", "y"]
     with pytest.raises(errors.ValidationError) as info:
-        server.make_backend(server.Settings(backend="nomad"))
+        server.make_backend(provisioner_settings.Settings(backend="nomad"))
     assert [v.field for v in info.value.violations] == ["provisioner.backend"]
