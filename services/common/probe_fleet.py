@@ -16,7 +16,6 @@ exactly which prober each stream is on, so the spread is even and a lost prober 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -28,7 +27,7 @@ import grpc
 
 from replicaplane.prober.v1 import prober_service_pb2 as pb
 from replicaplane.prober.v1 import prober_service_pb2_grpc
-from services.common import clients, probe_placement
+from services.common import clients, probe_placement, waits
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +169,7 @@ class ProbeFleet:
             self._resolver = asyncio.get_running_loop().create_task(self._resolve_loop())
         else:
             self._set_probers(self._names)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._first_live.wait(), self._start_wait_s)
+        await waits.wait_event(self._first_live, self._start_wait_s)
         self._started = True
         if not self._placement.live:
             self._mark_unavailable(list(self._placement.unassigned), "no prober reachable", "")

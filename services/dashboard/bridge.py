@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import hashlib
 import logging
 import time
@@ -23,6 +22,7 @@ import grpc
 
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
+from services.common import waits
 from services.dashboard import convert, fleet
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,7 @@ class Subscriber:
     async def take(self, timeout: float) -> list[tuple[str, dict[str, Any]]]:
         """The queued messages, waiting up to `timeout` seconds for one; [] if none came."""
         if not self._items and not self.resync:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await waits.wait_event(self._wake, timeout)
         self._wake.clear()
         items = list(self._items)
         self._items.clear()
@@ -113,8 +112,7 @@ class Bridge:
 
     async def first_answer(self, timeout: float) -> str:
         """The state once the controller answered the first listing (or `timeout` passed)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._answered.wait(), timeout)
+        await waits.wait_event(self._answered, timeout)
         return self.state
 
     def now_ms(self) -> int:

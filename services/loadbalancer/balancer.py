@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import prometheus_client
 
+from services.common import waits
 from services.loadbalancer import metrics, policies, versions
 
 MAX_PENDING_TIMES = 100_000
@@ -179,10 +180,7 @@ class Balancer:
         replica = self._select(exclude)
         if replica is None and not self._synced.is_set() and self.startup_wait_s > 0:
             # Just started: the first endpoint set is on its way; a 503 now would be spurious.
-            try:
-                await asyncio.wait_for(self._synced.wait(), self.startup_wait_s)
-            except TimeoutError:
-                pass
+            await waits.wait_event(self._synced, self.startup_wait_s)
             replica = self._select(exclude)
         if replica is None and self.config.scales_from_zero and self.hold_timeout_s > 0:
             replica = await self._hold(exclude)
@@ -223,9 +221,7 @@ class Balancer:
                         f"{self.hold_timeout_s:g} s (it scales from zero; the first replica may still be starting)",
                         reason="hold_timeout",
                     )
-                try:
-                    await asyncio.wait_for(self._ready.wait(), left)
-                except TimeoutError:
+                if not await waits.wait_event(self._ready, left):
                     continue
             outcome = "released"
             return replica

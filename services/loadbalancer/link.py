@@ -26,7 +26,7 @@ from replicaplane.common.v1 import spec_pb2
 from replicaplane.controller.v1 import controller_service_pb2 as api
 from replicaplane.controller.v1 import controller_service_pb2_grpc as api_grpc
 from replicaplane.controller.v1 import resources_pb2 as res
-from services.common import pbtime
+from services.common import pbtime, waits
 from services.loadbalancer import balancer as bal
 from services.loadbalancer import policies, versions
 
@@ -316,8 +316,7 @@ class ControllerLink:
         hurry = False
         while True:
             if not hurry:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._report_now.wait(), self.report_interval_s)
+                await waits.wait_event(self._report_now, self.report_interval_s)
             self._report_now.clear()
             now = time.monotonic()
             if (

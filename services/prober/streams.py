@@ -11,7 +11,7 @@ import time
 import prometheus_client
 from opentelemetry import trace
 
-from services.common import errors, tracing
+from services.common import errors, tracing, waits
 from services.prober import metrics, probing
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,7 @@ class ProbeStream:
             if self._closed:
                 return None
             self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
+            if not await waits.wait_event(self._wakeup, timeout):
                 return []
         if len(self._buffer) < self._settings.batch_max and self._settings.flush_interval_s > 0:
             # Let results that complete at nearly the same time share one message.

@@ -150,6 +150,8 @@ class JobStart:
         worker: the worker's launch request (its spec's envs, secrets, ...).
         worker_token: the worker's backend token (its incarnation).
         log: file the job's output is appended to.
+        grace_s: seconds between SIGTERM and SIGKILL for what the job leaves running when its
+            command ends (background processes are stopped then, so the worker is clean).
     """
 
     job: model.JobRequest
@@ -157,6 +159,7 @@ class JobStart:
     worker: model.LaunchRequest
     worker_token: str
     log: str
+    grace_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from services.common import waits
 from services.provisioner import (
     backend,
     kube_client,
@@ -212,8 +213,7 @@ class KubernetesBackend(kube_launch.PodLaunches, kube_watch.PodWatch, backend.Ba
                     f"node: {(pod.get('spec') or {}).get('nodeName') or 'none'})"
                 )
             if tracked is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(tracked.changed.wait(), 0.5)
+                await waits.wait_event(tracked.changed, 0.5)
             else:
                 await asyncio.sleep(0.5)
         if tracked is not None:

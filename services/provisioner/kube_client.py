@@ -421,7 +421,9 @@ class Api:
                 raise _error(resp.status, str(resp.reason or ""), await resp.read(), resp.headers)
             while True:
                 try:
-                    line = await asyncio.wait_for(resp.content.readline(), self._opts.watch_idle_s)
+                    # Not wait_for: on 3.11 it swallows a cancel that comes with a line (waits.py).
+                    async with asyncio.timeout(self._opts.watch_idle_s):
+                        line = await resp.content.readline()
                 except self._errors as exc:
                     if isinstance(exc, TimeoutError):
                         raise

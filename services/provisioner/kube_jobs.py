@@ -13,8 +13,10 @@ job runs `JOB_SCRIPT` with `sh`:
   stderr. A second session for the same token (a retry, a provisioner restart) finds the marker
   and says `attached`: a job is never started twice.
 - It streams `out` on stdout (`tail -f` from the byte the provisioner has) into the job's log,
-  waits for the job (`wait` on its child; a re-attached session looks for `exit` once a second),
-  and ends with `exit <code>`, or `killed` when the job ended without writing a code.
+  waits for the job (`wait` on its child; a re-attached session looks for `exit` once a second,
+  or for the job's process to be gone, a zombie counting as gone), stops what the job left
+  running (as a cancel does, with the provisioner's kill grace), and ends with `exit <code>`,
+  or `killed` when the job ended without writing a code.
 
 The job's output and code live in files, not in the session: a cut stream (a provisioner
 restart, an API server hiccup) loses neither, and the job goes on. When a session ends without
@@ -22,8 +24,9 @@ its last word, the job is attached to again (with backoff) as long as its worker
 once the Pod is gone, the job ended with it. Whatever a session's `tail` had not copied when the
 job ended is fetched with one more exec, so the log is complete.
 
-Cancel is an exec too (`CANCEL_SCRIPT`): SIGTERM to the job's process group and to every live
-process of its tree, SIGKILL after the grace, and it returns once none is left. The scripts are
+Cancel is an exec too (`CANCEL_SCRIPT`): SIGTERM to the job's process group, to every live
+process of its tree and to every process carrying its token (`TOKEN_ENV`), SIGKILL after the
+grace, and it returns once none is left. The scripts are
 portable sh: they run alike under dash (Debian's /bin/sh), bash and busybox ash.
 """
 
@@ -43,24 +46,93 @@ from services.provisioner import backend, kube_objects
 log = logging.getLogger(__name__)
 
 SAY = "[replicaplane-job] "
+TOKEN_ENV = "REPLICAPLANE_JOB_TOKEN"
+"""Carried by every process of a job (as on the local backend): found by it, a process that left
+the job's process group and tree is still the job's."""
 _DIR = f'"${{{kube_objects.JOBS_DIR_ENV}:-{kube_objects.JOBS_DIR_PATH}}}/$token"'
-# $1 token, $2 first byte of `out` to stream, $3 the command; then the job's VAR=value pairs.
+# Shell functions of both scripts, on `$pid` (the job's first process; with setsid its process
+# group's id too) and `$mark` (the job's TOKEN_ENV pair). The job is its process group, every
+# live process under `$pid` and every live process carrying `$mark`, found in /proc (zombies are
+# dead already). The tree is followed from every process seen so far, so a child whose parent
+# died to the SIGTERM still gets the SIGKILL; the mark finds what a parent that ended before
+# left behind (its orphans are no longer under `$pid`). `stop` returns once none is left
+# (bounded). `running` is `kill -0` that counts a zombie as dead (an unreaped job whose parent
+# session went is one), `kill -0` itself only where there is no /proc.
+_STOP_FUNCTIONS = (
+    "marked() {\n"
+    '  while IFS= read -r var || [ -n "$var" ]; do\n'
+    '    case "$var" in *"$mark"*) return 0 ;; esac\n'
+    '  done < "/proc/$1/environ"\n'
+    "  return 1\n"
+    "}\n"
+    "table() {\n"
+    "  for s in /proc/[0-9]*/stat; do\n"
+    '    { read -r line < "$s"; } 2>/dev/null || continue\n'
+    "    p=${line%% *}\n"
+    "    set -- ${line##*') '}\n"
+    '    case "$1" in Z | X) continue ;; esac\n'
+    '    if marked "$p" 2>/dev/null; then echo "$p $2 $3 m"; else echo "$p $2 $3 -"; fi\n'
+    "  done\n"
+    "}\n"
+    "members() {\n"
+    '  rows=$(table); found=" $seen "; grew=1\n'
+    '  while [ -n "$grew" ]; do\n'
+    "    grew=\n"
+    "    while read -r p pp pg m; do\n"
+    '      case "$found" in *" $p "*) continue ;; esac\n'
+    '      case "$found" in *" $pp "*) found="$found$p "; grew=1; continue ;; esac\n'
+    '      if [ "$pg" = "$pid" ] || [ "$m" = m ]; then found="$found$p "; grew=1; fi\n'
+    "    done <<EOF\n"
+    "$rows\n"
+    "EOF\n"
+    "  done\n"
+    "  while read -r p pp pg m; do\n"
+    '    case "$found" in *" $p "*) printf "%s " "$p" ;; esac\n'
+    "  done <<EOF\n"
+    "$rows\n"
+    "EOF\n"
+    "}\n"
+    'alive() { live=$(members); seen="$pid $live"; [ -n "$live" ]; }\n'
+    'signal() { kill -"$1" -"$pid" 2>/dev/null; alive && for p in $live; do kill -"$1" "$p" 2>/dev/null; done; }\n'
+    "stop() {\n"
+    "  seen=$pid\n"
+    "  signal TERM\n"
+    '  i=0; while [ "$i" -lt "$1" ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
+    "  signal KILL\n"
+    '  i=0; while [ "$i" -lt 50 ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
+    "}\n"
+    "running() {\n"
+    "  if [ -d /proc/self ]; then\n"
+    '    { read -r line < "/proc/$1/stat"; } 2>/dev/null || return 1\n'
+    "    set -- ${line##*') '}\n"
+    '    case "$1" in Z | X) return 1 ;; esac\n'
+    "    return 0\n"
+    "  fi\n"
+    '  kill -0 "$1" 2>/dev/null\n'
+    "}\n"
+)
+# $1 token, $2 first byte of `out` to stream, $3 the command, $4 the grace (tenths of a second)
+# of what the job leaves running when it ends; then the job's VAR=value pairs (`job_command`).
 # Portable sh (dash, bash, busybox ash): no `set -m` (dash ignores it without a terminal, so the
 # job would share the session's process group), no `kill --` (dash's kill refuses it). The job
 # gets a session and process group of its own from `setsid` (util-linux, busybox); the `&`
 # child is never a group leader, so setsid needs no fork and `$!` is the group's id. Without
-# setsid the job stays in the session's group and a cancel walks its process tree instead.
-# The exit-code writer runs inside the job's group: a job killed there says `killed`.
+# setsid the job stays in the session's group and is found by its tree and its mark instead.
+# The exit-code writer runs inside the job's group: a job killed there says `killed`. Once the
+# job's first process ended, whatever it left running is stopped as a cancel stops it, before
+# the session says how it ended: the worker is clean for the next job.
 JOB_SCRIPT = (
-    "token=$1; from=$2; run=$3; shift 3\n"
+    "token=$1; from=$2; run=$3; grace=$4; shift 4\n"
     f"d={_DIR}\n"
+    f'mark="{TOKEN_ENV}=$token"\n'
     f"say() {{ printf '{SAY}%s\\n' \"$*\" >&2; }}\n"
+    f"{_STOP_FUNCTIONS}"
     "if command -v bash >/dev/null 2>&1; then RP_SH=bash; else RP_SH=sh; fi\n"
     "if command -v setsid >/dev/null 2>&1; then RP_NEW=setsid; else RP_NEW=; fi\n"
     'mkdir -p "$d" || { say "failed cannot create $d"; exit 111; }\n'
     'if mkdir "$d/started" 2>/dev/null; then\n'
     '  $RP_NEW sh -c \'"$@"; echo "$?" > "$0/exit.tmp"; mv -f "$0/exit.tmp" "$0/exit"\' '
-    '"$d" env "$@" "$RP_SH" -c "$run" > "$d/out" 2>&1 < /dev/null &\n'
+    '"$d" env "$@" "$mark" "$RP_SH" -c "$run" > "$d/out" 2>&1 < /dev/null &\n'
     "  pid=$!\n"
     '  echo "$pid" > "$d/pid"\n'
     '  say "started $pid"\n'
@@ -70,53 +142,39 @@ JOB_SCRIPT = (
     '  pid=$(cat "$d/pid" 2>/dev/null)\n'
     '  say "attached $pid"\n'
     '  tail -c "+$from" -f "$d/out" & follower=$!\n'
-    '  while [ ! -f "$d/exit" ] && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; do sleep 1; done\n'
+    '  while [ ! -f "$d/exit" ] && [ -n "$pid" ] && running "$pid"; do sleep 1; done\n'
     "fi\n"
+    '[ -z "$pid" ] || stop "$grace"\n'
     'kill "$follower" 2>/dev/null\n'
     'if [ -f "$d/exit" ]; then say "exit $(cat "$d/exit")"; else say "killed"; fi\n'
 )
-# $1 token, $2 grace in tenths of a second. The job is its process group (`-pid`, when setsid
-# made one) and every live process under it, found in /proc (zombies are dead already). The
-# tree is followed from every process seen so far, so a child whose parent died to the SIGTERM
-# still gets the SIGKILL. It returns once none is left (bounded), so the worker is free.
+# $1 token, $2 grace in tenths of a second. It returns once none of the job is left (bounded),
+# so the worker is free.
 CANCEL_SCRIPT = (
     "token=$1; grace=$2\n"
     f"d={_DIR}\n"
+    f'mark="{TOKEN_ENV}=$token"\n'
     'pid=$(cat "$d/pid" 2>/dev/null); [ -n "$pid" ] || exit 0\n'
-    "seen=$pid\n"
-    "table() {\n"
-    "  for s in /proc/[0-9]*/stat; do\n"
-    '    { read -r line < "$s"; } 2>/dev/null || continue\n'
-    "    set -- ${line##*') '}\n"
-    '    case "$1" in Z | X) ;; *) echo "${line%% *} $2 $3" ;; esac\n'
-    "  done\n"
-    "}\n"
-    "members() {\n"
-    '  rows=$(table); found=" $seen "; grew=1\n'
-    '  while [ -n "$grew" ]; do\n'
-    "    grew=\n"
-    "    while read -r p pp pg; do\n"
-    '      case "$found" in *" $p "*) continue ;; esac\n'
-    '      case "$found" in *" $pp "*) found="$found$p "; grew=1; continue ;; esac\n'
-    '      if [ "$pg" = "$pid" ]; then found="$found$p "; grew=1; fi\n'
-    "    done <<EOF\n"
-    "$rows\n"
-    "EOF\n"
-    "  done\n"
-    "  while read -r p pp pg; do\n"
-    '    case "$found" in *" $p "*) printf "%s " "$p" ;; esac\n'
-    "  done <<EOF\n"
-    "$rows\n"
-    "EOF\n"
-    "}\n"
-    'alive() { live=$(members); seen="$pid $live"; [ -n "$live" ]; }\n'
-    'signal() { kill -"$1" -"$pid" 2>/dev/null; alive && for p in $live; do kill -"$1" "$p" 2>/dev/null; done; }\n'
-    "signal TERM\n"
-    'i=0; while [ "$i" -lt "$grace" ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
-    "signal KILL\n"
-    'i=0; while [ "$i" -lt 50 ] && alive; do sleep 0.1; i=$((i + 1)); done\n'
+    f"{_STOP_FUNCTIONS}"
+    'stop "$grace"\n'
     "exit 0\n"
 )
+
+
+def job_command(token: str, offset: int, run: str, grace_s: float, pairs: list[str]) -> list[str]:
+    """The exec command of one session of a job: `JOB_SCRIPT` with its arguments."""
+    return ["/bin/sh", "-c", JOB_SCRIPT, "replicaplane-job", token, str(offset), run, _tenths(grace_s), *pairs]
+
+
+def cancel_command(token: str, grace_s: float) -> list[str]:
+    """The exec command that cancels a job: `CANCEL_SCRIPT` with its arguments."""
+    return ["/bin/sh", "-c", CANCEL_SCRIPT, "replicaplane-cancel", token, _tenths(grace_s)]
+
+
+def _tenths(seconds: float) -> str:
+    return str(max(0, round(seconds * 10)))
+
+
 # $1 token, $2 first byte: what the job wrote from there.
 REST_SCRIPT = f'token=$1\ntail -c "+$2" {_DIR}/out\n'
 
@@ -205,9 +263,8 @@ class KubeJobs:
         job = self._jobs.get(token)
         if job is None or job.ended or not self._worker_alive(job.worker):
             return
-        tenths = str(max(0, round(grace_s * 10)))
         try:
-            async for _ in self._exec(job.pod, ["/bin/sh", "-c", CANCEL_SCRIPT, "replicaplane-cancel", token, tenths]):
+            async for _ in self._exec(job.pod, cancel_command(token, grace_s)):
                 pass
         except ExecError as exc:
             log.warning("could not cancel job %s in Pod %s: %s", job.job_id, job.pod, exc)
@@ -255,7 +312,7 @@ class KubeJobs:
         delay = 0.2
         while not job.ended:
             try:
-                outcome = await self._session(job, start.job.run, pairs)
+                outcome = await self._session(job, start.job.run, start.grace_s, pairs)
             except ExecError:
                 return  # no session could be opened before it started: it never ran (run() says why)
             if outcome is not None:
@@ -269,11 +326,10 @@ class KubeJobs:
             await asyncio.sleep(delay)  # cut without its last word: attach again
             delay = min(REATTACH_MAX_S, delay * 2)
 
-    async def _session(self, job: _Job, run: str, pairs: list[str]) -> tuple[int | None, str] | None:
+    async def _session(self, job: _Job, run: str, grace_s: float, pairs: list[str]) -> tuple[int | None, str] | None:
         """One exec session; returns (exit code or None, message) once the job ended, None when
         the session was cut first."""
-        offset = _size(job.log) + 1
-        command = ["/bin/sh", "-c", JOB_SCRIPT, "replicaplane-job", job.token, str(offset), run, *pairs]
+        command = job_command(job.token, _size(job.log) + 1, run, grace_s, pairs)
         said = b""
         try:
             with open(job.log, "ab") as out:  # noqa: ASYNC230 - local file, appends

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from services.common import waits
 from services.provisioner import (
     alternatives,
     backend,
@@ -324,9 +325,7 @@ class PodLaunches:
             pause = 2.0
             if st.unschedulable:
                 pause = min(pause, max(0.05, schedule_timeout_s - waited + 0.01))
-            try:
-                await asyncio.wait_for(changed.wait(), pause)
-            except TimeoutError:
+            if not await waits.wait_event(changed, pause):
                 try:
                     await self._refresh(tracked)  # the watch may be reconnecting: look directly
                 except ApiError as exc:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common import waits
 from services.provisioner import kube_client, kube_objects, kube_status, model
 from services.provisioner.kube_client import ApiError, describe
 
@@ -115,8 +116,7 @@ class LogCopier:
                 return
             if not (st.running or st.exit_code is not None):
                 changed = tracked.changed
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 2.0)
+                await waits.wait_event(changed, 2.0)
                 continue
             since = None
             if position.time_ns:

@@ -111,6 +111,7 @@ class LocalBackend(local_launch.LocalLaunches, local_jobs.LocalJobs, backend.Bac
         self._handles: dict[str, local_handles.Handle] = {}
         self._jobs: dict[str, local_jobs.JobHandle] = {}  # by job token
         self._job_events: asyncio.Queue[backend.JobEnded] = asyncio.Queue()
+        self._job_endings: dict[str, asyncio.Task[None]] = {}  # by job token
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._watcher = procs.ExitWatcher()
         # /proc scans take milliseconds per call and grow with the host's processes: they
@@ -160,6 +161,7 @@ class LocalBackend(local_launch.LocalLaunches, local_jobs.LocalJobs, backend.Bac
     async def close(self) -> None:
         """Stop watching; the replica processes keep running and are re-found on start()."""
         self._watcher.close()
+        await self._close_jobs()
         self._scanner.close()
 
     # ---- backend interface -----------------------------------------------------------------

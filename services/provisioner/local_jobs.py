@@ -6,6 +6,9 @@ worker's working directory with the worker's environment and venv, carrying the 
 `<name>/jobs/<token>/` it keeps `job.json` (written before the process starts: a job without a
 pid there never ran, and starts when the provisioner resumes it) and `exit_code` (written by the
 wrapper), so a restarted provisioner re-finds running jobs and the codes of those that ended.
+When a job's process exits, what it left running (its group, and every process carrying its
+token) gets SIGTERM, then SIGKILL after the kill grace, before its end is reported: the worker
+is clean for the next job.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -44,6 +48,7 @@ class JobHandle:
     start_time: float = 0.0
     running: bool = False
     exit_code: int | None = None
+    grace_s: float = 0.0  # SIGTERM to SIGKILL for what the job leaves running when it ends
 
 
 class LocalJobs:
@@ -55,6 +60,7 @@ class LocalJobs:
     _handles: dict[str, local_handles.Handle]
     _jobs: dict[str, JobHandle]  # by job token
     _job_events: asyncio.Queue[backend.JobEnded]
+    _job_endings: dict[str, asyncio.Task[None]]  # by job token: stopping what a job left running
     _children: dict[int, subprocess.Popen[bytes]]
     _watcher: procs.ExitWatcher
     _scanner: procs.Scanner
@@ -89,7 +95,7 @@ class LocalJobs:
             raise backend.JobStartError(f"worker {worker} is gone")
         if handle.app_state != model.AppState.RUNNING.value:
             raise backend.JobStartError(f"worker {worker} is not running ({handle.app_state.lower()})")
-        job = JobHandle(token=start.token, job_id=start.job.job_id, worker=worker)
+        job = JobHandle(token=start.token, job_id=start.job.job_id, worker=worker, grace_s=start.grace_s)
         jdir = self._job_dir(worker, start.token)
         try:
             os.makedirs(jdir, mode=0o700, exist_ok=True)
@@ -165,16 +171,28 @@ class LocalJobs:
         return os.path.join(self._dir(worker), _JOBS_DIR, token)
 
     def _job_ended(self, token: str) -> None:
+        """The job's process exited: stop what it left running, then report its end."""
         job = self._jobs.get(token)
-        if job is None or not job.running:
+        if job is None or not job.running or token in self._job_endings:
             return
-        if job.pid in self._children:
-            # What the job left running goes with it. Only while its leader is our unreaped child
-            # is the group id surely still the job's.
-            procs.signal_group(job.pid, signal.SIGKILL)
+        task = asyncio.get_running_loop().create_task(self._finish_job(job))
+        self._job_endings[token] = task
+        task.add_done_callback(lambda _: self._job_endings.pop(token, None))
+
+    async def _finish_job(self, job: JobHandle) -> None:
+        # Only while its leader is our unreaped child is the group id surely still the job's;
+        # after a restart the job's token still finds what it left.
+        group = job.pid if job.pid in self._children else 0
+        await self._stop_leftovers(job.token, group, grace_s=job.grace_s)
         self._reap(job.pid)
+        if self._jobs.get(job.token) is job and job.running:  # else its worker was deleted meanwhile
+            self._report_job_end(job)
+
+    def _report_job_end(self, job: JobHandle) -> None:
         try:
-            with open(os.path.join(self._job_dir(job.worker, token), local_marks.EXIT_FILE), encoding="utf-8") as fh:
+            with open(
+                os.path.join(self._job_dir(job.worker, job.token), local_marks.EXIT_FILE), encoding="utf-8"
+            ) as fh:
                 job.exit_code = int(fh.read().strip())
         except (OSError, ValueError):
             job.exit_code = None  # killed with its wrapper: no code
@@ -182,8 +200,38 @@ class LocalJobs:
         self._save_job(job)
         ended = f"exited with code {job.exit_code}" if job.exit_code is not None else "was killed"
         self._job_events.put_nowait(
-            backend.JobEnded(token, job.worker, job.exit_code, self._clock(), f"the job's process {ended}")
+            backend.JobEnded(job.token, job.worker, job.exit_code, self._clock(), f"the job's process {ended}")
         )
+
+    async def _stop_leftovers(self, token: str, pgid: int, *, grace_s: float) -> None:
+        """SIGTERM group `pgid` (0: none) and every process carrying job `token`, SIGKILL after
+        `grace_s`; returns once none is left (bounded)."""
+
+        async def left() -> tuple[list[int], bool]:
+            table = await self._scanner.env_table()
+            pids = [pid for pid, env in table.items() if env.get(local_marks.JOB_ENV) == token]
+            return pids, bool(pgid) and await self._scanner.group_alive(pgid)
+
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+            pids, grouped = await left()
+            if not pids and not grouped:
+                return
+            if grouped:
+                procs.signal_group(pgid, sig)
+            procs.signal_pids(pids, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                pids, grouped = await left()
+                if not pids and not grouped:
+                    return
+                await asyncio.sleep(0.02)
+
+    async def _close_jobs(self) -> None:
+        """Stop stopping leftovers; a restart finds the jobs again and finishes them."""
+        endings = list(self._job_endings.values())
+        for task in endings:
+            task.cancel()
+        await asyncio.gather(*endings, return_exceptions=True)
 
     def _load_jobs(self, worker: str) -> None:
         """Re-find a worker's jobs after a restart: watch the running ones, report the ended ones."""

@@ -9,7 +9,6 @@ streams follow and replay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import tenacity
 
+from services.common import waits
 from services.provisioner import backend as backend_mod
 from services.provisioner import entries, events, logstore, metrics, model, retries, slots, store
 
@@ -108,8 +108,7 @@ class Teardowns:
                     delay_s=entry.drain_s,
                     message=f"draining {entry.drain_s:g} s",
                 )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(entry.drain_cut.wait(), entry.drain_s)
+                await waits.wait_event(entry.drain_cut, entry.drain_s)
             entry.teardown_started = time.monotonic()
             if self._slots.would_wait(slots.TEARDOWN):
                 self._emit_teardown(

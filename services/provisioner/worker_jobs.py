@@ -148,6 +148,7 @@ class WorkerJobs:
             worker=worker.request,
             worker_token=worker.token,
             log=self._logs.prepare_job(entry.request.replica, job.job_id),  # again after a restart: no harm
+            grace_s=self._opts.kill_grace_s,
         )
         try:
             found = await self._backend.run_job(start)

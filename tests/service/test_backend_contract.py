@@ -498,3 +498,37 @@ async def test_a_worker_dying_mid_job_ends_the_job_failed_by_the_infrastructure(
     assert rest[-1].job.state == resources_pb2.JOB_STATE_FAILED
     await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
     assert await backend.left_running() == []  # the job's processes went with the worker
+
+
+async def test_what_a_job_leaves_running_gets_sigterm_then_sigkill_before_its_end_is_reported(
+    backend: Backend,
+) -> None:
+    await _worker(backend)
+    mark = uuid.uuid4().hex  # in the environment of every process of the job
+    stubborn = "trap 'echo termed >> termed' TERM; : > ready; while :; do sleep 0.1; done"
+    # One that asks for SIGKILL, one in the background, and one that left the job's group.
+    run = f'sh -c "{stubborn}" & sleep 30 & setsid sleep 30 & while [ ! -f ready ]; do sleep 0.05; done; exit 2'
+    events = await client.collect(
+        backend.stub.RunJob(client.job_request("j-1", "pool-1", run, envs={"JOB_MARK": mark}))
+    )
+    assert client.types(events) == ["STARTED", "EXITED"] and events[-1].exit_code == 2
+    assert await asyncio.to_thread(procs.pids_with_env, "JOB_MARK", mark) == []  # gone before the end
+    await client.collect(backend.stub.RunJob(client.job_request("j-2", "pool-1", "cat termed")))
+    assert (await _job_log(backend, "j-2")).startswith("termed\n")  # asked first, killed after the grace
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []
+
+
+async def test_what_a_job_leaves_running_is_stopped_when_it_ends_after_a_restart(backend: Backend) -> None:
+    await _worker(backend)
+    mark = uuid.uuid4().hex
+    request = client.job_request("j-1", "pool-1", "sleep 30 & setsid sleep 30 & sleep 1", envs={"JOB_MARK": mark})
+    call = backend.stub.RunJob(request)
+    await _started(call)
+    await backend.restart()  # the job ends while no provisioner, or a new one, watches it
+    attach = client.job_request("j-1", "", "", after_sequence=1, attach_only=True)
+    events = await client.collect(backend.stub.RunJob(attach))
+    assert client.types(events) == ["EXITED"] and events[-1].exit_code == 0
+    assert await asyncio.to_thread(procs.pids_with_env, "JOB_MARK", mark) == []
+    await client.collect(backend.stub.Terminate(pb.TerminateRequest(name="pool-1")))
+    assert await backend.left_running() == []

@@ -263,3 +263,20 @@ async def test_a_balancer_whose_id_was_used_by_another_sender_takes_a_new_one(en
     balancer.record_arrival()
     await link.report_once(timeout=5)
     assert await qps_now(env) == pytest.approx(4 / WINDOW_S)  # 1 + 2 + 1: nothing lost
+
+
+async def test_the_link_stops_when_news_come_in_the_same_turn_as_the_stop(env: tc.Env) -> None:
+    # Python 3.11's asyncio.wait_for returns the inner result when it is cancelled in the turn
+    # that result came, swallowing the cancel: the report loop went on and stop() never returned.
+    _, link = balancer_and_link(env.stub)
+    link.start()
+    try:
+        await until(lambda: link.connected and link.unreported == 0 and not link._report_now.is_set())
+        await asyncio.sleep(0.05)  # the report loop waits for news again
+        link._tell()  # new endpoints, or a drained replica, as the balancer stops
+        async with asyncio.timeout(10):
+            await link.stop()
+    finally:
+        for task in link._tasks:
+            task.cancel()
+        await asyncio.gather(*link._tasks, return_exceptions=True)

@@ -4,8 +4,8 @@ What a worker Pod runs for a job is shell text: it must work under whatever `/bi
 has. Debian's is dash, which ignores `set -m` without a terminal (no process group for the job)
 and whose `kill` takes no `--`. These tests run the scripts as an exec session does (a session of
 its own, no terminal, the jobs directory from the environment) in a stand-in for each kind of
-image (dash with bash, bash, busybox), with and without `setsid`, and check that a cancel leaves
-no process of the job behind.
+image (dash with bash, bash, busybox), with and without `setsid`, and check that neither a cancel
+nor the job's end leaves a process of the job behind.
 """
 
 from __future__ import annotations
@@ -67,13 +67,14 @@ class Pod:
         self.mark = uuid.uuid4().hex
         self.pair = f"{MARK}={self.mark}"  # one of the job's VAR=value pairs
 
-    def start(self, token: str, run: str, name: str = "session") -> str:
+    def start(self, token: str, run: str, name: str = "session", grace_s: float = 1.0) -> str:
         """Open a job session; returns the path of what it says on stderr."""
         said = os.path.join(os.path.dirname(self.jobs), f"{token}-{name}.err")
+        _, *args = kube_jobs.job_command(token, 1, run, grace_s, [self.pair])
         with open(said, "wb") as err:
             self.sessions.append(
                 subprocess.Popen(
-                    [self.shell, "-c", kube_jobs.JOB_SCRIPT, "replicaplane-job", token, "1", run, self.pair],
+                    [self.shell, *args],
                     env=self.env,
                     cwd=self.home,
                     stdin=subprocess.DEVNULL,
@@ -85,8 +86,9 @@ class Pod:
         return said
 
     def cancel(self, token: str, grace_tenths: int) -> None:
+        _, *args = kube_jobs.cancel_command(token, grace_tenths / 10)
         subprocess.run(
-            [self.shell, "-c", kube_jobs.CANCEL_SCRIPT, "replicaplane-cancel", token, str(grace_tenths)],
+            [self.shell, *args],
             env=self.env,
             stdin=subprocess.DEVNULL,
             check=True,
@@ -190,3 +192,46 @@ def test_a_cancel_of_a_job_that_ended_or_never_started_does_nothing(pod: Pod) ->
     _until(lambda: _words(said)[-1:] == ["exit"], what="the job's end")
     pod.cancel("t1", 5)
     assert _said(said)[-1] == "exit 0"
+
+
+def _job_file(pod: Pod, token: str, name: str) -> str:
+    with open(os.path.join(pod.jobs, token, name), encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
+def test_what_a_job_leaves_running_is_stopped_before_its_session_says_its_end(pod: Pod) -> None:
+    # A background child; an orphan whose parent ended first (no longer under the job's process);
+    # where the image has setsid, one that left the job's process group too.
+    run = (
+        "echo working; sleep 300 & sh -c 'sleep 300 & :'; "
+        "if command -v setsid >/dev/null; then setsid sleep 300 & fi; exit 3"
+    )
+    said = pod.start("t1", run)
+    _until(lambda: _words(said)[-1:] == ["exit"], what="the session's last word")
+    assert _said(said)[-1] == "exit 3" and "working" in _out(pod, "t1")
+    assert pod.job_pids() == []  # gone before the session said the job ended
+    pod.sessions[-1].wait(10)
+
+
+def test_what_a_job_leaves_running_gets_sigterm_then_sigkill_after_the_grace(pod: Pod) -> None:
+    stubborn = "trap 'echo termed >> termed' TERM; : > ready; while :; do sleep 0.1; done"
+    run = f'sh -c "{stubborn}" & while [ ! -f ready ]; do sleep 0.05; done; exit 0'
+    said = pod.start("t1", run, grace_s=0.3)
+    _until(lambda: _words(said)[-1:] == ["exit"], what="the session's last word")
+    assert _said(said)[-1] == "exit 0"
+    assert pod.job_pids() == []
+    with open(os.path.join(pod.home, "termed"), encoding="utf-8") as fh:
+        assert fh.read().startswith("termed")  # asked first, killed after the grace
+    pod.sessions[-1].wait(10)
+
+
+def test_an_attached_session_takes_a_zombie_job_for_ended(pod: Pod) -> None:
+    first = pod.start("t1", "sleep 300", name="first")
+    _until(lambda: _words(first)[:1] == ["started"] and pod.job_pids(), what="the job to start")
+    os.kill(pod.sessions[0].pid, signal.SIGSTOP)  # its first session can no longer reap it
+    pid = int(_job_file(pod, "t1", "pid"))
+    os.kill(pid, signal.SIGKILL)  # no exit code written
+    _until(lambda: (procs.read_stat(pid) or procs.ProcInfo(pid, 0, 0, 0, "?", 0)).state == "Z", what="a zombie")
+    second = pod.start("t1", "sleep 300", name="second")
+    _until(lambda: _words(second)[-1:] == ["killed"], what="the second session's last word")
+    assert pod.job_pids() == []  # and what the job left running is gone
